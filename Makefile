@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+DEMO_DIR ?= data/demo
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, from TORCH_SPEC, and only where the venv has none: a loose torch requirement
+# would otherwise pull a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python tools/make_synthetic.py $(DEMO_DIR)/src --classes 10 --per-class 100 --size 32
+	$(BIN)/shardstream pack $(DEMO_DIR)/src $(DEMO_DIR)/shards --label-from-dir --max-count 100 --shuffle --seed 0 --overwrite
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/torchrun --nnodes 1 --nproc-per-node 2 \
+	    --master-addr 127.0.0.1 --master-port $$($(BIN)/python tools/free_port.py) \
+	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 2 --batch-size 32 --workers 1
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+bench: install
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_pack.py
+	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_read.py
+
+clean:
+	rm -rf $(VENV) data .pytest_cache

@@ -1,0 +1,1 @@
+"""The ``shardstream`` command line: one small module per command, registered in main.COMMANDS."""

@@ -1,0 +1,60 @@
+"""Entry point of the ``shardstream`` command: parse, dispatch, turn errors into one clear line.
+
+Each command is a module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)``;
+``run`` returns the exit code. Tests call ``main([...])`` in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import ShardstreamError
+from . import pack as pack_command
+
+COMMANDS = [pack_command]
+
+EPILOG = """examples:
+  shardstream pack ./images ./shards --label-from-dir --max-count 1000
+  shardstream pack data.jsonl s3://bucket/train --max-size 256MB --shuffle --seed 1
+  shardstream pack 'old/train-{000000..000099}.tar' ./repacked --max-size 1GB --workers 4
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="shardstream", description="Pack and stream WebDataset tar shards for PyTorch.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"shardstream {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP, epilog=getattr(module, "EPILOG", None),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("shardstream: interrupted", file=sys.stderr)
+        return 130
+    except (ShardstreamError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def entry() -> None:
+    sys.exit(main())

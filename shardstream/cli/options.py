@@ -1,0 +1,37 @@
+"""Arguments shared by commands: storage flags and human-readable sizes."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..storage import make_storage_options
+
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+          "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'256MB' -> 256000000, '1GiB' -> 1073741824, '4096' -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64MB, 1.5GB, 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("storage (S3 and other fsspec URLs)")
+    group.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
+    group.add_argument("--profile", help="AWS profile from ~/.aws/config")
+
+
+def storage_options_from(args: argparse.Namespace) -> dict:
+    return make_storage_options(endpoint_url=args.endpoint_url, profile=args.profile)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,85 @@
+"""``shardstream pack SRC DEST``: a dataset into WebDataset tar shards plus index.json."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
+from .options import add_storage_arguments, human_bytes, parse_size, storage_options_from
+
+NAME = "pack"
+HELP = "pack a folder, a JSONL file or existing shards into tar shards with a manifest"
+EPILOG = """sources:
+  a directory tree   files group by path without extension: cat/0001.jpg + cat/0001.json -> key cat/0001
+  a .jsonl file      one object per line: {"__key__": "a1", "txt": "hi", "jpg": {"$file": "img/a1.jpg"}}
+  tar shards         a packed dataset root, a .tar URL, a brace pattern or a glob
+
+examples:
+  shardstream pack ./imagenet/train ./shards --label-from-dir --max-size 256MB --workers 4
+  shardstream pack captions.jsonl s3://bucket/captions --endpoint-url http://127.0.0.1:9000
+  shardstream pack 's3://old/train-{000000..000099}.tar' ./repacked --shuffle --seed 7
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="directory, .jsonl file, or tar shards (local path or URL)")
+    p.add_argument("dest", help="output directory or URL (s3://bucket/prefix)")
+    p.add_argument("--kind", choices=["auto", "dir", "jsonl", "shards"], default="auto", help="source kind (default: detect)")
+    p.add_argument("--max-count", type=int, default=DEFAULT_MAX_COUNT, help=f"samples per shard at most (default {DEFAULT_MAX_COUNT})")
+    p.add_argument("--max-size", type=parse_size, default=DEFAULT_MAX_SIZE, help="bytes per shard at most, e.g. 256MB (default 256MB)")
+    p.add_argument("--prefix", default="shard", help="shard file name stem (default: shard)")
+    p.add_argument("--label-from-dir", action="store_true", help="add 'cls' from the first-level folder name (ImageFolder layout)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
+    p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
+    p.add_argument("--workers", type=int, default=1, help="processes loading samples; output is the same for any N")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")
+    p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_storage_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..pack import pack
+
+    bar = None
+    if not args.no_progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(unit=" samples", desc="packing", dynamic_ncols=True, file=sys.stderr)
+    last = [0]
+
+    def progress(samples: int, nbytes: int) -> None:
+        if bar is not None:
+            bar.update(samples - last[0])
+            last[0] = samples
+            if samples % 64 == 0:
+                elapsed = bar.format_dict["elapsed"] or 1e-9
+                bar.set_postfix_str(f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s", refresh=False)
+
+    try:
+        result = pack(
+            args.src, args.dest, kind=args.kind, max_count=args.max_count, max_size=args.max_size,
+            shuffle=args.shuffle, seed=args.seed, workers=args.workers, label_from_dir=args.label_from_dir,
+            overwrite=args.overwrite, on_error=args.on_error, prefix=args.prefix,
+            storage_options=storage_options_from(args), progress=progress,
+        )
+    except KeyboardInterrupt:
+        print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    rate = result.bytes / 1e6 / max(result.seconds, 1e-9)
+    print(f"packed {result.samples} samples into {result.shards} shards, {human_bytes(result.bytes)} "
+          f"in {result.seconds:.1f} s ({rate:.1f} MB/s, {result.samples / max(result.seconds, 1e-9):.0f} samples/s)")
+    exts = ", ".join(f"{k} ({v})" for k, v in sorted(result.manifest.extensions.items()))
+    print(f"fields: {exts}")
+    if result.manifest.label_map:
+        print(f"labels: {len(result.manifest.label_map)} classes from folder names")
+    if result.skipped_count:
+        print(f"skipped {result.skipped_count} bad samples (listed in the manifest):")
+        for entry in result.skipped[:10]:
+            print(f"  {entry['source']}: {entry['error']}")
+    print(f"manifest: {result.manifest_url}")
+    return 0

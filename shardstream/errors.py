@@ -1,0 +1,54 @@
+"""The exceptions shardstream raises, as one tree.
+
+    ShardstreamError                 every error shardstream raises on purpose
+    ├── ConfigError                  settings that cannot work (named numbers in the message)
+    ├── SourceError                  bad pack input: unreadable file, malformed line, key clash
+    ├── DestinationError             pack destination missing, refusing access, or not empty
+    ├── ManifestError                index.json missing, not JSON, or inconsistent
+    ├── StorageError                 a shard cannot be opened or read (names the URL)
+    └── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
+
+Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
+act on it without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ShardstreamError(Exception):
+    """Base class of every error shardstream raises on purpose."""
+
+
+class ConfigError(ShardstreamError, ValueError):
+    """Options that cannot work together; raised at construction."""
+
+
+class SourceError(ShardstreamError):
+    """A pack source item cannot be turned into a sample."""
+
+    def __init__(self, where: str, what: str):
+        self.where = where
+        self.what = what
+        super().__init__(f"{where}: {what}")
+
+
+class DestinationError(ShardstreamError):
+    """The pack destination cannot be written as asked."""
+
+
+class ManifestError(ShardstreamError):
+    """A manifest that cannot be trusted."""
+
+
+class StorageError(ShardstreamError):
+    """A shard or manifest that cannot be opened or read."""
+
+
+class ShardFormatError(ShardstreamError):
+    """Bytes that are not a valid tar shard."""
+
+    def __init__(self, url: str, offset: int, what: str):
+        self.url = url
+        self.offset = offset
+        self.what = what
+        super().__init__(f"{url} at byte {offset}: {what}")

@@ -1,0 +1,72 @@
+"""Index existing tar shards: sample count, byte size, sha256 and per-sample offsets, in one read.
+
+Used by ``shardstream pack`` for tar sources, by ShardStream when it is given shard URLs without a
+manifest, and by ``shardstream index`` (a manifest for shards written by others).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+from . import storage
+from .errors import ShardFormatError, StorageError
+from .manifest import Manifest, ShardInfo
+from .tarformat import iter_members, split_name
+
+READ_SIZE = 8 << 20
+
+
+def index_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> ShardInfo:
+    """Read one shard end to end and describe it. Raises StorageError or ShardFormatError."""
+    fs, path = storage.get_fs(url, storage_options)
+    try:
+        size = fs.size(path)
+        f = fs.open(path, "rb", block_size=READ_SIZE)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{url}: not found") from exc
+    except PermissionError as exc:
+        raise StorageError(f"{url}: access denied (check credentials, profile and endpoint)") from exc
+    digest = hashlib.sha256()
+
+    def read(n: int) -> bytes:
+        chunk = f.read(n)
+        digest.update(chunk)
+        return chunk
+
+    offsets: list[int] = []
+    key = None
+    data_end = 0
+    seen: set[str] = set()
+    extensions: dict[str, int] = {}
+    with f:
+        for name, offset, end, _data in iter_members(read, url=url, start=0, end=size):
+            k, ext = split_name(name)
+            if k is None:
+                continue
+            if k != key:
+                if k in seen:
+                    raise ShardFormatError(url, offset, f"duplicate key {k!r}")
+                seen.add(k)
+                offsets.append(offset)
+                key = k
+            extensions[ext] = extensions.get(ext, 0) + 1
+            data_end = end
+        while read(READ_SIZE):
+            pass
+    offsets.append(data_end)
+    info = ShardInfo(path=url, samples=len(offsets) - 1, bytes=size, sha256=digest.hexdigest(), offsets=tuple(offsets))
+    object.__setattr__(info, "_extensions", extensions)
+    return info
+
+
+def index_shards(urls: list[str], storage_options: Mapping[str, Any] | None = None, *, threads: int = 8) -> Manifest:
+    """Index many shards in parallel (I/O-bound: threads) into an in-memory manifest."""
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
+        infos = list(pool.map(lambda u: index_shard(u, storage_options), urls))
+    extensions: dict[str, int] = {}
+    for info in infos:
+        for ext, n in getattr(info, "_extensions", {}).items():
+            extensions[ext] = extensions.get(ext, 0) + n
+    return Manifest(shards=infos, extensions=extensions)

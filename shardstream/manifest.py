@@ -1,0 +1,158 @@
+"""The manifest, ``index.json``: what a complete dataset holds, written last by the packer.
+
+Its presence means the dataset is complete. It lists every shard with its path relative to the
+manifest, sample count, byte size, sha256 and the byte offset where each sample starts (plus one
+final offset where the last sample ends), so a reader can plan an epoch, split it at sample
+granularity and seek to any sample with nothing else. Format: docs/manifest.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import storage
+from .errors import ManifestError, StorageError
+
+FORMAT_NAME = "shardstream-index"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "index.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str  # relative to the manifest's directory (or an absolute URL)
+    samples: int
+    bytes: int
+    sha256: str | None
+    offsets: tuple[int, ...]  # samples + 1 entries: each sample's first header, then the data end
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256,
+                "offsets": list(self.offsets)}
+
+
+@dataclass
+class Manifest:
+    shards: list[ShardInfo]
+    extensions: dict[str, int] = field(default_factory=dict)
+    label_map: dict[str, int] | None = None
+    skipped: dict[str, Any] = field(default_factory=lambda: {"count": 0, "items": []})
+    created: str = ""
+    shardstream_version: str = ""
+    base_url: str = ""  # directory the shard paths are relative to (set when loaded)
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def shard_url(self, index: int) -> str:
+        path = self.shards[index].path
+        if "://" in path or path.startswith("/") or not self.base_url:
+            return path
+        return storage.join(self.base_url, path)
+
+    def to_json(self) -> dict[str, Any]:
+        from . import __version__
+
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "shardstream_version": self.shardstream_version or __version__,
+            "created": self.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "total_samples": self.total_samples,
+            "total_bytes": self.total_bytes,
+            "extensions": dict(sorted(self.extensions.items())),
+            "label_map": self.label_map,
+            "skipped": self.skipped,
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    def dumps(self) -> bytes:
+        return json.dumps(self.to_json(), indent=1).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> "Manifest":
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not a shardstream manifest (no \"format\": \"{FORMAT_NAME}\")")
+        version = doc.get("version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"{where}: unknown manifest format version {version!r} (this shardstream reads {FORMAT_VERSION})")
+        raw_shards = doc.get("shards")
+        if not isinstance(raw_shards, list):
+            raise ManifestError(f"{where}: 'shards' must be a list")
+        shards = []
+        seen: set[str] = set()
+        for i, raw in enumerate(raw_shards):
+            shard = _shard_from_json(raw, f"{where}: shard #{i}")
+            if shard.path in seen:
+                raise ManifestError(f"{where}: shard {shard.path!r} is listed twice")
+            seen.add(shard.path)
+            shards.append(shard)
+        manifest = cls(
+            shards=shards,
+            extensions=dict(doc.get("extensions") or {}),
+            label_map=doc.get("label_map"),
+            skipped=doc.get("skipped") or {"count": 0, "items": []},
+            created=doc.get("created", ""),
+            shardstream_version=doc.get("shardstream_version", ""),
+        )
+        total = doc.get("total_samples")
+        if total is not None and total != manifest.total_samples:
+            raise ManifestError(
+                f"{where}: total_samples says {total} but the shards add up to {manifest.total_samples}"
+            )
+        return manifest
+
+
+def _shard_from_json(raw: Any, where: str) -> ShardInfo:
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where}: not an object")
+    path, samples, size, offsets = raw.get("path"), raw.get("samples"), raw.get("bytes"), raw.get("offsets")
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"{where}: missing 'path'")
+    where = f"{where} ({path})"
+    if not _is_count(samples) or not _is_count(size):
+        raise ManifestError(f"{where}: 'samples' and 'bytes' must be non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != samples + 1 or not all(_is_count(o) for o in offsets):
+        raise ManifestError(f"{where}: 'offsets' must list samples + 1 = {samples + 1} byte offsets")
+    if any(b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ManifestError(f"{where}: offsets are not strictly increasing")
+    if offsets[-1] > size:
+        raise ManifestError(f"{where}: offsets run to byte {offsets[-1]}, past the shard's {size} bytes")
+    sha = raw.get("sha256")
+    if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
+        raise ManifestError(f"{where}: 'sha256' must be 64 hex digits")
+    return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=tuple(offsets))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def manifest_url(source: str) -> str:
+    """Accept a dataset root or the manifest URL itself."""
+    return source if source.rstrip("/").endswith(".json") else storage.join(source, MANIFEST_NAME)
+
+
+def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    """Read and validate a manifest; shard paths resolve against its directory."""
+    url = manifest_url(source)
+    fs, path = storage.get_fs(url, storage_options)
+    try:
+        raw = storage.read_bytes(fs, path)
+    except StorageError as exc:
+        raise ManifestError(f"{url}: cannot read the manifest ({exc}); is this a packed dataset root?") from exc
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{url}: not valid JSON ({exc})") from exc
+    manifest = Manifest.from_json(doc, url)
+    manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
+    return manifest

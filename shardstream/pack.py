@@ -1,0 +1,135 @@
+"""pack(): list a source, load its samples (in parallel processes), write shards and the manifest.
+
+The order of samples is fixed by listing (and an optional seeded shuffle) before anything is
+loaded, and results are written in that order whatever the number of workers, so the output is
+byte-identical for any ``workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import SourceError
+from .manifest import Manifest
+from .sources import Item, list_source, load_item, set_worker_storage_options
+from .writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR = ("raise", "skip")
+
+
+@dataclass
+class PackResult:
+    manifest: Manifest
+    manifest_url: str
+    samples: int
+    shards: int
+    bytes: int
+    seconds: float
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    skipped_count: int = 0
+
+
+def _load_safe(item: Item):
+    try:
+        key, fields = load_item(item)
+        return True, key, fields
+    except SourceError as exc:
+        return False, exc.where, exc.what
+
+
+def pack(
+    src: str,
+    dest: str,
+    *,
+    kind: str = "auto",
+    max_count: int = DEFAULT_MAX_COUNT,
+    max_size: int = DEFAULT_MAX_SIZE,
+    shuffle: bool = False,
+    seed: int = 0,
+    workers: int = 1,
+    label_from_dir: bool = False,
+    overwrite: bool = False,
+    on_error: str = "raise",
+    prefix: str = "shard",
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> PackResult:
+    """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
+
+    ``on_error="raise"`` stops at the first bad sample with a SourceError naming it (and leaves
+    no manifest); ``"skip"`` leaves bad samples out, counts them and lists them in the manifest.
+    ``progress(samples, bytes)`` is called after each written sample.
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    started = time.perf_counter()
+    listing = list_source(src, kind, label_from_dir=label_from_dir, storage_options=storage_options)
+    if listing.errors and on_error == "raise":
+        where, what = listing.errors[0]
+        more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
+        raise SourceError(where, what + more)
+    items = list(listing.items)
+    if shuffle:
+        random.Random(seed).shuffle(items)
+    if not items and not listing.errors:
+        raise SourceError(src, "source holds no samples")
+    with ShardWriter(
+        dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=storage_options,
+        overwrite=overwrite, label_map=listing.label_map,
+    ) as writer:
+        for where, what in listing.errors:
+            writer.skip(where, what)
+        for ok, a, b in _load_all(items, workers, storage_options):
+            if not ok:
+                if on_error == "raise":
+                    raise SourceError(a, b)
+                writer.skip(a, b)
+                continue
+            try:
+                writer.write_encoded(a, b)
+            except SourceError as exc:
+                if on_error == "raise":
+                    raise
+                writer.skip(exc.where, exc.what)
+                continue
+            if progress is not None:
+                progress(writer.samples_written, writer.bytes_written)
+        if writer.samples_written == 0:
+            raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
+    manifest = Manifest(
+        shards=writer.shards, extensions=writer.extensions, label_map=writer.label_map,
+        skipped={"count": writer.skipped_count, "items": writer.skipped},
+    )
+    return PackResult(
+        manifest=manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
+        shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
+        seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
+    )
+
+
+def _load_all(items: list[Item], workers: int, storage_options):
+    """Yield load results in item order; with workers > 1 a process pool loads a bounded window."""
+    set_worker_storage_options(storage_options)
+    if workers == 1:
+        for item in items:
+            yield _load_safe(item)
+        return
+    window = workers * 256
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
+    pool = ctx.Pool(workers, initializer=set_worker_storage_options, initargs=(dict(storage_options or {}),))
+    try:
+        for start in range(0, len(items), window):
+            yield from pool.imap(_load_safe, items[start : start + window], chunksize=16)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()

@@ -1,0 +1,277 @@
+"""Pack sources: list the samples of a dataset as small picklable items, then load each one.
+
+Listing is cheap and happens once, in the main process, so the sample order (and a shuffle of
+it) is fixed before any bytes are read; loading runs in worker processes. Kinds:
+
+    dir     a directory tree; files group into samples by path without extension
+            (``cat/0001.jpg`` + ``cat/0001.json`` -> key ``cat/0001``); ``label_from_dir`` adds
+            ``cls`` from the first-level folder name
+    jsonl   one JSON object per line: ``__key__`` plus fields; a field holding
+            ``{"$file": "path"}`` embeds that file (relative to the JSONL file)
+    shards  existing tar shards (a packed dataset root, a .tar URL, a brace pattern or a glob)
+
+An item is ``(where, payload)``; ``load_item`` turns it into ``(key, {ext: bytes})`` or raises
+SourceError naming ``where``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Mapping
+
+from . import storage
+from .encode import check_key, encode_value
+from .errors import SourceError
+from .tarformat import iter_members, iter_samples, split_name
+
+Item = tuple[str, tuple]
+
+
+def detect_kind(src: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    if src.endswith(".jsonl") or src.endswith(".jsonl.gz"):
+        return "jsonl"
+    if src.endswith(".tar") or any(c in src for c in "{*?["):
+        return "shards"
+    fs, path = storage.get_fs(src, storage_options)
+    if fs.isfile(storage.join(path, "index.json")):
+        return "shards"
+    return "dir"
+
+
+class Listing:
+    """The items of a source plus what the manifest should know about them."""
+
+    def __init__(self, items: list[Item], label_map: dict[str, int] | None = None, errors: list[tuple[str, str]] | None = None):
+        self.items = items
+        self.label_map = label_map
+        self.errors = errors or []  # (where, what) found while listing
+
+
+def list_source(
+    src: str, kind: str = "auto", *, label_from_dir: bool = False, storage_options: Mapping[str, Any] | None = None
+) -> Listing:
+    if kind == "auto":
+        kind = detect_kind(src, storage_options)
+    if label_from_dir and kind != "dir":
+        raise SourceError(src, "--label-from-dir needs a directory tree source")
+    if kind == "dir":
+        return _list_dir(src, label_from_dir, storage_options)
+    if kind == "jsonl":
+        return _list_jsonl(src, storage_options)
+    if kind == "shards":
+        return _list_shards(src, storage_options)
+    raise SourceError(src, f"unknown source kind {kind!r}")
+
+
+# -- directory trees ---------------------------------------------------------------------------
+def _list_dir(src: str, label_from_dir: bool, storage_options) -> Listing:
+    fs, root = storage.get_fs(src, storage_options)
+    if not fs.isdir(root):
+        raise SourceError(src, "source is not a directory, a .jsonl file or tar shards")
+    root = root.rstrip("/")
+    files = sorted(fs.find(root))
+    groups: dict[str, dict[str, str]] = {}
+    errors: list[tuple[str, str]] = []
+    bad: set[str] = set()
+    for path in files:
+        rel = path[len(root) + 1 :]
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue  # hidden files and our own partial files
+        key, ext = split_name(rel)
+        if key is None:
+            errors.append((storage.full_url(fs, path), "file name has no extension to name its field"))
+            continue
+        fields = groups.setdefault(key, {})
+        if ext in fields:
+            errors.append((storage.full_url(fs, path), f"same key {key!r} and extension {ext!r} as {storage.full_url(fs, fields[ext])}"))
+            bad.add(key)
+            continue
+        fields[ext] = path
+    label_map = None
+    if label_from_dir:
+        classes = sorted({k.split("/", 1)[0] for k in groups if "/" in k})
+        label_map = {name: i for i, name in enumerate(classes)}
+        for key in [k for k in groups if "/" not in k]:
+            errors.append((storage.full_url(fs, groups[key][next(iter(groups[key]))]), "file is not inside a class folder (--label-from-dir)"))
+            bad.add(key)
+    items: list[Item] = []
+    for key in sorted(groups):
+        if key in bad:
+            continue
+        fields = groups[key]
+        if label_from_dir and "cls" in fields:
+            errors.append((storage.full_url(fs, fields["cls"]), "a .cls file clashes with --label-from-dir"))
+            continue
+        label = label_map[key.split("/", 1)[0]] if label_map is not None else None
+        where = storage.full_url(fs, next(iter(fields.values())))
+        items.append((where, ("dir", src, key, tuple(sorted(fields.items())), label)))
+    return Listing(items, label_map, errors)
+
+
+# -- JSONL ------------------------------------------------------------------------------------
+def _list_jsonl(src: str, storage_options) -> Listing:
+    fs, path = storage.get_fs(src, storage_options)
+    compression = "gzip" if src.endswith(".gz") else None
+    try:
+        with fs.open(path, "rt", encoding="utf-8", compression=compression) as f:
+            lines = f.read().splitlines()
+    except (FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
+        raise SourceError(src, f"cannot read: {exc}") from exc
+    base = src.rsplit("/", 1)[0] if "/" in src else "."
+    items: list[Item] = []
+    errors: list[tuple[str, str]] = []
+    for lineno, line in enumerate(lines, 1):
+        where = f"{src}:{lineno}"
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append((where, f"malformed JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        if not isinstance(record, dict):
+            errors.append((where, "line is not a JSON object"))
+            continue
+        key = record.pop("__key__", f"{lineno:09d}")
+        if not isinstance(key, str):
+            errors.append((where, "__key__ must be a string"))
+            continue
+        try:
+            check_key(key, where)
+        except SourceError as exc:
+            errors.append((where, exc.what))
+            continue
+        items.append((where, ("jsonl", base, key, json.dumps(record))))
+    return Listing(items, None, errors)
+
+
+# -- existing shards ---------------------------------------------------------------------------
+def expand_urls(pattern: str, storage_options=None) -> list[str]:
+    """A brace pattern, a glob, or a single URL -> sorted shard URLs (existing files only for globs)."""
+    import braceexpand
+
+    urls: list[str] = []
+    for url in braceexpand.braceexpand(pattern):
+        if any(c in url for c in "*?["):
+            fs, path = storage.get_fs(url, storage_options)
+            urls += [storage.full_url(fs, p) for p in sorted(fs.glob(path))]
+        else:
+            urls.append(url)
+    return urls
+
+
+def _list_shards(src: str, storage_options) -> Listing:
+    from .manifest import load_manifest
+    from .index import index_shard
+
+    items: list[Item] = []
+    if not src.endswith(".tar") and not any(c in src for c in "{*?["):
+        manifest = load_manifest(src, storage_options)
+        for i, shard in enumerate(manifest.shards):
+            url = manifest.shard_url(i)
+            for j in range(shard.samples):
+                items.append((f"{url} sample #{j}", ("tar", url, shard.offsets[j], shard.offsets[j + 1])))
+        return Listing(items, manifest.label_map)
+    urls = expand_urls(src, storage_options)
+    if not urls:
+        raise SourceError(src, "no shards match")
+    for url in urls:
+        info = index_shard(url, storage_options)
+        for j in range(info.samples):
+            items.append((f"{url} sample #{j}", ("tar", url, info.offsets[j], info.offsets[j + 1])))
+    return Listing(items)
+
+
+# -- loading (runs in worker processes) ---------------------------------------------------------
+_STORAGE_OPTIONS: dict[str, Any] = {}
+
+
+def set_worker_storage_options(options: Mapping[str, Any] | None) -> None:
+    _STORAGE_OPTIONS.clear()
+    _STORAGE_OPTIONS.update(options or {})
+
+
+def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
+    where, payload = item
+    kind = payload[0]
+    try:
+        if kind == "dir":
+            return _load_dir(payload)
+        if kind == "jsonl":
+            return _load_jsonl(where, payload)
+        if kind == "tar":
+            return _load_tar(payload)
+    except SourceError:
+        raise
+    except (OSError, ValueError, TypeError) as exc:
+        raise SourceError(where, f"{type(exc).__name__}: {exc}") from exc
+    raise SourceError(where, f"unknown item kind {kind!r}")
+
+
+def _read_file(url: str, where: str) -> bytes:
+    fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise SourceError(where, f"file not found: {url}") from None
+    except PermissionError:
+        raise SourceError(where, f"permission denied: {url}") from None
+    except IsADirectoryError:
+        raise SourceError(where, f"is a directory: {url}") from None
+
+
+def _load_dir(payload) -> tuple[str, dict[str, bytes]]:
+    _, src, key, files, label = payload
+    fs, _ = storage.get_fs(src, _STORAGE_OPTIONS)
+    fields = {ext: _read_file(storage.full_url(fs, path), storage.full_url(fs, path)) for ext, path in files}
+    if label is not None:
+        fields["cls"] = str(label).encode("ascii")
+    return key, fields
+
+
+def _load_jsonl(where: str, payload) -> tuple[str, dict[str, bytes]]:
+    _, base, key, text = payload
+    record = json.loads(text)
+    fields: dict[str, bytes] = {}
+    for ext, value in record.items():
+        if ext.startswith("_"):
+            continue
+        if not ext or "/" in ext:
+            raise SourceError(where, f"field name {ext!r} is not an extension")
+        if isinstance(value, dict) and set(value) == {"$file"}:
+            ref = value["$file"]
+            url = ref if ("://" in ref or ref.startswith("/")) else storage.join(base, ref)
+            fields[ext.lower()] = _read_file(url, f"{where} field {ext!r}")
+            continue
+        try:
+            fields[ext.lower()] = encode_value(ext.lower(), value)
+        except (TypeError, ValueError) as exc:
+            raise SourceError(where, f"field {ext!r}: {exc}") from exc
+    if not fields:
+        raise SourceError(where, "no fields")
+    return key, fields
+
+
+def _load_tar(payload) -> tuple[str, dict[str, bytes]]:
+    _, url, start, end = payload
+    fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
+    data = storage.read_bytes(fs, path, start, end)
+    pos = 0
+
+    def read(n: int) -> bytes:
+        nonlocal pos
+        chunk = data[pos : pos + n]
+        pos += len(chunk)
+        return chunk
+
+    samples = list(iter_samples(iter_members(read, url=url, start=start, end=end), url=url))
+    if len(samples) != 1:
+        raise SourceError(f"{url} at byte {start}", f"expected one sample in the range, found {len(samples)}")
+    key, _, fields = samples[0]
+    return key, fields
+
+
+def iter_loaded(items: list[Item]) -> Iterator[tuple[str, dict[str, bytes]]]:
+    for item in items:
+        yield load_item(item)

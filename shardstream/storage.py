@@ -1,0 +1,141 @@
+"""Storage access: every byte shardstream reads or writes goes through fsspec, from here.
+
+Resolves a URL (local path, ``s3://``, ``memory://``, anything fsspec knows) to a filesystem with
+the user's options (``storage_options``, ``--endpoint-url``, ``--profile``; the ``AWS_*``
+environment variables are honoured by botocore itself), and adds what fsspec lacks: atomic publish
+of a finished file and clear errors for a destination that is missing or refuses access.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import uuid
+from typing import Any, Mapping
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from .errors import DestinationError, StorageError
+
+logger = logging.getLogger(__name__)
+
+
+def make_storage_options(
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    endpoint_url: str | None = None,
+    profile: str | None = None,
+) -> dict[str, Any]:
+    """Merge CLI-style flags into fsspec storage options (explicit flags win)."""
+    options = dict(storage_options or {})
+    if endpoint_url:
+        options["endpoint_url"] = endpoint_url
+    if profile:
+        options["profile"] = profile
+    return options
+
+
+def get_fs(url: str, storage_options: Mapping[str, Any] | None = None):
+    """Return ``(filesystem, path)`` for a URL; options only apply to remote protocols."""
+    protocol = fsspec.utils.get_protocol(url)
+    options = dict(storage_options or {}) if protocol not in ("file", "local") else {}
+    return url_to_fs(url, **options)
+
+
+def is_local(fs) -> bool:
+    return "file" in _protocols(fs) or "local" in _protocols(fs)
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL/path parts with '/', keeping the protocol prefix intact."""
+    return posixpath.join(base.rstrip("/") if base not in ("/",) else base, *parts)
+
+
+def full_url(fs, path: str) -> str:
+    """The user-facing URL of a path on fs (``s3://b/k`` rather than ``b/k``)."""
+    if is_local(fs):
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def publish_file(fs, local_tmp: str, dest_path: str) -> None:
+    """Make a finished local file visible under its final name, atomically.
+
+    Local: rename within the destination directory (the temp file is created there).
+    Remote: one upload; S3 makes an object visible only when its PUT or multipart upload
+    completes, so a crash never leaves a truncated object under the final name.
+    """
+    if is_local(fs):
+        os.replace(local_tmp, dest_path)
+        return
+    try:
+        fs.put_file(local_tmp, dest_path)
+    except FileNotFoundError as exc:
+        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: bucket or path does not exist") from exc
+    except PermissionError as exc:
+        raise DestinationError(
+            f"cannot write {full_url(fs, dest_path)}: access denied (check credentials, --profile, --endpoint-url)"
+        ) from exc
+    finally:
+        try:
+            os.unlink(local_tmp)
+        except FileNotFoundError:
+            pass
+
+
+def write_bytes_atomic(fs, dest_path: str, data: bytes) -> None:
+    """Write a small file (the manifest) so that it appears whole or not at all."""
+    if is_local(fs):
+        tmp = f"{dest_path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest_path)
+        return
+    try:
+        fs.pipe_file(dest_path, data)
+    except (FileNotFoundError, PermissionError) as exc:
+        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: {exc}") from exc
+
+
+def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """Read a whole file or a byte range, turning storage failures into StorageError."""
+    try:
+        if start is None and end is None:
+            return fs.cat_file(path)
+        return fs.cat_file(path, start=start, end=end)
+    except FileNotFoundError as exc:
+        raise StorageError(f"{full_url(fs, path)}: not found") from exc
+    except PermissionError as exc:
+        raise StorageError(
+            f"{full_url(fs, path)}: access denied (check credentials, profile and endpoint)"
+        ) from exc
+
+
+def check_destination_writable(fs, path: str) -> None:
+    """Fail early and clearly when a remote destination's bucket is missing or refuses access."""
+    if is_local(fs):
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise DestinationError(f"{path}: not writable")
+        return
+    bucket = path.split("/", 1)[0]
+    url = full_url(fs, bucket)
+    try:
+        fs.ls(bucket, refresh=True)
+    except FileNotFoundError as exc:
+        raise DestinationError(f"{url}: bucket does not exist") from exc
+    except PermissionError as exc:
+        raise DestinationError(
+            f"{url}: access denied (check credentials, --profile, --endpoint-url)"
+        ) from exc
+    except OSError as exc:
+        raise DestinationError(f"{url}: cannot reach storage ({exc})") from exc

@@ -1,0 +1,250 @@
+"""ShardWriter: samples in, uniform WebDataset tar shards plus the manifest out.
+
+Shards are named ``{prefix}-{index:06d}.tar`` and rolled by sample count and byte size. Members of
+a sample are adjacent and sorted; headers are deterministic, so the same samples give the same
+bytes. Each shard is published atomically (temp file then rename, or one S3 upload), and the
+manifest is written last, only when the writer closes without an error: an interrupted pack leaves
+nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import uuid
+from typing import Any, Callable, Mapping
+
+from . import storage
+from .encode import check_key, encode_sample
+from .errors import DestinationError, SourceError
+from .manifest import MANIFEST_NAME, Manifest, ShardInfo
+from .tarformat import END_OF_ARCHIVE, member_header, padding
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_COUNT = 10_000
+DEFAULT_MAX_SIZE = 256 * 1000**2
+MAX_SKIPPED_LISTED = 100
+_FLUSH_BYTES = 1 << 20
+_PARTIAL_MARK = ".partial-"
+
+
+class ShardWriter:
+    """Write samples into tar shards under ``dest`` (a local directory or any fsspec URL).
+
+    Use as a context manager::
+
+        with ShardWriter("s3://bucket/train", max_count=1000) as writer:
+            writer.write({"__key__": "cat/0001", "jpg": image, "cls": 3})
+
+    ``overwrite=False`` refuses a destination that already holds a dataset or other files; a
+    destination holding only the leftovers of an interrupted pack is cleaned and reused.
+    """
+
+    def __init__(
+        self,
+        dest: str,
+        *,
+        max_count: int = DEFAULT_MAX_COUNT,
+        max_size: int = DEFAULT_MAX_SIZE,
+        prefix: str = "shard",
+        storage_options: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        label_map: Mapping[str, int] | None = None,
+        check_unique_keys: bool = True,
+    ):
+        if max_count < 1:
+            raise ValueError(f"max_count must be >= 1, got {max_count}")
+        if max_size < 1024:
+            raise ValueError(f"max_size must be at least 1 KB, got {max_size}")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
+            raise ValueError(f"prefix {prefix!r} must be a plain file-name stem")
+        self.dest = dest.rstrip("/") or dest
+        self.max_count = max_count
+        self.max_size = max_size
+        self.prefix = prefix
+        self.label_map = dict(label_map) if label_map is not None else None
+        self.fs, self.root = storage.get_fs(self.dest, storage_options)
+        self._local = storage.is_local(self.fs)
+        self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar")
+        self._stale = self._prepare_destination(overwrite)
+        self.shards: list[ShardInfo] = []
+        self.extensions: dict[str, int] = {}
+        self.skipped: list[dict[str, str]] = []
+        self.skipped_count = 0
+        self.samples_written = 0
+        self.bytes_written = 0
+        self._keys: set[str] | None = set() if check_unique_keys else None
+        self._file = None
+        self._tmp_path: str | None = None
+        self._closed = False
+
+    # -- destination ---------------------------------------------------------------------------
+    def _prepare_destination(self, overwrite: bool) -> list[str]:
+        """Refuse or clean the destination; returns old shard paths to delete once we succeed."""
+        storage.check_destination_writable(self.fs, self.root)
+        try:
+            entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            entries = []
+        url = storage.full_url(self.fs, self.root)
+        ours = [e for e in entries if self._shard_re.fullmatch(e) or _PARTIAL_MARK in e]
+        foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
+        if not overwrite:
+            if MANIFEST_NAME in entries:
+                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+            if foreign:
+                raise DestinationError(
+                    f"{url} is not empty ({len(foreign)} other entries, e.g. {foreign[0]!r}); "
+                    "choose an empty destination or pass --overwrite"
+                )
+            if ours:
+                logger.warning("%s: replacing %d files left by an interrupted pack", url, len(ours))
+        # The manifest is the commit: remove it first so the old dataset reads as incomplete
+        # while it is being replaced.
+        if MANIFEST_NAME in entries:
+            self.fs.rm_file(storage.join(self.root, MANIFEST_NAME))
+        stale = [storage.join(self.root, e) for e in ours]
+        for path in stale:
+            if _PARTIAL_MARK in path:
+                self.fs.rm_file(path)
+        return [p for p in stale if _PARTIAL_MARK not in p]
+
+    # -- writing -------------------------------------------------------------------------------
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Encode a sample dict (``__key__`` plus fields named by extension) and append it."""
+        key, fields = encode_sample(dict(sample))
+        self.write_encoded(key, fields)
+
+    def write_encoded(self, key: str, fields: Mapping[str, bytes]) -> None:
+        """Append a sample whose fields are already bytes."""
+        if self._closed:
+            raise ValueError("ShardWriter is closed")
+        if self._keys is not None:
+            if key in self._keys:
+                raise SourceError(f"key {key!r}", "duplicate key: two samples would share one key")
+            self._keys.add(key)
+        pieces: list[bytes] = []
+        size = 0
+        for ext in sorted(fields):
+            data = fields[ext]
+            hdr = member_header(f"{key}.{ext}", len(data))
+            pad = padding(len(data))
+            pieces += (hdr, data, pad) if pad else (hdr, data)
+            size += len(hdr) + len(data) + len(pad)
+        if self._file is not None and (
+            self._count >= self.max_count or self._size + size + len(END_OF_ARCHIVE) > self.max_size
+        ):
+            self._finish_shard()
+        if self._file is None:
+            self._start_shard()
+        self._offsets.append(self._size)
+        self._pending += pieces
+        self._pending_bytes += size
+        self._size += size
+        self._count += 1
+        if self._pending_bytes >= _FLUSH_BYTES:
+            self._flush()
+        for ext in fields:
+            self.extensions[ext] = self.extensions.get(ext, 0) + 1
+        self.samples_written += 1
+        self.bytes_written += size
+
+    def skip(self, where: str, error: str) -> None:
+        """Record a sample left out under the skip policy (counted and listed in the manifest)."""
+        self.skipped_count += 1
+        if len(self.skipped) < MAX_SKIPPED_LISTED:
+            self.skipped.append({"source": where, "error": error})
+        logger.warning("skipped %s: %s", where, error)
+
+    def _start_shard(self) -> None:
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        if self._local:
+            self._tmp_path = os.path.join(self.root, f".{name}{_PARTIAL_MARK}{uuid.uuid4().hex[:8]}")
+        else:
+            fd, self._tmp_path = tempfile.mkstemp(prefix=f"shardstream-{name}{_PARTIAL_MARK}")
+            os.close(fd)
+        self._file = open(self._tmp_path, "wb")
+        self._name = name
+        self._hash = hashlib.sha256()
+        self._offsets: list[int] = []
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._size = 0
+        self._count = 0
+
+    def _flush(self) -> None:
+        block = b"".join(self._pending)
+        self._hash.update(block)
+        self._file.write(block)
+        self._pending = []
+        self._pending_bytes = 0
+
+    def _finish_shard(self) -> None:
+        self._offsets.append(self._size)
+        self._pending.append(END_OF_ARCHIVE)
+        self._size += len(END_OF_ARCHIVE)
+        self._flush()
+        self._file.close()
+        self._file = None
+        dest_path = storage.join(self.root, self._name)
+        storage.publish_file(self.fs, self._tmp_path, dest_path)
+        self._tmp_path = None
+        self.shards.append(
+            ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(), tuple(self._offsets))
+        )
+        logger.debug("published %s (%d samples, %d bytes)", dest_path, self._count, self._size)
+
+    # -- closing -------------------------------------------------------------------------------
+    def close(self) -> Manifest:
+        """Publish the last shard, delete stale shards of a replaced dataset, write the manifest."""
+        if self._closed:
+            raise ValueError("ShardWriter is already closed")
+        if self._file is not None:
+            self._finish_shard()
+        self._closed = True
+        kept = {storage.join(self.root, s.path) for s in self.shards}
+        for path in self._stale:
+            if path not in kept:
+                self.fs.rm_file(path)
+        manifest = Manifest(
+            shards=list(self.shards),
+            extensions=dict(self.extensions),
+            label_map=self.label_map,
+            skipped={"count": self.skipped_count, "items": list(self.skipped)},
+        )
+        storage.write_bytes_atomic(self.fs, storage.join(self.root, MANIFEST_NAME), manifest.dumps())
+        manifest.base_url = self.dest
+        return manifest
+
+    def abort(self) -> None:
+        """Drop the shard in progress; no manifest is written."""
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tmp_path is not None:
+            try:
+                os.unlink(self._tmp_path)
+            except FileNotFoundError:
+                pass
+            self._tmp_path = None
+
+    @property
+    def manifest_url(self) -> str:
+        return storage.join(self.dest, MANIFEST_NAME)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+__all__ = ["ShardWriter", "check_key", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]
