@@ -6,7 +6,8 @@
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, or inconsistent
     ├── StorageError                 a shard cannot be opened or read (names the URL)
-    └── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
+    ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
+    └── SampleError                  a sample that cannot be decoded (names URL, key and field)
 
 Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
 act on it without a traceback.
@@ -52,3 +53,13 @@ class ShardFormatError(ShardstreamError):
         self.offset = offset
         self.what = what
         super().__init__(f"{url} at byte {offset}: {what}")
+
+
+class SampleError(ShardstreamError):
+    """A sample that cannot be decoded or lacks a required field (names the shard URL and key)."""
+
+    def __init__(self, url: str, key: str, what: str):
+        self.url = url
+        self.key = key
+        self.what = what
+        super().__init__(f"{url}, sample {key!r}: {what}")

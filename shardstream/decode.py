@@ -1,0 +1,155 @@
+"""Decode sample fields by extension, under the user's error policy.
+
+Defaults: jpg/jpeg/png/webp/bmp -> uint8 CHW tensor (or PIL image / HWC array on request),
+npy -> tensor, json -> object, txt -> str, cls/index -> int, pth -> ``torch.load(weights_only=True)``.
+User decoders (by extension) override these; other extensions stay bytes. A multi-part extension
+such as ``seg.png`` is decoded by its last part.
+
+Error policy: ``"raise"`` stops at the first bad sample with a SampleError naming the shard URL,
+key and field; ``"skip"`` drops it, counts and logs it, and raises anyway after ``tolerance``
+consecutive failures (a dataset that silently yields nothing is worse than a crash).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from .errors import SampleError
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+IMAGE_MODES = ("tensor", "numpy", "pil")
+Decoders = Mapping[str, Callable[[bytes], Any]]
+
+
+def decode_image_pil(data: bytes, draft_size: tuple[int, int] | None = None):
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    if draft_size is not None and img.format == "JPEG":
+        # Let libjpeg decode at 1/2, 1/4 or 1/8 scale while the result stays >= draft_size.
+        img.draft("RGB", draft_size)
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def make_image_decoder(image: str = "tensor", draft_size: tuple[int, int] | None = None) -> Callable[[bytes], Any]:
+    if image not in IMAGE_MODES:
+        raise ValueError(f"image must be one of {IMAGE_MODES}, got {image!r}")
+    if image == "pil":
+        return lambda data: decode_image_pil(data, draft_size)
+
+    import numpy as np
+
+    def decode_numpy(data: bytes):
+        img = decode_image_pil(data, draft_size)
+        return np.asarray(img)
+
+    if image == "numpy":
+        return decode_numpy
+
+    import torch
+
+    def decode_tensor(data: bytes):
+        return torch.from_numpy(np.array(decode_image_pil(data, draft_size), copy=True)).permute(2, 0, 1)
+
+    return decode_tensor
+
+
+def _decode_npy(data: bytes):
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
+
+
+def _decode_pth(data: bytes):
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _decode_text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None = None) -> dict[str, Callable[[bytes], Any]]:
+    image_decoder = make_image_decoder(image, draft_size)
+    decoders: dict[str, Callable[[bytes], Any]] = {ext: image_decoder for ext in IMAGE_EXTS}
+    decoders.update({"npy": _decode_npy, "pth": _decode_pth, "pt": _decode_pth, "json": json.loads, "jsn": json.loads})
+    decoders.update({ext: _decode_text for ext in ("txt", "text", "transcript", "html", "htm", "csv", "xml")})
+    decoders.update({ext: int for ext in ("cls", "cls2", "class", "index", "inx", "id", "count")})
+    return decoders
+
+
+class Decoder:
+    """Callable that decodes every field of a sample dict by extension."""
+
+    def __init__(self, decoders: Decoders, required: Iterable[str] = ()):
+        self.decoders = dict(decoders)
+        self.required = tuple(required)
+        self._cache: dict[str, Callable[[bytes], Any] | None] = {}
+
+    def _lookup(self, ext: str):
+        try:
+            return self._cache[ext]
+        except KeyError:
+            fn = self.decoders.get(ext) or self.decoders.get(ext.rsplit(".", 1)[-1])
+            self._cache[ext] = fn
+            return fn
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        for ext in self.required:
+            if ext not in sample:
+                raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"), f"missing required field {ext!r}")
+        for ext, value in sample.items():
+            if ext[:2] == "__":
+                continue
+            fn = self._lookup(ext)
+            if fn is None:
+                continue
+            try:
+                sample[ext] = fn(value)
+            except Exception as exc:  # a decoder may raise anything on corrupt bytes
+                raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"),
+                                  f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}") from exc
+        return sample
+
+
+class ErrorPolicy:
+    """Counts skipped samples; raises when skipping is off or failures run too long."""
+
+    def __init__(self, on_error: str = "raise", tolerance: int = 16):
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error = on_error
+        self.tolerance = tolerance
+        self.skipped = 0
+        self._consecutive = 0
+
+    def ok(self) -> None:
+        self._consecutive = 0
+
+    def failed(self, exc: Exception) -> None:
+        if self.on_error == "raise":
+            raise exc
+        self.skipped += 1
+        self._consecutive += 1
+        logger.warning("skipping sample: %s", exc)
+        if self._consecutive > self.tolerance:
+            raise SampleError("(several shards)", "(several)", f"{self._consecutive} consecutive samples failed; "
+                              "the dataset or the decoders are likely broken") from exc
+
+
+def decode_samples(samples: Iterable[dict[str, Any]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[dict[str, Any]]:
+    for sample in samples:
+        try:
+            out = decoder(sample)
+        except SampleError as exc:
+            policy.failed(exc)
+            continue
+        policy.ok()
+        yield out

@@ -1,0 +1,56 @@
+"""make_loader: the DataLoader around a ShardStream, as a webdataset.WebLoader with the right defaults.
+
+The dataset batches inside its workers, so the loader's batch_size is None; ``len(loader)`` is the
+number of batches per rank per epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import webdataset
+
+from .dataset import ShardStream
+
+
+class ShardLoader(webdataset.WebLoader):
+    """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
+
+    def __init__(self, dataset: ShardStream, **kwargs: Any):
+        super().__init__(dataset, **kwargs)
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+
+def make_loader(
+    dataset: ShardStream,
+    *,
+    num_workers: int = 2,
+    pin_memory: bool = True,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = False,
+    **kwargs: Any,
+) -> ShardLoader:
+    """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
+
+    ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
+    to ``torch.utils.data.DataLoader``.
+    """
+    import torch
+
+    dataset.num_workers = num_workers
+    dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    return ShardLoader(
+        dataset,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        persistent_workers=persistent_workers and num_workers > 0,
+        **kwargs,
+    )

@@ -1,0 +1,149 @@
+"""Epoch planning: a pure function from (shard counts, topology, batch size, seed, epoch) to the
+exact samples every (rank, worker) reads.
+
+1. Order the shards by a permutation of (seed, epoch): the same on every rank, no communication.
+2. Lay the shards end to end as one sequence of N samples.
+3. Every rank gets the same number of batches R: floor(N / (W*B)) when dropping (the tail that
+   cannot fill equal batches is dropped and counted), ceil(N / (W*B)) when padding (the sequence
+   wraps around and the repeated samples are counted).
+4. Rank r takes the contiguous slice [r*R*B, (r+1)*R*B) of the sequence.
+5. Within a rank, worker w takes R//K batches (+1 for the first R%K workers), contiguously.
+6. A slice becomes shard ranges (shard, start, stop): workers may share a shard at sample
+   granularity, so none sits idle when shards are fewer than W*K.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+MODES = ("drop", "pad")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Samples [start, stop) of shard ``shard`` (an index into the manifest)."""
+
+    shard: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    epoch: int
+    seed: int
+    shuffle: bool
+    world_size: int
+    num_workers: int
+    batch_size: int
+    mode: str
+    total_samples: int
+    batches_per_rank: int
+    shard_order: tuple[int, ...]
+    starts: tuple[int, ...]  # start of each shard_order entry in the laid-out sequence
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.batches_per_rank * self.batch_size
+
+    @property
+    def dropped(self) -> int:
+        return max(0, self.total_samples - self.world_size * self.samples_per_rank)
+
+    @property
+    def repeated(self) -> int:
+        return max(0, self.world_size * self.samples_per_rank - self.total_samples)
+
+    def worker_batches(self, worker: int) -> int:
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        return base + (1 if worker < extra else 0)
+
+    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
+        """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
+        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
+            raise ValueError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        before = worker * base + min(worker, extra)
+        begin = rank * self.samples_per_rank + before * self.batch_size
+        return begin, begin + self.worker_batches(worker) * self.batch_size
+
+    def ranges(self, rank: int, worker: int, counts: Sequence[int]) -> list[Range]:
+        """The shard ranges worker ``worker`` of rank ``rank`` reads, in order."""
+        begin, end = self.worker_slice(rank, worker)
+        out: list[Range] = []
+        n = self.total_samples
+        pos = begin
+        while pos < end:
+            lap_pos = pos % n
+            i = bisect.bisect_right(self.starts, lap_pos) - 1
+            shard = self.shard_order[i]
+            local = lap_pos - self.starts[i]
+            take = min(counts[shard] - local, end - pos)
+            out.append(Range(shard, local, local + take))
+            pos += take
+        return out
+
+    def summary(self) -> str:
+        extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.repeated} repeated"
+        return (
+            f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "
+            f"{self.world_size} ranks x {self.batches_per_rank} batches of {self.batch_size} "
+            f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
+        )
+
+
+def shard_permutation(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, epoch]).permutation(num_shards)
+
+
+def plan_epoch(
+    counts: Sequence[int],
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    mode: str = "drop",
+) -> EpochPlan:
+    """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    workers = max(1, num_workers)
+    total = int(sum(counts))
+    if total == 0:
+        raise ConfigError(f"the dataset is empty ({len(counts)} shards, 0 samples)")
+    per_step = world_size * batch_size
+    batches = total // per_step if mode == "drop" else -(-total // per_step)
+    if batches == 0:
+        raise ConfigError(
+            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but the dataset "
+            f"has only {total}: use a smaller batch size, fewer ranks, or mode='pad'"
+        )
+    if batches < workers:
+        raise ConfigError(
+            f"each rank gets {batches} batches of {batch_size} but num_workers is {num_workers}: "
+            f"{workers - batches} workers would have nothing to read; use num_workers <= {batches}"
+        )
+    order = shard_permutation(len(counts), seed, epoch) if shuffle else np.arange(len(counts))
+    order = [int(i) for i in order if counts[int(i)] > 0]
+    starts = np.concatenate([[0], np.cumsum([counts[i] for i in order])[:-1]]).astype(np.int64)
+    return EpochPlan(
+        epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers,
+        batch_size=batch_size, mode=mode, total_samples=total, batches_per_rank=batches,
+        shard_order=tuple(order), starts=tuple(int(s) for s in starts),
+    )
