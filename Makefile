@@ -24,7 +24,7 @@ demo: install
 	$(BIN)/shardstream pack $(DEMO_DIR)/src $(DEMO_DIR)/shards --label-from-dir --max-count 100 --shuffle --seed 0 --overwrite
 	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/torchrun --nnodes 1 --nproc-per-node 2 \
 	    --master-addr 127.0.0.1 --master-port $$($(BIN)/python tools/free_port.py) \
-	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 2 --batch-size 32 --workers 1
+	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 3 --batch-size 32 --workers 1
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

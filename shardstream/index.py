@@ -41,7 +41,7 @@ def index_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> S
     seen: set[str] = set()
     extensions: dict[str, int] = {}
     with f:
-        for name, offset, end, _data in iter_members(read, url=url, start=0, end=size):
+        for name, offset, end, _data in iter_members(read, url=url, start=0, end=size, require_end_marker=True):
             k, ext = split_name(name)
             if k is None:
                 continue

@@ -179,11 +179,14 @@ def iter_members(
     end: int,
     read_size: int = DEFAULT_READ_SIZE,
     regular_only: bool = True,
+    require_end_marker: bool = False,
 ) -> Iterator[tuple[str, int, int, bytes]]:
     """Yield ``(name, offset, end, data)`` for the regular members in bytes ``[start, end)``.
 
     ``read(n)`` returns the next up-to-n bytes of the stream positioned at ``start``; ``end`` is
-    the stream's known end (object size, or a range end from the manifest). A size field is
+    the stream's known end (object size, or a range end from the manifest); with
+    ``require_end_marker`` (whole-file reads) a stream that stops at a member boundary without
+    the end-of-archive block is truncated, not complete. A size field is
     checked against ``end`` before anything is allocated for it; a stream that ends early, a bad
     checksum or a malformed header raises ShardFormatError naming ``url`` and the byte offset.
     """
@@ -201,6 +204,8 @@ def iter_members(
         need = BLOCK
         while True:
             if base + pos >= end:
+                if require_end_marker:
+                    raise ShardFormatError(url, base + pos, "no end-of-archive block: the shard is truncated")
                 done = True
                 break
             if len(buf) - pos < BLOCK:

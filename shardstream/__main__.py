@@ -1,0 +1,5 @@
+"""``python -m shardstream`` runs the command line."""
+
+from .cli.main import entry
+
+entry()
