@@ -36,27 +36,31 @@ def decode_image_pil(data: bytes, draft_size: tuple[int, int] | None = None):
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def make_image_decoder(image: str = "tensor", draft_size: tuple[int, int] | None = None) -> Callable[[bytes], Any]:
-    if image not in IMAGE_MODES:
-        raise ValueError(f"image must be one of {IMAGE_MODES}, got {image!r}")
-    if image == "pil":
-        return lambda data: decode_image_pil(data, draft_size)
+class ImageDecoder:
+    """Image bytes -> uint8 CHW tensor ("tensor"), HWC array ("numpy") or RGB PIL image ("pil").
 
-    import numpy as np
+    ``draft_size``: for JPEG, let libjpeg decode at a reduced scale that still covers this
+    (width, height); much cheaper when the pipeline crops or resizes down anyway.
+    A class rather than a closure so datasets pickle for spawned workers.
+    """
 
-    def decode_numpy(data: bytes):
-        img = decode_image_pil(data, draft_size)
-        return np.asarray(img)
+    def __init__(self, image: str = "tensor", draft_size: tuple[int, int] | None = None):
+        if image not in IMAGE_MODES:
+            raise ValueError(f"image must be one of {IMAGE_MODES}, got {image!r}")
+        self.image = image
+        self.draft_size = draft_size
 
-    if image == "numpy":
-        return decode_numpy
+    def __call__(self, data: bytes):
+        img = decode_image_pil(data, self.draft_size)
+        if self.image == "pil":
+            return img
+        import numpy as np
 
-    import torch
+        if self.image == "numpy":
+            return np.asarray(img)
+        import torch
 
-    def decode_tensor(data: bytes):
-        return torch.from_numpy(np.array(decode_image_pil(data, draft_size), copy=True)).permute(2, 0, 1)
-
-    return decode_tensor
+        return torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1)
 
 
 def _decode_npy(data: bytes):
@@ -77,7 +81,7 @@ def _decode_text(data: bytes) -> str:
 
 
 def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None = None) -> dict[str, Callable[[bytes], Any]]:
-    image_decoder = make_image_decoder(image, draft_size)
+    image_decoder = ImageDecoder(image, draft_size)
     decoders: dict[str, Callable[[bytes], Any]] = {ext: image_decoder for ext in IMAGE_EXTS}
     decoders.update({"npy": _decode_npy, "pth": _decode_pth, "pt": _decode_pth, "json": json.loads, "jsn": json.loads})
     decoders.update({ext: _decode_text for ext in ("txt", "text", "transcript", "html", "htm", "csv", "xml")})
