@@ -23,6 +23,7 @@ _EXPORTS = {
     "to_device": "device",
     "DevicePrefetcher": "device",
     "World": "topology",
+    "RandomResizedCrop": "augment",
     "plan_epoch": "plan",
     "EpochPlan": "plan",
     "ShardstreamError": "errors",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class BatchStats:
 
 
 def batch_samples(
-    samples: Iterable[dict[str, Any]],
+    chunks: Iterable[list[dict[str, Any]]],
     *,
     batch_size: int,
     num_batches: int,
@@ -56,31 +55,66 @@ def batch_samples(
     stats: BatchStats | None = None,
 ) -> Iterator[Any]:
     """Yield exactly ``num_batches`` collated batches of ``batch_size`` samples."""
-    recent: deque[dict[str, Any]] = deque(maxlen=batch_size)
-    batch: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    recent: list[dict[str, Any]] = []  # the last full batch: material to refill from
     made = 0
-    for sample in samples:
-        batch.append(sample)
-        recent.append(sample)
-        if len(batch) == batch_size:
-            yield collate(batch)
+    for chunk in chunks:
+        pending += chunk
+        start = 0
+        while len(pending) - start >= batch_size:
+            recent = pending[start : start + batch_size]
+            yield collate(recent)
+            start += batch_size
             made += 1
-            batch = []
             if made == num_batches:
                 return
+        del pending[:start]
     if made < num_batches:
-        if not recent:
+        pool = recent + pending
+        if not pool:
             raise RuntimeError("no sample could be read for this worker; cannot fill its batches")
-        missing = (num_batches - made) * batch_size - len(batch)
+        missing = (num_batches - made) * batch_size - len(pending)
         if stats is not None:
             stats.refilled += missing
         logger.warning("repeating %d samples to keep %d equal batches (samples were skipped)", missing, num_batches)
-        pool = list(recent)
         i = 0
         while made < num_batches:
-            batch.append(pool[i % len(pool)])
+            pending.append(pool[i % len(pool)])
             i += 1
-            if len(batch) == batch_size:
-                yield collate(batch)
+            if len(pending) == batch_size:
+                yield collate(pending)
                 made += 1
-                batch = []
+                pending = []
+
+
+# -- worker -> main process hand-off --------------------------------------------------------
+# DataLoader workers send every torch tensor through a new shared-memory segment, a fixed cost of
+# tens of microseconds per tensor that dominates for small fields (labels, ids). Under make_loader
+# such small tensors travel inline as numpy arrays and become tensors again on arrival
+# (``torch.from_numpy``, no copy); large ones (images) keep the shared-memory path.
+INLINE_KEY = "__inline__"
+INLINE_MAX_BYTES = 64 * 1024
+
+
+def pack_for_transport(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
+    import torch
+
+    if not isinstance(batch, dict):
+        return batch
+    inline = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.nbytes <= max_bytes and v.device.type == "cpu"]
+    for k in inline:
+        batch[k] = batch[k].numpy()
+    if inline:
+        batch[INLINE_KEY] = inline
+    return batch
+
+
+def unpack_after_transport(batch: Any, pin: bool = False) -> Any:
+    if not isinstance(batch, dict) or INLINE_KEY not in batch:
+        return batch
+    import torch
+
+    for k in batch.pop(INLINE_KEY):
+        t = torch.from_numpy(batch[k])
+        batch[k] = t.pin_memory() if pin else t
+    return batch

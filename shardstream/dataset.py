@@ -3,6 +3,8 @@
     manifest -> plan_epoch (rank, worker) -> read_ranges -> shuffle_samples -> decode_samples
              -> transform -> batch_samples -> batches
 
+Between read_ranges and batch_samples, samples travel as lists (one per read block).
+
 Each stage is a function in its own module; this class only holds settings and the epoch.
 """
 
@@ -13,8 +15,9 @@ import multiprocessing
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from torch.utils.data import get_worker_info
 
-from .batch import BatchStats, batch_samples, default_collate
+from .batch import BatchStats, batch_samples, default_collate, pack_for_transport
 from .decode import Decoder, ErrorPolicy, decode_samples, default_decoders
 from .errors import ConfigError
 from .index import index_shards
@@ -107,6 +110,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch = multiprocessing.RawValue("q", 0)
         self.num_workers = num_workers
+        self.inline_transport = False  # set by make_loader, which undoes it on arrival
         self.plan(num_workers=num_workers or 0)  # settings that cannot work fail here
 
     # -- epochs and plans ----------------------------------------------------------------------
@@ -142,6 +146,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         ranges = plan.ranges(rank, worker, self.counts)
         if worker == 0 and rank == 0:
             logger.info("%s", plan.summary())
+        for fn in (*self.decoder.decoders.values(), self.transform):
+            if hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
+                fn.bind(plan.epoch, rank, worker)
         policy = ErrorPolicy(self.on_error, self.error_tolerance)
         stats = BatchStats()
         samples = read_ranges(self.manifest, ranges, storage_options=self.storage_options, read_size=self.read_size)
@@ -150,9 +157,13 @@ class ShardStream(torch.utils.data.IterableDataset):
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))
         samples = decode_samples(samples, self.decoder, policy)
         if self.transform is not None:
-            samples = map(self.transform, samples)
-        yield from batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
-                                 collate=self.collate, stats=stats)
+            transform = self.transform
+            samples = ([transform(x) for x in chunk] for chunk in samples)
+        batches = batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
+                                collate=self.collate, stats=stats)
+        if self.inline_transport and get_worker_info() is not None:
+            batches = map(pack_for_transport, batches)
+        yield from batches
         if policy.skipped or stats.refilled:
             logger.warning("rank %d worker %d epoch %d: skipped %d bad samples, repeated %d to keep batches equal",
                            rank, worker, plan.epoch, policy.skipped, stats.refilled)

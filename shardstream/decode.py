@@ -96,6 +96,7 @@ class Decoder:
         self.decoders = dict(decoders)
         self.required = tuple(required)
         self._cache: dict[str, Callable[[bytes], Any] | None] = {}
+        self._plans: dict[tuple[str, ...], list[tuple[str, Callable[[bytes], Any]]]] = {}
 
     def _lookup(self, ext: str):
         try:
@@ -105,18 +106,23 @@ class Decoder:
             self._cache[ext] = fn
             return fn
 
+    def _plan(self, names: tuple[str, ...]) -> list[tuple[str, Callable[[bytes], Any]]]:
+        plan = [(ext, self._lookup(ext)) for ext in names if ext[:2] != "__"]
+        return [(ext, fn) for ext, fn in plan if fn is not None]
+
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        for ext in self.required:
-            if ext not in sample:
-                raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"), f"missing required field {ext!r}")
-        for ext, value in sample.items():
-            if ext[:2] == "__":
-                continue
-            fn = self._lookup(ext)
-            if fn is None:
-                continue
+        names = tuple(sample)
+        try:
+            plan = self._plans[names]
+        except KeyError:
+            plan = self._plans[names] = self._plan(names)
+        if self.required:
+            for ext in self.required:
+                if ext not in sample:
+                    raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"), f"missing required field {ext!r}")
+        for ext, fn in plan:
             try:
-                sample[ext] = fn(value)
+                sample[ext] = fn(sample[ext])
             except Exception as exc:  # a decoder may raise anything on corrupt bytes
                 raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"),
                                   f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}") from exc
@@ -148,12 +154,16 @@ class ErrorPolicy:
                               "the dataset or the decoders are likely broken") from exc
 
 
-def decode_samples(samples: Iterable[dict[str, Any]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[dict[str, Any]]:
-    for sample in samples:
-        try:
-            out = decoder(sample)
-        except SampleError as exc:
-            policy.failed(exc)
-            continue
-        policy.ok()
-        yield out
+def decode_samples(chunks: Iterable[list[dict[str, Any]]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[list[dict[str, Any]]]:
+    """Decode lists of samples; failures go to ``policy`` (raise, or skip and count)."""
+    for chunk in chunks:
+        out = []
+        for sample in chunk:
+            try:
+                out.append(decoder(sample))
+            except SampleError as exc:
+                policy.failed(exc)
+                continue
+            policy.ok()
+        if out:
+            yield out

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from . import storage
-from .errors import ShardFormatError, StorageError
+from .errors import StorageError
 from .manifest import Manifest, ShardInfo
-from .tarformat import iter_members, split_name
+from .tarformat import iter_sample_batches
 
 READ_SIZE = 8 << 20
 
@@ -36,24 +36,16 @@ def index_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> S
         return chunk
 
     offsets: list[int] = []
-    key = None
     data_end = 0
-    seen: set[str] = set()
     extensions: dict[str, int] = {}
     with f:
-        for name, offset, end, _data in iter_members(read, url=url, start=0, end=size, require_end_marker=True):
-            k, ext = split_name(name)
-            if k is None:
-                continue
-            if k != key:
-                if k in seen:
-                    raise ShardFormatError(url, offset, f"duplicate key {k!r}")
-                seen.add(k)
+        for batch in iter_sample_batches(read, url=url, start=0, end=size, require_end_marker=True):
+            for _key, offset, sample_end, fields in batch:
                 offsets.append(offset)
-                key = k
-            extensions[ext] = extensions.get(ext, 0) + 1
-            data_end = end
-        while read(READ_SIZE):
+                data_end = sample_end
+                for ext in fields:
+                    extensions[ext] = extensions.get(ext, 0) + 1
+        while read(READ_SIZE):  # hash the end-of-archive blocks and anything after them
             pass
     offsets.append(data_end)
     info = ShardInfo(path=url, samples=len(offsets) - 1, bytes=size, sha256=digest.hexdigest(), offsets=tuple(offsets))

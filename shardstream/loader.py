@@ -10,7 +10,13 @@ from typing import Any
 
 import webdataset
 
+from .batch import unpack_after_transport
 from .dataset import ShardStream
+
+
+def _passthrough(batch: Any) -> Any:
+    """The dataset already collated: skip DataLoader's default_convert walk over every element."""
+    return batch
 
 
 class ShardLoader(webdataset.WebLoader):
@@ -19,9 +25,15 @@ class ShardLoader(webdataset.WebLoader):
     def __init__(self, dataset: ShardStream, **kwargs: Any):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
+        self.pin = bool(kwargs.get("pin_memory"))
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def __iter__(self):
+        pin = self.pin
+        for batch in super().__iter__():
+            yield unpack_after_transport(batch, pin)
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -44,7 +56,9 @@ def make_loader(
     import torch
 
     dataset.num_workers = num_workers
+    dataset.inline_transport = num_workers > 0
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    kwargs.setdefault("collate_fn", _passthrough)
     return ShardLoader(
         dataset,
         batch_size=None,

@@ -5,7 +5,9 @@ sequential read (a ranged GET on S3) in large blocks, parsed by ``tarformat``. T
 samples a range yields is checked against the manifest, so a manifest that lies is an error,
 not silently lost or repeated data.
 
-Record shape out: ``{"__key__": str, "__url__": str, ext: bytes, ...}``.
+Record shape out: lists (one per read block) of ``{"__key__": str, "__url__": str, ext: bytes, ...}``.
+Stages after this one pass lists of samples along, so per-sample work is a loop body, not a
+generator hop per stage.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from . import storage
 from .errors import ShardFormatError, StorageError
 from .manifest import Manifest
 from .plan import Range
-from .tarformat import DEFAULT_READ_SIZE, iter_members, iter_samples
+from .tarformat import DEFAULT_READ_SIZE, iter_sample_batches
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,9 @@ def read_range(
     *,
     storage_options: Mapping[str, Any] | None = None,
     read_size: int = DEFAULT_READ_SIZE,
-) -> Iterator[dict[str, Any]]:
-    """Yield the samples of one planned range, checking their count against the manifest."""
+) -> Iterator[list[dict[str, Any]]]:
+    """Yield the samples of one planned range, a list per read block; the count is checked
+    against the manifest."""
     shard = manifest.shards[rng.shard]
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
@@ -65,15 +68,16 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for key, _offset, fields in iter_samples(
-            iter_members(read, url=url, start=start, end=end, read_size=read_size), url=url
-        ):
-            got += 1
+        for batch in iter_sample_batches(read, url=url, start=start, end=end, read_size=read_size):
+            got += len(batch)
             if got > expected:
                 break
-            fields["__key__"] = key
-            fields["__url__"] = url
-            yield fields
+            samples = []
+            for key, _offset, _end, fields in batch:
+                fields["__key__"] = key
+                fields["__url__"] = url
+                samples.append(fields)
+            yield samples
     finally:
         close()
     if got != expected:
@@ -85,6 +89,7 @@ def read_range(
 def read_ranges(
     manifest: Manifest, ranges: Iterable[Range], *, storage_options: Mapping[str, Any] | None = None,
     read_size: int = DEFAULT_READ_SIZE,
-) -> Iterator[dict[str, Any]]:
+) -> Iterator[list[dict[str, Any]]]:
+    """Samples of several ranges in order, as lists (one per read block)."""
     for rng in ranges:
         yield from read_range(manifest, rng, storage_options=storage_options, read_size=read_size)

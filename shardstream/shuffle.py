@@ -1,4 +1,4 @@
-"""Buffered sample shuffle with a seeded RNG: memory bounded by the buffer size.
+"""Buffered sample shuffle with a seeded RNG: memory bounded by the buffer (plus one read block).
 
 The RNG is seeded from (seed, epoch, rank, worker), so an epoch's order is reproducible.
 """
@@ -16,30 +16,36 @@ def worker_rng(seed: int, epoch: int, rank: int, worker: int) -> random.Random:
     return random.Random(f"shardstream:{seed}:{epoch}:{rank}:{worker}")
 
 
-def shuffle_samples(samples: Iterable[T], *, buffer_size: int, initial: int, rng: random.Random) -> Iterator[T]:
-    """Yield every item of ``samples`` exactly once, in a shuffled order.
+def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: random.Random) -> Iterator[list[T]]:
+    """Yield every item of the incoming lists exactly once, in a shuffled order, as lists.
 
-    Fills the buffer to ``initial`` items before the first yield, then lets it grow to
-    ``buffer_size``; each yield takes a random buffered item.
+    Fills the buffer to ``initial`` items before the first output, then lets it grow to
+    ``buffer_size``; each output takes a random buffered item.
     """
     if buffer_size <= 1:
-        yield from samples
+        yield from chunks
         return
     initial = max(1, min(initial, buffer_size))
     buf: list[T] = []
-    randrange = rng.randrange
+    random = rng.random
     grow = False
-    for item in samples:
-        buf.append(item)
-        if len(buf) < initial:
-            continue
-        if len(buf) < buffer_size:
-            # Past the initial fill, yield on every other item so the buffer grows to full size.
-            grow = not grow
-            if grow:
+    for chunk in chunks:
+        out: list[T] = []
+        for item in chunk:
+            buf.append(item)
+            n = len(buf)
+            if n < initial:
                 continue
-        i = randrange(len(buf))
-        buf[i], buf[-1] = buf[-1], buf[i]
-        yield buf.pop()
+            if n < buffer_size:
+                # Past the initial fill, output on every other item so the buffer grows to full size.
+                grow = not grow
+                if grow:
+                    continue
+            i = int(random() * n)
+            buf[i], buf[-1] = buf[-1], buf[i]
+            out.append(buf.pop())
+        if out:
+            yield out
     rng.shuffle(buf)
-    yield from buf
+    if buf:
+        yield buf

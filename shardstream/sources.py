@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping
 from . import storage
 from .encode import check_key, encode_value
 from .errors import SourceError
-from .tarformat import iter_members, iter_samples, split_name
+from .tarformat import iter_samples, split_name
 
 Item = tuple[str, tuple]
 
@@ -209,9 +209,15 @@ def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
     raise SourceError(where, f"unknown item kind {kind!r}")
 
 
-def _read_file(url: str, where: str) -> bytes:
-    fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
+def _read_file(url: str, where: str, fs=None) -> bytes:
+    if fs is None:
+        fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
+    else:
+        path = url
     try:
+        if storage.is_local(fs):
+            with open(path, "rb") as f:
+                return f.read()
         return fs.cat_file(path)
     except FileNotFoundError:
         raise SourceError(where, f"file not found: {url}") from None
@@ -224,7 +230,7 @@ def _read_file(url: str, where: str) -> bytes:
 def _load_dir(payload) -> tuple[str, dict[str, bytes]]:
     _, src, key, files, label = payload
     fs, _ = storage.get_fs(src, _STORAGE_OPTIONS)
-    fields = {ext: _read_file(storage.full_url(fs, path), storage.full_url(fs, path)) for ext, path in files}
+    fields = {ext: _read_file(path, storage.full_url(fs, path), fs) for ext, path in files}
     if label is not None:
         fields["cls"] = str(label).encode("ascii")
     return key, fields
@@ -265,10 +271,10 @@ def _load_tar(payload) -> tuple[str, dict[str, bytes]]:
         pos += len(chunk)
         return chunk
 
-    samples = list(iter_samples(iter_members(read, url=url, start=start, end=end), url=url))
+    samples = list(iter_samples(read, url=url, start=start, end=end))
     if len(samples) != 1:
         raise SourceError(f"{url} at byte {start}", f"expected one sample in the range, found {len(samples)}")
-    key, _, fields = samples[0]
+    key, _, _, fields = samples[0]
     return key, fields
 
 

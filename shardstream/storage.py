@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from .errors import DestinationError, StorageError
 
@@ -45,12 +46,7 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None):
 
 
 def is_local(fs) -> bool:
-    return "file" in _protocols(fs) or "local" in _protocols(fs)
-
-
-def _protocols(fs) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+    return isinstance(fs, LocalFileSystem)
 
 
 def join(base: str, *parts: str) -> str:

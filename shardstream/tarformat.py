@@ -4,15 +4,16 @@ Writing: ``member_header(name, size)`` builds a ustar header with fixed mode, ow
 the same input always packs to the same bytes; names that do not fit ustar fall back to a pax
 header, which webdataset and GNU tar read.
 
-Reading: ``iter_members`` parses 512-byte headers straight out of large buffered reads (no
-``tarfile`` per member), validates checksums a buffer at a time with numpy, follows GNU long names
-and pax headers, and never trusts a size field beyond the bytes that are really there.
-``iter_samples`` groups members into samples by key, as webdataset does.
+Reading: ``iter_sample_batches`` parses 512-byte headers straight out of large buffered reads
+(no ``tarfile`` per member), validates checksums a buffer at a time with numpy, follows GNU long
+names and pax headers, never trusts a size field beyond the bytes that are really there, and
+groups members into samples by key, as webdataset does, in the same pass.
 
 Record shapes:
-    iter_members  -> (name: str, offset: int, end: int, data: bytes)
-                     offset = the member's first header (long-name/pax included), end = after its padding
-    iter_samples  -> (key: str, offset: int, fields: {ext: bytes})
+    iter_sample_batches -> [(key: str, offset: int, end: int, fields: {ext: bytes}), ...]  a list per read
+                           offset = the sample's first header (long-name/pax included),
+                           end = after the padding of its last member
+    iter_samples        -> (key, offset, end, fields)                                     flattened
 """
 
 from __future__ import annotations
@@ -144,51 +145,48 @@ def _decode_name(raw: bytes, url: str, offset: int) -> str:
 
 
 def _verify_checksums(buf: bytes, positions: list[int], url: str, base: int) -> None:
-    """Check the header checksums of all headers parsed from ``buf`` at once."""
+    """Check the checksums of all headers parsed from ``buf`` at once (vectorized)."""
     if not positions:
         return
     blocks = np.frombuffer(buf, np.uint8, count=(len(buf) // BLOCK) * BLOCK).reshape(-1, BLOCK)
     rows = blocks[np.asarray(positions, dtype=np.int64) // BLOCK]
-    computed = rows.sum(axis=1, dtype=np.int64) - rows[:, 148:156].sum(axis=1, dtype=np.int64) + 256
-    for i in np.nonzero(computed != _stored_checksums(buf, positions))[0]:
+    field = rows[:, 148:156].astype(np.int64)
+    computed = rows.sum(axis=1, dtype=np.int64) - field.sum(axis=1) + 8 * 32
+    # The stored value is octal digits padded with NUL/space: fold the digits, skip the rest.
+    digit = (field >= 48) & (field <= 55)
+    after = np.cumsum(digit[:, ::-1], axis=1)[:, ::-1] - digit
+    stored = np.where(digit, (field - 48) << (3 * after), 0).sum(axis=1)
+    for i in np.nonzero(computed != stored)[0]:
         pos = positions[int(i)]
         hdr = buf[pos : pos + BLOCK]
-        stored = _stored_checksum(hdr)
-        signed = sum(b - 256 if b > 127 else b for b in hdr[:148] + hdr[156:]) + 256
-        if stored != signed:
+        signed = sum(b - 256 if b > 127 else b for b in hdr[:148] + hdr[156:]) + 8 * 32
+        if int(stored[i]) != signed:  # some old writers summed signed bytes
             raise ShardFormatError(url, base + pos, "tar header checksum mismatch (corrupt or not a tar file)")
 
 
-def _stored_checksum(hdr: bytes) -> int:
-    text = hdr[148:156].replace(b"\0", b" ").strip()
-    try:
-        return int(text, 8)
-    except ValueError:
-        return -1
-
-
-def _stored_checksums(buf: bytes, positions: list[int]) -> np.ndarray:
-    return np.fromiter((_stored_checksum(buf[p : p + BLOCK]) for p in positions), np.int64, len(positions))
-
-
-def iter_members(
+def iter_sample_batches(
     read: Callable[[int], bytes],
     *,
     url: str,
     start: int = 0,
     end: int,
     read_size: int = DEFAULT_READ_SIZE,
-    regular_only: bool = True,
     require_end_marker: bool = False,
-) -> Iterator[tuple[str, int, int, bytes]]:
-    """Yield ``(name, offset, end, data)`` for the regular members in bytes ``[start, end)``.
+) -> Iterator[list[tuple[str, int, int, dict[str, bytes]]]]:
+    """Yield lists of complete samples ``(key, offset, end, {ext: data})`` from bytes ``[start, end)``.
 
     ``read(n)`` returns the next up-to-n bytes of the stream positioned at ``start``; ``end`` is
-    the stream's known end (object size, or a range end from the manifest); with
-    ``require_end_marker`` (whole-file reads) a stream that stops at a member boundary without
-    the end-of-archive block is truncated, not complete. A size field is
-    checked against ``end`` before anything is allocated for it; a stream that ends early, a bad
-    checksum or a malformed header raises ShardFormatError naming ``url`` and the byte offset.
+    the stream's known end (object size, or a range end from the manifest). One list per buffer
+    fill, every header in it checksum-verified (vectorized). Members are grouped into samples by
+    key, as webdataset does: the key is the name up to the first dot of its last component, the
+    extension the rest, lower-cased; members without one are skipped.
+
+    Errors (ShardFormatError, naming ``url`` and the byte offset): a size field larger than the
+    bytes left before ``end`` (checked before anything is allocated), a stream that ends early,
+    a bad checksum, a malformed header, an unsafe or non-UTF-8 name, a repeated field in one
+    sample, or a key that reappears later in the stream (two samples mixed up, one would be
+    lost). With ``require_end_marker`` (whole-file reads) a stream that stops at a member
+    boundary without the end-of-archive block is truncated, not complete.
     """
     buf = b""
     base = start  # absolute offset of buf[0]
@@ -196,112 +194,124 @@ def iter_members(
     fetched = start  # absolute offset of the next byte read() returns
     long_name: str | None = None
     pax: dict[str, str] | None = None
-    member_start: int | None = None
+    member_start: int | None = None  # first header of a member preceded by long-name/pax headers
+    key: str | None = None  # the sample being assembled
+    key_offset = key_end = 0
+    fields: dict[str, bytes] = {}
+    seen: set[str] = set()
     while True:
-        out: list[tuple[str, int, int, bytes]] = []
+        out: list[tuple[str, int, int, dict[str, bytes]]] = []
         headers: list[int] = []
         done = False
         need = BLOCK
-        while True:
-            if base + pos >= end:
-                if require_end_marker:
-                    raise ShardFormatError(url, base + pos, "no end-of-archive block: the shard is truncated")
-                done = True
-                break
-            if len(buf) - pos < BLOCK:
-                need = BLOCK
-                break
-            hdr = buf[pos : pos + BLOCK]
-            if hdr == ZERO_BLOCK:
-                done = True
-                break
-            offset = base + pos
-            size = _parse_size(hdr[124:136], url, offset)
-            data_start = pos + BLOCK
-            padded_end = data_start + size + (-size % BLOCK)
-            if base + data_start + size > end:
-                raise ShardFormatError(
-                    url, offset, f"member claims {size} bytes but only {end - base - data_start} remain (truncated or corrupt)"
-                )
-            if padded_end > len(buf):
-                need = padded_end - pos
-                break
-            headers.append(pos)
-            if member_start is None:
-                member_start = offset
-            kind = hdr[156:157]
-            if kind in (b"0", b"\0", b"7"):
-                if pax is not None and "path" in pax:
-                    name = pax["path"]
-                elif long_name is not None:
-                    name = long_name
-                else:
-                    name = _decode_name(hdr[0:100].split(b"\0", 1)[0], url, offset)
-                    if hdr[257:262] == b"ustar" and hdr[345] != 0:
-                        prefix = _decode_name(hdr[345:500].split(b"\0", 1)[0], url, offset)
-                        name = prefix + "/" + name
-                _check_name(name, url, offset)
-                out.append((name, member_start, base + padded_end, buf[data_start : data_start + size]))
-                long_name = pax = member_start = None
-            elif kind == b"L":
-                long_name = _decode_name(buf[data_start : data_start + size].split(b"\0", 1)[0], url, offset)
-            elif kind == b"x":
-                pax = _parse_pax(buf[data_start : data_start + size], url, offset)
-                if "size" in pax:
-                    raise ShardFormatError(url, offset, "pax size override is not supported")
-            elif kind in (b"g", b"K"):
-                if member_start == offset:
-                    member_start = None
-            elif kind == b"S":
-                raise ShardFormatError(url, offset, "GNU sparse members are not supported")
-            else:  # directories, links, devices: not sample data
-                if regular_only:
+        limit = end - base  # end, relative to buf
+        buflen = len(buf)
+        try:
+            while True:
+                if pos >= limit:
+                    if require_end_marker:
+                        raise ShardFormatError(url, base + pos, "no end-of-archive block: the shard is truncated")
+                    done = True
+                    break
+                if buflen - pos < BLOCK:
+                    need = BLOCK
+                    break
+                try:  # fast path: 11 octal digits and a NUL or space, as every common writer emits
+                    if buf[pos + 135] > 32:
+                        raise ValueError
+                    size = int(buf[pos + 124 : pos + 135], 8)
+                except ValueError:
+                    if buf[pos : pos + BLOCK] == ZERO_BLOCK:
+                        done = True
+                        break
+                    size = _parse_size(buf[pos + 124 : pos + 136], url, base + pos)
+                data_start = pos + BLOCK
+                data_end = data_start + size
+                padded_end = data_end + (-size % BLOCK)
+                if data_end > limit:
+                    raise ShardFormatError(
+                        url, base + pos, f"member claims {size} bytes but only {limit - data_start} remain (truncated or corrupt)"
+                    )
+                if padded_end > buflen:
+                    need = padded_end - pos
+                    break
+                headers.append(pos)
+                kind = buf[pos + 156]
+                if kind == 48 or kind == 0 or kind == 55:  # '0', NUL, '7': regular file
+                    if long_name is None and pax is None:
+                        nul = buf.find(0, pos, pos + 100)
+                        name = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
+                        if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\0":  # POSIX prefix field
+                            name = buf[pos + 345 : pos + 500].split(b"\0", 1)[0].decode() + "/" + name
+                        here = base + pos
+                    else:
+                        name = pax["path"] if pax is not None and "path" in pax else long_name
+                        if name is None:  # a pax header without a path: the name is in this header
+                            nul = buf.find(0, pos, pos + 100)
+                            name = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
+                        here = member_start
+                        long_name = pax = member_start = None
+                    if name[:1] == "/" or ".." in name or "\0" in name:
+                        _check_name(name, url, base + pos)
+                    slash = name.rfind("/")
+                    dot = name.find(".", slash + 1)
+                    if dot > slash + 1:  # else: no key, not sample data (as in webdataset)
+                        k = name[:dot]
+                        ext = name[dot + 1 :]
+                        if not ext.islower():
+                            ext = ext.lower()
+                        if k != key:
+                            if key is not None:
+                                out.append((key, key_offset, key_end, fields))
+                            if k in seen:
+                                raise ShardFormatError(url, here, f"duplicate key {k!r} (not adjacent to its first occurrence)")
+                            seen.add(k)
+                            key, key_offset, fields = k, here, {ext: buf[data_start:data_end]}
+                        elif ext in fields:
+                            raise ShardFormatError(url, here, f"duplicate field {ext!r} in sample {k!r}")
+                        else:
+                            fields[ext] = buf[data_start:data_end]
+                        key_end = base + padded_end
+                elif kind == 76:  # 'L': GNU long name of the next member
+                    if member_start is None:
+                        member_start = base + pos
+                    long_name = buf[data_start:data_end].split(b"\0", 1)[0].decode()
+                elif kind == 120:  # 'x': pax header of the next member
+                    if member_start is None:
+                        member_start = base + pos
+                    pax = _parse_pax(buf[data_start:data_end], url, base + pos)
+                    if "size" in pax:
+                        raise ShardFormatError(url, base + pos, "pax size override is not supported")
+                elif kind == 83:  # 'S'
+                    raise ShardFormatError(url, base + pos, "GNU sparse members are not supported")
+                elif kind != 103 and kind != 75:  # not 'g' (global pax) or 'K' (long link): dirs, links...
                     long_name = pax = member_start = None
-            pos = padded_end
+                pos = padded_end
+        except UnicodeDecodeError:
+            raise ShardFormatError(url, base + pos, "member name is not UTF-8") from None
         _verify_checksums(buf, headers, url, base)
-        yield from out
         if done:
             if long_name is not None or pax is not None:
                 raise ShardFormatError(url, base + pos, "archive ends after a long-name/pax header")
+            if key is not None:
+                out.append((key, key_offset, key_end, fields))
+            if out:
+                yield out
             return
+        if out:
+            yield out
         if fetched >= end:
             raise ShardFormatError(url, base + pos, f"shard ends early: expected {end - base - pos} more bytes")
         chunk = read(min(max(read_size, need), end - fetched))
         if not chunk:
-            raise ShardFormatError(
-                url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)"
-            )
+            raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
         fetched += len(chunk)
         buf = buf[pos:] + chunk
         base += pos
         pos = 0
 
 
-def iter_samples(
-    members: Iterable[tuple[str, int, int, bytes]], *, url: str
-) -> Iterator[tuple[str, int, dict[str, bytes]]]:
-    """Group adjacent members with the same key into ``(key, offset, {ext: data})``.
-
-    A repeated field within one sample, or a key that reappears later in the same stream, is a
-    ShardFormatError: both mean two samples were mixed up and one would be silently lost.
-    """
-    key: str | None = None
-    offset = 0
-    fields: dict[str, bytes] = {}
-    seen: set[str] = set()
-    for name, member_offset, _end, data in members:
-        k, ext = split_name(name)
-        if k is None:
-            continue
-        if k != key:
-            if key is not None:
-                yield key, offset, fields
-            if k in seen:
-                raise ShardFormatError(url, member_offset, f"duplicate key {k!r} (not adjacent to its first occurrence)")
-            seen.add(k)
-            key, offset, fields = k, member_offset, {}
-        elif ext in fields:
-            raise ShardFormatError(url, member_offset, f"duplicate field {ext!r} in sample {k!r}")
-        fields[ext] = data
-    if key is not None:
-        yield key, offset, fields
+def iter_samples(read: Callable[[int], bytes], **kwargs) -> Iterator[tuple[str, int, int, dict[str, bytes]]]:
+    """``iter_sample_batches`` flattened: one ``(key, offset, end, {ext: data})`` at a time."""
+    for batch in iter_sample_batches(read, **kwargs):
+        yield from batch

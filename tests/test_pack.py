@@ -36,7 +36,7 @@ def read_with_manifest(root, storage_options=None):
     manifest = load_manifest(str(root), storage_options)
     out = {}
     for i, shard in enumerate(manifest.shards):
-        for s in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options):
+        for s in (x for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options) for x in chunk):
             assert s["__key__"] not in out
             out[s["__key__"]] = {k: v for k, v in s.items() if not k.startswith("__")}
     return manifest, out
@@ -178,7 +178,7 @@ def test_manifest_offsets_point_at_every_sample(tmp_path):
     keys = iter(s["__key__"] for s in samples)
     for i, info in enumerate(manifest.shards):
         for j in range(info.samples):
-            (sample,) = list(read_range(manifest, Range(i, j, j + 1)))  # seek to the offset and parse
+            ((sample,),) = list(read_range(manifest, Range(i, j, j + 1)))  # seek to the offset and parse
             assert sample["__key__"] == next(keys)
 
 

@@ -12,13 +12,13 @@ import pytest
 import webdataset as wds
 
 from shardstream.errors import ShardFormatError
-from shardstream.tarformat import END_OF_ARCHIVE, iter_members, iter_samples, member_header, padding, split_name
+from shardstream.tarformat import END_OF_ARCHIVE, iter_samples, member_header, padding, split_name
 
 
 def parse(data: bytes, url: str = "mem://x.tar", read_size: int = 1024):
     stream = io.BytesIO(data)
-    members = iter_members(stream.read, url=url, start=0, end=len(data), read_size=read_size, require_end_marker=bool(data))
-    return list(iter_samples(members, url=url))
+    samples = iter_samples(stream.read, url=url, start=0, end=len(data), read_size=read_size, require_end_marker=bool(data))
+    return [(key, offset, fields) for key, offset, _end, fields in samples]
 
 
 def build(members: list[tuple[str, bytes]]) -> bytes:
