@@ -1,9 +1,10 @@
 """Decode-time augmentation: random-resized-crop fused with JPEG decoding at reduced scale.
 
 ``RandomResizedCrop(224)`` used as the decoder of an image extension picks the crop from the
-image header, lets libjpeg decode at 1/2, 1/4 or 1/8 scale when the crop still covers the output
-size at that scale, then crops and resizes: the same result distribution as decoding the full
-image and cropping, at a fraction of the work for large photos.
+JPEG header, decodes with libjpeg-turbo (simplejpeg; fast DCT and upsampling unless
+``fast=False``) at 1/2, 1/4 or 1/8 scale when the crop still covers the output size at that
+scale, then resizes the crop with torch's uint8 antialiased bilinear kernel. Non-JPEG images go
+through PIL. Output: a uint8 CHW tensor of size x size.
 
 Randomness is reproducible: ShardStream calls ``bind(epoch, rank, worker)`` on decoders and
 transforms that define it, at the start of each worker's epoch.
@@ -20,8 +21,10 @@ class RandomResizedCrop:
     """Image bytes -> uint8 CHW tensor of ``size x size`` (torchvision's RandomResizedCrop sampling)."""
 
     def __init__(self, size: int = 224, *, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), seed: int = 0, reduced_decode: bool = True):
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), seed: int = 0, reduced_decode: bool = True,
+                 fast: bool = True):
         self.size = size
+        self.fast = fast
         self.scale = scale
         self.ratio = ratio
         self.seed = seed
@@ -56,21 +59,36 @@ class RandomResizedCrop:
     def __call__(self, data: bytes):
         import numpy as np
         import torch
-        from PIL import Image
+        import torch.nn.functional as F
 
-        img = Image.open(io.BytesIO(data))
-        width, height = img.size
-        x, y, w, h = self.crop_box(width, height)
-        if self.reduced_decode and img.format == "JPEG":
-            # Largest DCT reduction (1/2, 1/4, 1/8) that keeps the crop at least size x size.
-            shrink = 1
-            while shrink < 8 and min(w, h) // (shrink * 2) >= self.size:
-                shrink *= 2
-            if shrink > 1:
-                img.draft("RGB", (math.ceil(width / shrink), math.ceil(height / shrink)))
-                sx, sy = img.size[0] / width, img.size[1] / height
-                x, y, w, h = x * sx, y * sy, w * sx, h * sy
-        if img.mode != "RGB":
-            img = img.convert("RGB")
-        out = img.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + w, y + h))
-        return torch.from_numpy(np.array(out, copy=True)).permute(2, 0, 1)
+        from .decode import decode_image_pil, decode_jpeg_array, is_jpeg
+
+        array = None
+        if is_jpeg(data):
+            import simplejpeg
+
+            try:
+                height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            except ValueError:
+                height = width = 0
+            if width and height:
+                x, y, w, h = self.crop_box(width, height)
+                shrink = 1
+                if self.reduced_decode:
+                    # Largest DCT reduction (1/2, 1/4, 1/8) that keeps the crop at least size x size.
+                    while shrink < 8 and min(w, h) // (shrink * 2) >= self.size:
+                        shrink *= 2
+                min_size = (math.ceil(width / shrink), math.ceil(height / shrink)) if shrink > 1 else None
+                array = decode_jpeg_array(data, fast=self.fast, min_size=min_size)
+        if array is None:
+            array = np.asarray(decode_image_pil(data))
+            height, width = array.shape[:2]
+            x, y, w, h = self.crop_box(width, height)
+        sx, sy = array.shape[1] / width, array.shape[0] / height
+        x0, y0 = int(x * sx), int(y * sy)
+        x1, y1 = max(x0 + 1, round((x + w) * sx)), max(y0 + 1, round((y + h) * sy))
+        region = torch.from_numpy(np.ascontiguousarray(array[y0:y1, x0:x1]))
+        # HWC -> 1CHW as a channels-last view: torch's uint8 antialiased bilinear fast path.
+        out = F.interpolate(region.permute(2, 0, 1).unsqueeze(0), size=(self.size, self.size),
+                            mode="bilinear", antialias=True, align_corners=False)
+        return out[0]

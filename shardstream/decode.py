@@ -26,6 +26,26 @@ IMAGE_MODES = ("tensor", "numpy", "pil")
 Decoders = Mapping[str, Callable[[bytes], Any]]
 
 
+def is_jpeg(data: bytes) -> bool:
+    return data[:3] == b"\xff\xd8\xff"
+
+
+def decode_jpeg_array(data: bytes, *, fast: bool = False, min_size: tuple[int, int] | None = None):
+    """JPEG bytes -> HWC uint8 RGB array through libjpeg-turbo (simplejpeg); None if it cannot.
+
+    ``min_size`` (width, height): decode at the smallest 1/2, 1/4, 1/8 scale that still covers it.
+    """
+    import simplejpeg
+
+    options = {}
+    if min_size is not None:
+        options = {"min_width": min_size[0], "min_height": min_size[1]}
+    try:
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=fast, fastupsample=fast, **options)
+    except ValueError:
+        return None  # CMYK, lossless or otherwise unusual: PIL handles those
+
+
 def decode_image_pil(data: bytes, draft_size: tuple[int, int] | None = None):
     from PIL import Image
 
@@ -51,16 +71,21 @@ class ImageDecoder:
         self.draft_size = draft_size
 
     def __call__(self, data: bytes):
-        img = decode_image_pil(data, self.draft_size)
-        if self.image == "pil":
-            return img
         import numpy as np
 
+        array = None
+        if self.image != "pil" and is_jpeg(data):
+            array = decode_jpeg_array(data, min_size=self.draft_size)
+        if array is None:
+            img = decode_image_pil(data, self.draft_size)
+            if self.image == "pil":
+                return img
+            array = np.array(img, copy=True)
         if self.image == "numpy":
-            return np.asarray(img)
+            return array
         import torch
 
-        return torch.from_numpy(np.array(img, copy=True)).permute(2, 0, 1)
+        return torch.from_numpy(array).permute(2, 0, 1)
 
 
 def _decode_npy(data: bytes):
