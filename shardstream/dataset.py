@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .batch import BatchStats, batch_samples, default_collate, pack_for_transport
-from .decode import Decoder, ErrorPolicy, decode_samples, default_decoders
+from .decode import Decoder, decode_samples, default_decoders
+from .policy import ErrorPolicy
 from .errors import ConfigError
 from .index import index_shards
 from .manifest import Manifest, load_manifest
@@ -151,7 +152,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 fn.bind(plan.epoch, rank, worker)
         policy = ErrorPolicy(self.on_error, self.error_tolerance)
         stats = BatchStats()
-        samples = read_ranges(self.manifest, ranges, storage_options=self.storage_options, read_size=self.read_size)
+        samples = read_ranges(self.manifest, ranges, storage_options=self.storage_options, read_size=self.read_size,
+                              policy=policy)
         if self.shuffle_buffer > 1:
             samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))

@@ -5,9 +5,7 @@ npy -> tensor, json -> object, txt -> str, cls/index -> int, pth -> ``torch.load
 User decoders (by extension) override these; other extensions stay bytes. A multi-part extension
 such as ``seg.png`` is decoded by its last part.
 
-Error policy: ``"raise"`` stops at the first bad sample with a SampleError naming the shard URL,
-key and field; ``"skip"`` drops it, counts and logs it, and raises anyway after ``tolerance``
-consecutive failures (a dataset that silently yields nothing is worse than a crash).
+Failures go to the user's ErrorPolicy (``policy.py``): raise, or skip and count.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .errors import SampleError
+from .policy import ErrorPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -152,31 +151,6 @@ class Decoder:
                 raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"),
                                   f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}") from exc
         return sample
-
-
-class ErrorPolicy:
-    """Counts skipped samples; raises when skipping is off or failures run too long."""
-
-    def __init__(self, on_error: str = "raise", tolerance: int = 16):
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        self.on_error = on_error
-        self.tolerance = tolerance
-        self.skipped = 0
-        self._consecutive = 0
-
-    def ok(self) -> None:
-        self._consecutive = 0
-
-    def failed(self, exc: Exception) -> None:
-        if self.on_error == "raise":
-            raise exc
-        self.skipped += 1
-        self._consecutive += 1
-        logger.warning("skipping sample: %s", exc)
-        if self._consecutive > self.tolerance:
-            raise SampleError("(several shards)", "(several)", f"{self._consecutive} consecutive samples failed; "
-                              "the dataset or the decoders are likely broken") from exc
 
 
 def decode_samples(chunks: Iterable[list[dict[str, Any]]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[list[dict[str, Any]]]:

@@ -62,3 +62,32 @@ def index_shards(urls: list[str], storage_options: Mapping[str, Any] | None = No
         for ext, n in getattr(info, "_extensions", {}).items():
             extensions[ext] = extensions.get(ext, 0) + n
     return Manifest(shards=infos, extensions=extensions)
+
+
+def write_index(pattern: str, dest: str, *, storage_options: Mapping[str, Any] | None = None, threads: int = 8,
+                overwrite: bool = False) -> tuple[Manifest, str]:
+    """Index the shards matching ``pattern`` and write their manifest at ``dest`` (a directory or
+    a .json path). Shards are not modified. Returns the manifest and its URL."""
+    from dataclasses import replace
+
+    from .errors import DestinationError, SourceError
+    from .manifest import MANIFEST_NAME
+    from .sources import expand_urls
+
+    urls = expand_urls(pattern, storage_options)
+    if not urls:
+        raise SourceError(pattern, "no shards match")
+    url = dest if dest.endswith(".json") else storage.join(dest, MANIFEST_NAME)
+    fs, path = storage.get_fs(url, storage_options)
+    if fs.exists(path) and not overwrite:
+        raise DestinationError(f"{url} exists; pass --overwrite to replace it")
+    manifest = index_shards(urls, storage_options, threads=threads)
+    base = url.rsplit("/", 1)[0] + "/" if "/" in url else ""
+    manifest.shards = [replace(s, path=s.path[len(base):] if base and s.path.startswith(base) else s.path)
+                       for s in manifest.shards]
+    if storage.is_local(fs):
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    storage.write_bytes_atomic(fs, path, manifest.dumps())
+    return manifest, url

@@ -39,6 +39,7 @@ class Manifest:
     shards: list[ShardInfo]
     extensions: dict[str, int] = field(default_factory=dict)
     label_map: dict[str, int] | None = None
+    label_counts: dict[str, int] | None = None
     skipped: dict[str, Any] = field(default_factory=lambda: {"count": 0, "items": []})
     created: str = ""
     shardstream_version: str = ""
@@ -70,6 +71,7 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "extensions": dict(sorted(self.extensions.items())),
             "label_map": self.label_map,
+            "label_counts": self.label_counts,
             "skipped": self.skipped,
             "shards": [s.to_json() for s in self.shards],
         }
@@ -99,6 +101,7 @@ class Manifest:
             shards=shards,
             extensions=dict(doc.get("extensions") or {}),
             label_map=doc.get("label_map"),
+            label_counts=doc.get("label_counts"),
             skipped=doc.get("skipped") or {"count": 0, "items": []},
             created=doc.get("created", ""),
             shardstream_version=doc.get("shardstream_version", ""),

@@ -107,6 +107,7 @@ def pack(
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
     manifest = Manifest(
         shards=writer.shards, extensions=writer.extensions, label_map=writer.label_map,
+        label_counts=writer.label_counts,
         skipped={"count": writer.skipped_count, "items": writer.skipped},
     )
     return PackResult(

@@ -19,6 +19,7 @@ from . import storage
 from .errors import ShardFormatError, StorageError
 from .manifest import Manifest
 from .plan import Range
+from .policy import ErrorPolicy
 from .tarformat import DEFAULT_READ_SIZE, iter_sample_batches
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,20 @@ def read_range(
 
 def read_ranges(
     manifest: Manifest, ranges: Iterable[Range], *, storage_options: Mapping[str, Any] | None = None,
-    read_size: int = DEFAULT_READ_SIZE,
+    read_size: int = DEFAULT_READ_SIZE, policy: ErrorPolicy | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
-    """Samples of several ranges in order, as lists (one per read block)."""
+    """Samples of several ranges in order, as lists (one per read block).
+
+    A broken range (missing shard, truncated or corrupt bytes, a manifest that lies) goes to
+    ``policy``: raised, or its remaining samples skipped and counted.
+    """
     for rng in ranges:
-        yield from read_range(manifest, rng, storage_options=storage_options, read_size=read_size)
+        try:
+            for chunk in read_range(manifest, rng, storage_options=storage_options, read_size=read_size):
+                yield chunk
+                if policy is not None:
+                    policy.ok()
+        except (ShardFormatError, StorageError) as exc:
+            if policy is None:
+                raise
+            policy.failed(exc)

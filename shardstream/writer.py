@@ -77,6 +77,7 @@ class ShardWriter:
         self.skipped_count = 0
         self.samples_written = 0
         self.bytes_written = 0
+        self._label_counts: dict[int, int] = {}
         self._keys: set[str] | None = set() if check_unique_keys else None
         self._file = None
         self._tmp_path: str | None = None
@@ -150,6 +151,9 @@ class ShardWriter:
             self._flush()
         for ext in fields:
             self.extensions[ext] = self.extensions.get(ext, 0) + 1
+        if self.label_map is not None and "cls" in fields:
+            label = int(fields["cls"])
+            self._label_counts[label] = self._label_counts.get(label, 0) + 1
         self.samples_written += 1
         self.bytes_written += size
 
@@ -214,6 +218,7 @@ class ShardWriter:
             shards=list(self.shards),
             extensions=dict(self.extensions),
             label_map=self.label_map,
+            label_counts=self.label_counts,
             skipped={"count": self.skipped_count, "items": list(self.skipped)},
         )
         storage.write_bytes_atomic(self.fs, storage.join(self.root, MANIFEST_NAME), manifest.dumps())
@@ -232,6 +237,12 @@ class ShardWriter:
             except FileNotFoundError:
                 pass
             self._tmp_path = None
+
+    @property
+    def label_counts(self) -> dict[str, int] | None:
+        if self.label_map is None:
+            return None
+        return {name: self._label_counts.get(index, 0) for name, index in self.label_map.items()}
 
     @property
     def manifest_url(self) -> str:

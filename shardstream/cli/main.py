@@ -11,14 +11,19 @@ import logging
 import sys
 
 from ..errors import ShardstreamError
-from . import pack as pack_command
+from . import bench, index, ls, pack, show, verify
 
-COMMANDS = [pack_command]
+COMMANDS = [pack, ls, show, verify, index, bench]
 
 EPILOG = """examples:
   shardstream pack ./images ./shards --label-from-dir --max-count 1000
   shardstream pack data.jsonl s3://bucket/train --max-size 256MB --shuffle --seed 1
-  shardstream pack 'old/train-{000000..000099}.tar' ./repacked --max-size 1GB --workers 4
+  shardstream ls ./shards
+  shardstream show ./shards -n 3
+  shardstream verify s3://bucket/train --endpoint-url http://127.0.0.1:9000
+  shardstream index 'wds/train-{000000..000099}.tar' ./wds
+  shardstream bench ./shards --workers 2 --seconds 20
+Run 'shardstream COMMAND --help' for a command's options and examples.
 """
 
 

@@ -1,0 +1,62 @@
+"""``shardstream ls URL``: a dataset at a glance from its manifest."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .options import add_storage_arguments, human_bytes, storage_options_from
+
+NAME = "ls"
+HELP = "summarize a dataset from its manifest: shards, samples, bytes, fields, labels"
+EPILOG = """examples:
+  shardstream ls ./shards
+  shardstream ls s3://bucket/train --endpoint-url http://127.0.0.1:9000 --json
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="dataset root or index.json URL")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--shards", action="store_true", help="also list every shard")
+    add_storage_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..manifest import load_manifest, manifest_url
+
+    manifest = load_manifest(args.url, storage_options_from(args))
+    summary = {
+        "manifest": manifest_url(args.url),
+        "shards": len(manifest.shards),
+        "samples": manifest.total_samples,
+        "bytes": manifest.total_bytes,
+        "extensions": manifest.extensions,
+        "label_map": manifest.label_map,
+        "label_counts": manifest.label_counts,
+        "skipped": manifest.skipped.get("count", 0),
+        "created": manifest.created,
+        "shardstream_version": manifest.shardstream_version,
+    }
+    if args.json:
+        if args.shards:
+            summary["shard_list"] = [{"path": s.path, "samples": s.samples, "bytes": s.bytes} for s in manifest.shards]
+        print(json.dumps(summary, indent=1))
+        return 0
+    sizes = [s.samples for s in manifest.shards] or [0]
+    print(f"{summary['manifest']}")
+    print(f"  {summary['shards']} shards, {summary['samples']} samples, {human_bytes(summary['bytes'])}"
+          f" (samples per shard {min(sizes)}..{max(sizes)})")
+    print("  fields: " + ", ".join(f"{ext} ({n})" for ext, n in sorted(manifest.extensions.items())))
+    if manifest.label_map:
+        counts = manifest.label_counts or {}
+        print(f"  labels: {len(manifest.label_map)} classes")
+        for name, index in sorted(manifest.label_map.items(), key=lambda kv: kv[1]):
+            print(f"    {index:>5}  {name}" + (f"  {counts[name]} samples" if name in counts else ""))
+    if summary["skipped"]:
+        print(f"  skipped while packing: {summary['skipped']}")
+    print(f"  written {manifest.created or '?'} by shardstream {manifest.shardstream_version or '?'}")
+    if args.shards:
+        for s in manifest.shards:
+            print(f"  {s.path}  {s.samples} samples  {human_bytes(s.bytes)}")
+    return 0

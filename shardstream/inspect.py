@@ -1,0 +1,141 @@
+"""Look inside a dataset: find samples (by position or key) and describe their fields.
+
+Key lookup uses the manifest's offsets: it reads only the first header block(s) of each sample
+(one small ranged read per sample, batched) to learn its key, never whole shards.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Any, Iterator, Mapping
+
+from . import storage
+from .errors import ShardstreamError
+from .manifest import Manifest
+from .plan import Range
+from .reader import read_range
+from .tarformat import BLOCK
+
+PROBE_BYTES = 3 * BLOCK  # a pax or long-name header, then the member's own header
+
+
+def iter_dataset_samples(manifest: Manifest, storage_options: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Every sample in manifest order, undecoded."""
+    for i, shard in enumerate(manifest.shards):
+        if shard.samples:
+            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options):
+                yield from chunk
+
+
+def _first_name(data: bytes) -> str | None:
+    """Name of the first regular member in ``data`` (header-only parse, data may be cut)."""
+    import tarfile
+
+    pos = 0
+    long_name = None
+    while pos + BLOCK <= len(data):
+        try:
+            info = tarfile.TarInfo.frombuf(data[pos : pos + BLOCK], "utf-8", "surrogateescape")
+        except tarfile.HeaderError:
+            return None
+        size = info.size
+        body = data[pos + BLOCK : pos + BLOCK + size]
+        if info.type in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE):
+            return long_name or info.name
+        if info.type == tarfile.GNUTYPE_LONGNAME:
+            if len(body) < size:
+                return None
+            long_name = body.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+        elif info.type == tarfile.XHDTYPE:
+            if len(body) < size:
+                return None
+            for line in body.split(b"\n"):
+                _, _, record = line.partition(b" ")
+                k, _, v = record.partition(b"=")
+                if k == b"path":
+                    long_name = v.decode("utf-8", "surrogateescape")
+        pos += BLOCK + size + (-size % BLOCK)
+    return None
+
+
+def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The sample with ``key``, reading only each sample's first header block(s) until found."""
+    from .tarformat import split_name
+
+    for i, shard in enumerate(manifest.shards):
+        url = manifest.shard_url(i)
+        fs, path = storage.get_fs(url, storage_options)
+        starts = list(shard.offsets[:-1])
+        ends = [min(a + PROBE_BYTES, b) for a, b in zip(shard.offsets[:-1], shard.offsets[1:])]
+        for batch_start in range(0, len(starts), 1000):
+            s, e = starts[batch_start : batch_start + 1000], ends[batch_start : batch_start + 1000]
+            try:
+                heads = fs.cat_ranges([path] * len(s), s, e)
+            except FileNotFoundError as exc:
+                raise ShardstreamError(f"{url}: shard not found (listed in the manifest)") from exc
+            for j, head in enumerate(heads):
+                name = _first_name(head) if isinstance(head, bytes) else None
+                k = split_name(name)[0] if name else None
+                if k == key or name is None:
+                    index = batch_start + j
+                    ((sample,),) = list(read_range(manifest, Range(i, index, index + 1), storage_options=storage_options))
+                    if sample["__key__"] == key:
+                        return sample
+    return None
+
+
+def describe_field(ext: str, data: bytes, width: int = 60) -> str:
+    """A short, safe preview of one field: text, JSON, array shape/dtype, image size, or hex."""
+    kind = ext.rsplit(".", 1)[-1]
+    try:
+        if kind in ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif"):
+            from PIL import Image
+
+            with Image.open(io.BytesIO(data)) as img:
+                return f"image {img.format} {img.size[0]}x{img.size[1]} {img.mode}"
+        if kind == "npy":
+            import numpy as np
+
+            buf = io.BytesIO(data)
+            version = np.lib.format.read_magic(buf)
+            shape, _, dtype = np.lib.format._read_array_header(buf, version)  # header only
+            return f"array shape={tuple(shape)} dtype={dtype}"
+        if kind in ("json", "jsn"):
+            text = json.dumps(json.loads(data), ensure_ascii=False)
+            return "json " + _clip(text, width)
+        if kind in ("cls", "cls2", "class", "index", "inx", "id", "count"):
+            return f"int {int(data)}"
+        if kind in ("txt", "text", "html", "csv", "xml"):
+            return "text " + _clip(repr(data.decode("utf-8"))[1:-1], width)
+    except Exception as exc:  # a preview must never fail the listing
+        return f"unreadable as .{kind}: {type(exc).__name__}: {_clip(str(exc), width)}"
+    try:
+        text = data.decode("utf-8")
+        if text.isprintable():
+            return "text " + _clip(text, width)
+    except UnicodeDecodeError:
+        pass
+    return "bytes " + data[:16].hex(" ") + (" ..." if len(data) > 16 else "")
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def extract_sample(sample: Mapping[str, Any], dest: str) -> list[str]:
+    """Write a sample's fields as files under ``dest``; refuses any path that would leave it."""
+    root = os.path.realpath(dest)
+    written = []
+    for ext, data in sample.items():
+        if ext.startswith("__"):
+            continue
+        path = os.path.realpath(os.path.join(root, f"{sample['__key__']}.{ext}"))
+        if os.path.commonpath([root, path]) != root:
+            raise ShardstreamError(f"refusing to write {path!r}: outside {root!r}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+        written.append(path)
+    return written

@@ -1,0 +1,42 @@
+"""The user's error policy for bad samples and broken shard ranges.
+
+``"raise"`` (default) stops at the first failure with its error (naming the shard URL and the
+byte offset or key). ``"skip"`` drops the sample (or the rest of a broken range), counts and
+logs it, and still raises after ``tolerance`` consecutive failures: a dataset that silently
+yields nothing is worse than a crash. Counts are reported when a worker's epoch ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .errors import SampleError
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR = ("raise", "skip")
+
+
+class ErrorPolicy:
+    """Counts skipped samples; raises when skipping is off or failures run too long."""
+
+    def __init__(self, on_error: str = "raise", tolerance: int = 16):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.on_error = on_error
+        self.tolerance = tolerance
+        self.skipped = 0
+        self._consecutive = 0
+
+    def ok(self) -> None:
+        self._consecutive = 0
+
+    def failed(self, exc: Exception) -> None:
+        if self.on_error == "raise":
+            raise exc
+        self.skipped += 1
+        self._consecutive += 1
+        logger.warning("skipping sample: %s", exc)
+        if self._consecutive > self.tolerance:
+            raise SampleError("(several shards)", "(several)", f"{self._consecutive} consecutive samples failed "
+                              f"(last: {exc}); the dataset or the decoders are likely broken") from exc

@@ -1,0 +1,91 @@
+"""Check every shard against its manifest: exists, size, sha256, sample count, offsets, and
+(deep) that every field decodes. Collects every problem instead of stopping at the first."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from . import storage
+from .decode import Decoder, default_decoders
+from .errors import SampleError, ShardstreamError
+from .manifest import Manifest
+from .tarformat import iter_sample_batches
+
+READ_SIZE = 8 << 20
+
+
+@dataclass(frozen=True)
+class Problem:
+    shard: str
+    what: str
+    key: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.shard}" + (f" [{self.key}]" if self.key else "") + f": {self.what}"
+
+
+def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
+                 progress: Callable[[int], None] | None = None, max_problems: int = 100) -> list[Problem]:
+    info = manifest.shards[index]
+    url = manifest.shard_url(index)
+    fs, path = storage.get_fs(url, storage_options)
+    problems: list[Problem] = []
+    try:
+        size = fs.size(path)
+    except FileNotFoundError:
+        return [Problem(url, "missing (listed in the manifest, not found in storage)")]
+    except PermissionError:
+        return [Problem(url, "access denied")]
+    if size != info.bytes:
+        problems.append(Problem(url, f"size is {size} bytes, the manifest says {info.bytes}"))
+    digest = hashlib.sha256()
+    f = fs.open(path, "rb", block_size=READ_SIZE)
+
+    def read(n: int) -> bytes:
+        chunk = f.read(n)
+        digest.update(chunk)
+        if progress is not None:
+            progress(len(chunk))
+        return chunk
+
+    decoder = Decoder(default_decoders()) if deep else None
+    offsets: list[int] = []
+    data_end = 0
+    with f:
+        try:
+            for batch in iter_sample_batches(read, url=url, start=0, end=size, require_end_marker=True):
+                for key, offset, end, fields in batch:
+                    offsets.append(offset)
+                    data_end = end
+                    if decoder is not None and len(problems) < max_problems:
+                        fields["__key__"], fields["__url__"] = key, url
+                        try:
+                            decoder(fields)
+                        except SampleError as exc:
+                            problems.append(Problem(url, exc.what, key))
+        except ShardstreamError as exc:
+            problems.append(Problem(url, f"unreadable after {len(offsets)} samples: {exc}"))
+            return problems
+        while read(READ_SIZE):
+            pass
+    offsets.append(data_end)
+    if len(offsets) - 1 != info.samples:
+        problems.append(Problem(url, f"holds {len(offsets) - 1} samples, the manifest says {info.samples}"))
+    elif tuple(offsets) != tuple(info.offsets):
+        bad = next(i for i, (a, b) in enumerate(zip(offsets, info.offsets)) if a != b)
+        problems.append(Problem(url, f"offset of sample #{bad} is {offsets[bad]}, the manifest says {info.offsets[bad]}"))
+    if info.sha256 and digest.hexdigest() != info.sha256:
+        problems.append(Problem(url, f"sha256 is {digest.hexdigest()}, the manifest says {info.sha256}"))
+    return problems
+
+
+def verify_dataset(manifest: Manifest, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
+                   progress: Callable[[int], None] | None = None, threads: int = 4) -> list[Problem]:
+    """Every problem found in every shard, in manifest order."""
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = pool.map(lambda i: verify_shard(manifest, i, deep=deep, storage_options=storage_options, progress=progress),
+                           range(len(manifest.shards)))
+        return [p for problems in results for p in problems]

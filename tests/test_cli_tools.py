@@ -1,0 +1,157 @@
+"""shardstream ls | show | verify | index | bench, in-process through main([...]), on local disk
+and on the moto S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from conftest import make_samples, write_image_folder
+from shardstream import ShardStream, ShardWriter
+from shardstream.cli.main import build_parser, main
+from shardstream.pack import pack
+
+
+@pytest.fixture
+def packed(tmp_path):
+    src = tmp_path / "src"
+    write_image_folder(src, classes=3, per_class=4)
+    pack(str(src), str(tmp_path / "ds"), label_from_dir=True, max_count=5)
+    return tmp_path / "ds"
+
+
+def test_every_command_has_help_with_examples(capsys):
+    parser = build_parser()
+    assert "examples:" in parser.format_help()
+    for command in ("pack", "ls", "show", "verify", "index", "bench"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert "examples:" in capsys.readouterr().out
+
+
+def test_ls_text_and_json(packed, capsys):
+    assert main(["ls", str(packed)]) == 0
+    out = capsys.readouterr().out
+    assert "3 shards, 12 samples" in out and "png (12)" in out and "class_1  4 samples" in out
+    assert main(["ls", str(packed), "--json", "--shards"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["samples"] == 12 and doc["label_counts"] == {"class_0": 4, "class_1": 4, "class_2": 4}
+    assert [s["samples"] for s in doc["shard_list"]] == [5, 5, 2]
+
+
+def test_ls_on_s3(s3, capsys):
+    bucket, options, _ = s3
+    with ShardWriter(f"s3://{bucket}/d", storage_options=options) as w:
+        for s in make_samples(9):
+            w.write(s)
+    assert main(["ls", f"s3://{bucket}/d", "--endpoint-url", options["endpoint_url"]]) == 0
+    assert "1 shards, 9 samples" in capsys.readouterr().out
+
+
+def test_show_first_samples_and_by_key(packed, tmp_path, capsys):
+    assert main(["show", str(packed), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(") == 2 and "image PNG 16x16 RGB" in out and "int 0" in out
+    assert main(["show", str(packed), "--key", "class_2/0003", "--extract", str(tmp_path / "x")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("class_2/0003")
+    extracted = tmp_path / "x" / "class_2" / "0003.png"
+    assert extracted.read_bytes() == (tmp_path / "src" / "class_2" / "0003.png").read_bytes()
+    assert main(["show", str(packed), "--key", "nope/1"]) == 1
+    assert "no sample with key 'nope/1'" in capsys.readouterr().err
+
+
+def test_show_finds_long_keys_behind_pax_headers(tmp_path, capsys):
+    key = "deep/" + "k" * 150
+    samples = make_samples(30)
+    samples[17]["__key__"] = key
+    with ShardWriter(str(tmp_path / "d"), max_count=10) as w:
+        for s in samples:
+            w.write(s)
+    assert main(["show", str(tmp_path / "d"), "--key", key]) == 0
+    out = capsys.readouterr().out
+    assert "text sample 17" in out and ".bin" in out and "bytes " in out
+
+
+def corrupt(path, offset, value=b"\xff"):
+    data = bytearray(path.read_bytes())
+    data[offset : offset + len(value)] = value
+    path.write_bytes(bytes(data))
+
+
+def test_verify_reports_every_problem(tmp_path, capsys):
+    samples = make_samples(40)
+    samples[25]["png"] = b"not an image"
+    with ShardWriter(str(tmp_path / "d"), max_count=10) as w:
+        for s in samples:
+            w.write(s)
+    assert main(["verify", str(tmp_path / "d")]) == 0
+    assert capsys.readouterr().out.startswith("OK: 4 shards, 40 samples")
+    assert main(["verify", str(tmp_path / "d"), "--deep"]) == 1
+    out = capsys.readouterr().out
+    assert "shard-000002.tar [s000025]: cannot decode field 'png'" in out
+    corrupt(tmp_path / "d" / "shard-000000.tar", 600)  # inside sample data: only the digest changes
+    shard1 = tmp_path / "d" / "shard-000001.tar"
+    shard1.write_bytes(shard1.read_bytes()[:3000])  # truncated
+    (tmp_path / "d" / "shard-000003.tar").unlink()
+    assert main(["verify", str(tmp_path / "d")]) == 1
+    out = capsys.readouterr().out
+    assert "shard-000000.tar: sha256 is" in out
+    assert "shard-000001.tar: size is 3000 bytes" in out and "shard-000001.tar: unreadable after" in out
+    assert "shard-000003.tar: missing" in out
+    assert "4 problems" in out
+
+
+def test_verify_on_s3_finds_a_count_that_lies(s3, capsys):
+    bucket, options, client = s3
+    with ShardWriter(f"s3://{bucket}/v", max_count=10, storage_options=options) as w:
+        for s in make_samples(20):
+            w.write(s)
+    doc = json.loads(client.get_object(Bucket=bucket, Key="v/index.json")["Body"].read())
+    doc["shards"][1]["samples"] = 9
+    doc["shards"][1]["offsets"] = doc["shards"][1]["offsets"][:9] + doc["shards"][1]["offsets"][-1:]
+    doc["total_samples"] = 19
+    client.put_object(Bucket=bucket, Key="v/index.json", Body=json.dumps(doc).encode())
+    assert main(["verify", f"s3://{bucket}/v", "--endpoint-url", options["endpoint_url"]]) == 1
+    assert "shard-000001.tar: holds 10 samples, the manifest says 9" in capsys.readouterr().out
+
+
+def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
+    samples = [{"__key__": f"k{i:03d}", "txt": f"t{i}", "cls": i} for i in range(45)]
+    with wds.ShardWriter(str(tmp_path / "w-%02d.tar"), maxcount=20, verbose=0) as w:
+        for s in samples:
+            w.write(s)
+    assert main(["index", str(tmp_path / "w-{00..02}.tar"), str(tmp_path)]) == 0
+    assert "indexed 3 shards, 45 samples" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "index.json").read_text())
+    assert [s["path"] for s in doc["shards"]] == ["w-00.tar", "w-01.tar", "w-02.tar"]
+    ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, rank=0, world_size=1)
+    assert [k for b in ds for k in b["__key__"]] == [s["__key__"] for s in samples]
+    assert main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["index", str(tmp_path / "w-*.tar"), str(tmp_path)]) == 1
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_bench_reports_and_plots(packed, tmp_path, capsys):
+    plot = tmp_path / "p.png"
+    assert main(["bench", str(packed), "--workers", "1", "--batch-size", "2", "--seconds", "0.5", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
+    assert len(rows) == 2 and all("samples/s" not in r for r in rows)
+    assert Image.open(plot).size == (640, 400)
+
+
+def test_errors_are_one_line_unless_debug(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "nothing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read the manifest" in err and "Traceback" not in err
+    from shardstream.errors import ManifestError
+
+    with pytest.raises(ManifestError):
+        main(["--debug", "ls", str(tmp_path / "nothing")])
