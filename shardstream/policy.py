@@ -31,10 +31,11 @@ class ErrorPolicy:
     def ok(self) -> None:
         self._consecutive = 0
 
-    def failed(self, exc: Exception) -> None:
+    def failed(self, exc: Exception, lost: int = 1) -> None:
+        """Record a failure that cost ``lost`` samples; raise it unless skipping."""
         if self.on_error == "raise":
             raise exc
-        self.skipped += 1
+        self.skipped += lost
         self._consecutive += 1
         logger.warning("skipping sample: %s", exc)
         if self._consecutive > self.tolerance:

@@ -97,12 +97,14 @@ def read_ranges(
     ``policy``: raised, or its remaining samples skipped and counted.
     """
     for rng in ranges:
+        delivered = 0
         try:
             for chunk in read_range(manifest, rng, storage_options=storage_options, read_size=read_size):
+                delivered += len(chunk)
                 yield chunk
                 if policy is not None:
                     policy.ok()
         except (ShardFormatError, StorageError) as exc:
             if policy is None:
                 raise
-            policy.failed(exc)
+            policy.failed(exc, lost=max(1, len(rng) - delivered))

@@ -287,8 +287,21 @@ def iter_sample_batches(
                 elif kind != 103 and kind != 75:  # not 'g' (global pax) or 'K' (long link): dirs, links...
                     long_name = pax = member_start = None
                 pos = padded_end
-        except UnicodeDecodeError:
-            raise ShardFormatError(url, base + pos, "member name is not UTF-8") from None
+        except (UnicodeDecodeError, ShardFormatError) as exc:
+            # Deliver the complete samples before the break, then report it; a corrupt header
+            # is reported as such rather than as whatever its garbage looked like.
+            if headers and headers[-1] == pos:
+                headers.pop()  # the header being parsed when it broke: checked on its own below
+            _verify_checksums(buf, headers, url, base)
+            error = exc if isinstance(exc, ShardFormatError) else ShardFormatError(url, base + pos, "member name is not UTF-8")
+            if buflen - pos >= BLOCK:
+                try:
+                    _verify_checksums(buf, [pos], url, base)
+                except ShardFormatError as checksum_error:
+                    error = checksum_error
+            if out:
+                yield out
+            raise error from None
         _verify_checksums(buf, headers, url, base)
         if done:
             if long_name is not None or pax is not None:
