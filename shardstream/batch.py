@@ -28,10 +28,12 @@ def default_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         v = values[0]
         if isinstance(v, torch.Tensor):
             out[name] = torch.stack(values) if all(x.shape == v.shape for x in values) else values
-        elif isinstance(v, (bool, numbers.Integral)) and not isinstance(v, bool):
+        elif isinstance(v, bool):
+            out[name] = torch.tensor(values, dtype=torch.bool)
+        elif isinstance(v, numbers.Integral):
             out[name] = torch.tensor(values, dtype=torch.int64)
-        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
-            out[name] = torch.tensor(values, dtype=torch.float64 if isinstance(v, float) else None)
+        elif isinstance(v, numbers.Real):
+            out[name] = torch.tensor(values, dtype=torch.float64)
         elif type(v).__module__ == "numpy" and hasattr(v, "shape"):
             import numpy as np
 

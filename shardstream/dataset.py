@@ -107,7 +107,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             if isinstance(decode, Mapping):
                 decoders.update(decode)
         self.decoder = Decoder(decoders, required)
-        ErrorPolicy(on_error, error_tolerance)  # validate now, not in a worker
+        ErrorPolicy(on_error, error_tolerance)  # raises on a bad on_error here, not later in a worker
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch = multiprocessing.RawValue("q", 0)
         self.num_workers = num_workers

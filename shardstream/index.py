@@ -20,6 +20,11 @@ READ_SIZE = 8 << 20
 
 def index_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> ShardInfo:
     """Read one shard end to end and describe it. Raises StorageError or ShardFormatError."""
+    return _index_shard(url, storage_options)[0]
+
+
+def _index_shard(url: str, storage_options: Mapping[str, Any] | None) -> tuple[ShardInfo, dict[str, int]]:
+    """The shard's ShardInfo and how many of its samples carry each extension."""
     fs, path = storage.get_fs(url, storage_options)
     try:
         size = fs.size(path)
@@ -49,19 +54,18 @@ def index_shard(url: str, storage_options: Mapping[str, Any] | None = None) -> S
             pass
     offsets.append(data_end)
     info = ShardInfo(path=url, samples=len(offsets) - 1, bytes=size, sha256=digest.hexdigest(), offsets=tuple(offsets))
-    object.__setattr__(info, "_extensions", extensions)
-    return info
+    return info, extensions
 
 
 def index_shards(urls: list[str], storage_options: Mapping[str, Any] | None = None, *, threads: int = 8) -> Manifest:
     """Index many shards in parallel (I/O-bound: threads) into an in-memory manifest."""
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
-        infos = list(pool.map(lambda u: index_shard(u, storage_options), urls))
+        results = list(pool.map(lambda u: _index_shard(u, storage_options), urls))
     extensions: dict[str, int] = {}
-    for info in infos:
-        for ext, n in getattr(info, "_extensions", {}).items():
+    for _, counts in results:
+        for ext, n in counts.items():
             extensions[ext] = extensions.get(ext, 0) + n
-    return Manifest(shards=infos, extensions=extensions)
+    return Manifest(shards=[info for info, _ in results], extensions=extensions)
 
 
 def write_index(pattern: str, dest: str, *, storage_options: Mapping[str, Any] | None = None, threads: int = 8,

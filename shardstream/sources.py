@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 from . import storage
 from .encode import check_key, encode_value
@@ -276,8 +276,3 @@ def _load_tar(payload) -> tuple[str, dict[str, bytes]]:
         raise SourceError(f"{url} at byte {start}", f"expected one sample in the range, found {len(samples)}")
     key, _, _, fields = samples[0]
     return key, fields
-
-
-def iter_loaded(items: list[Item]) -> Iterator[tuple[str, dict[str, bytes]]]:
-    for item in items:
-        yield load_item(item)
