@@ -27,6 +27,7 @@ from .plan import EpochPlan, plan_epoch
 from .reader import read_ranges
 from .shuffle import shuffle_samples, worker_rng
 from .sources import expand_urls
+from .stats import StreamStats
 from .tarformat import DEFAULT_READ_SIZE
 from .topology import World, current_worker
 
@@ -110,6 +111,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         ErrorPolicy(on_error, error_tolerance)  # raises on a bad on_error here, not later in a worker
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch = multiprocessing.RawValue("q", 0)
+        self._stats = StreamStats()
         self.num_workers = num_workers
         self.inline_transport = False  # set by make_loader, which undoes it on arrival
         self.plan(num_workers=num_workers or 0)  # settings that cannot work fail here
@@ -135,6 +137,10 @@ class ShardStream(torch.utils.data.IterableDataset):
             shuffle=self.shuffle, mode=self.mode,
         )
 
+    def stats(self) -> dict[str, int]:
+        """Counters summed over this rank's workers since construction (see ``stats.COUNTERS``)."""
+        return self._stats.totals()
+
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank and every epoch)."""
         return self.plan(num_workers=0).batches_per_rank
@@ -150,10 +156,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         for fn in (*self.decoder.decoders.values(), self.transform):
             if hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(plan.epoch, rank, worker)
-        policy = ErrorPolicy(self.on_error, self.error_tolerance)
+        counters = self._stats.counters(worker)
+        policy = ErrorPolicy(self.on_error, self.error_tolerance, counters)
         stats = BatchStats()
         samples = read_ranges(self.manifest, ranges, storage_options=self.storage_options, read_size=self.read_size,
-                              policy=policy)
+                              policy=policy, counters=counters)
         if self.shuffle_buffer > 1:
             samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))

@@ -6,12 +6,16 @@ number of batches per rank per epoch.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import webdataset
 
 from .batch import unpack_after_transport
 from .dataset import ShardStream
+
+logger = logging.getLogger(__name__)
 
 
 def _passthrough(batch: Any) -> Any:
@@ -26,14 +30,23 @@ class ShardLoader(webdataset.WebLoader):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
         self.pin = bool(kwargs.get("pin_memory"))
+        self.log_interval: float | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __iter__(self):
         pin = self.pin
+        interval = self.log_interval
+        next_log = time.monotonic() + interval if interval else None
         for batch in super().__iter__():
             yield unpack_after_transport(batch, pin)
+            if next_log is not None and time.monotonic() >= next_log:
+                next_log = time.monotonic() + interval
+                logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
+
+    def stats(self) -> dict[str, int]:
+        return self.dataset.stats()
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.set_epoch(epoch)
@@ -46,12 +59,14 @@ def make_loader(
     pin_memory: bool = True,
     prefetch_factor: int | None = 2,
     persistent_workers: bool = False,
+    log_interval: float | None = 60.0,
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
-    to ``torch.utils.data.DataLoader``.
+    to ``torch.utils.data.DataLoader``. Every ``log_interval`` seconds (None: never) the stream
+    counters of this rank are logged at INFO level; ``loader.stats()`` reads them any time.
     """
     import torch
 
@@ -59,7 +74,7 @@ def make_loader(
     dataset.inline_transport = num_workers > 0
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
     kwargs.setdefault("collate_fn", _passthrough)
-    return ShardLoader(
+    loader = ShardLoader(
         dataset,
         batch_size=None,
         num_workers=num_workers,
@@ -68,3 +83,5 @@ def make_loader(
         persistent_workers=persistent_workers and num_workers > 0,
         **kwargs,
     )
+    loader.log_interval = log_interval
+    return loader

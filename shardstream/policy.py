@@ -20,13 +20,14 @@ ON_ERROR = ("raise", "skip")
 class ErrorPolicy:
     """Counts skipped samples; raises when skipping is off or failures run too long."""
 
-    def __init__(self, on_error: str = "raise", tolerance: int = 16):
+    def __init__(self, on_error: str = "raise", tolerance: int = 16, counters=None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         self.on_error = on_error
         self.tolerance = tolerance
         self.skipped = 0
         self._consecutive = 0
+        self._counters = counters
 
     def ok(self) -> None:
         self._consecutive = 0
@@ -36,6 +37,8 @@ class ErrorPolicy:
         if self.on_error == "raise":
             raise exc
         self.skipped += lost
+        if self._counters is not None:
+            self._counters.add("samples_skipped", lost)
         self._consecutive += 1
         logger.warning("skipping sample: %s", exc)
         if self._consecutive > self.tolerance:

@@ -15,19 +15,31 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import fsspec
+
 from . import storage
 from .errors import ShardFormatError, StorageError
 from .manifest import Manifest
 from .plan import Range
 from .policy import ErrorPolicy
+from .remote import make_range_reader, reader_storage_options, s3_fetcher
+from .stats import NullCounters
 from .tarformat import DEFAULT_READ_SIZE, iter_sample_batches
 
 logger = logging.getLogger(__name__)
 
 
-def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any] | None = None) -> tuple[Callable[[int], bytes], Callable[[], None]]:
-    """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes."""
-    fs, path = storage.get_fs(url, storage_options)
+def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any] | None = None,
+               counters: Any = None) -> tuple[Callable[[int], bytes], Callable[[], None]]:
+    """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
+
+    Local files are read directly; remote objects through ``remote.make_range_reader`` (ranged
+    reads with retry and exact resume).
+    """
+    counters = counters or NullCounters()
+    counters.add("ranges_opened")
+    protocol = fsspec.utils.get_protocol(url)
+    fs, path = storage.get_fs(url, reader_storage_options(storage_options, protocol))
     if storage.is_local(fs):
         try:
             f = open(path, "rb", buffering=0)
@@ -36,19 +48,23 @@ def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any
         except PermissionError as exc:
             raise StorageError(f"{url}: permission denied") from exc
         f.seek(start)
-        return f.read, f.close
-    pos = start
 
-    def read(n: int) -> bytes:
-        nonlocal pos
-        stop = min(end, pos + n)
-        if stop <= pos:
-            return b""
-        data = storage.read_bytes(fs, path, pos, stop)
-        pos += len(data)
-        return data
+        def read_local(n: int) -> bytes:
+            data = f.read(n)
+            counters.add("bytes_read", len(data))
+            return data
 
-    return read, lambda: None
+        return read_local, f.close
+
+    if protocol in ("s3", "s3a"):
+        # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in remote.py.
+        fs.retries = 1
+        fetch = s3_fetcher(fs, path)
+    else:
+        def fetch(a: int, b: int) -> bytes:
+            return fs.cat_file(path, start=a, end=b)
+
+    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters), lambda: None
 
 
 def read_range(
@@ -57,6 +73,7 @@ def read_range(
     *,
     storage_options: Mapping[str, Any] | None = None,
     read_size: int = DEFAULT_READ_SIZE,
+    counters: Any = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Yield the samples of one planned range, a list per read block; the count is checked
     against the manifest."""
@@ -65,7 +82,7 @@ def read_range(
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
     start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
-    read, close = open_range(url, start, end, storage_options)
+    read, close = open_range(url, start, end, storage_options, counters)
     expected = len(rng)
     got = 0
     try:
@@ -89,7 +106,7 @@ def read_range(
 
 def read_ranges(
     manifest: Manifest, ranges: Iterable[Range], *, storage_options: Mapping[str, Any] | None = None,
-    read_size: int = DEFAULT_READ_SIZE, policy: ErrorPolicy | None = None,
+    read_size: int = DEFAULT_READ_SIZE, policy: ErrorPolicy | None = None, counters: Any = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Samples of several ranges in order, as lists (one per read block).
 
@@ -99,7 +116,7 @@ def read_ranges(
     for rng in ranges:
         delivered = 0
         try:
-            for chunk in read_range(manifest, rng, storage_options=storage_options, read_size=read_size):
+            for chunk in read_range(manifest, rng, storage_options=storage_options, read_size=read_size, counters=counters):
                 delivered += len(chunk)
                 yield chunk
                 if policy is not None:

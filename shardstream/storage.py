@@ -114,6 +114,12 @@ def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) 
         raise StorageError(
             f"{full_url(fs, path)}: access denied (check credentials, profile and endpoint)"
         ) from exc
+    except Exception as exc:  # network trouble from any fsspec backend; programming errors pass through
+        from .remote import is_transient
+
+        if not is_transient(exc):
+            raise
+        raise StorageError(f"{full_url(fs, path)}: cannot reach storage ({exc}); check the endpoint URL and the network") from exc
 
 
 def check_destination_writable(fs, path: str) -> None:

@@ -1,0 +1,103 @@
+"""A fault-injecting HTTP proxy on 127.0.0.1 in front of the moto S3 server, for tests.
+
+Forwards every request to the upstream server and, for GET requests only (uploads and listings
+stay clean), can: drop the connection after N bytes of a response body, answer 503 SlowDown to
+every k-th request, add latency before answering, and cap bandwidth. Counts what it did.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+            b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, *, reset_after: int | None = None, slowdown_every: int = 0,
+                 latency: float = 0.0, bandwidth: float | None = None, faulty_methods=("GET",)):
+        self.upstream = urlsplit(upstream)
+        self.reset_after = reset_after
+        self.slowdown_every = slowdown_every
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.faulty_methods = set(faulty_methods)
+        self.counts = {"requests": 0, "resets": 0, "slowdowns": 0}
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                faulty = self.command in proxy.faulty_methods
+                with proxy._lock:
+                    proxy.counts["requests"] += 1
+                    n = proxy.counts["requests"]
+                if faulty and proxy.latency:
+                    time.sleep(proxy.latency)
+                if faulty and proxy.slowdown_every and n % proxy.slowdown_every == 0:
+                    with proxy._lock:
+                        proxy.counts["slowdowns"] += 1
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                limit = proxy.reset_after if faulty and proxy.reset_after is not None and len(data) > proxy.reset_after else None
+                payload = data if limit is None else data[:limit]
+                self._send(payload)
+                if limit is not None:
+                    with proxy._lock:
+                        proxy.counts["resets"] += 1
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)  # the body stops short: a reset mid-object
+                    self.close_connection = True
+
+            def _send(self, payload: bytes):
+                if not proxy.bandwidth:
+                    self.wfile.write(payload)
+                    return
+                step = max(1, int(proxy.bandwidth / 100))
+                for i in range(0, len(payload), step):
+                    self.wfile.write(payload[i : i + step])
+                    time.sleep(step / proxy.bandwidth)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
