@@ -24,7 +24,8 @@ from .errors import ConfigError
 from .index import index_shards
 from .manifest import Manifest, load_manifest
 from .plan import EpochPlan, plan_epoch
-from .reader import read_ranges
+from .cache import ShardCache
+from .reader import RangeSource, read_ranges
 from .shuffle import shuffle_samples, worker_rng
 from .sources import expand_urls
 from .stats import StreamStats
@@ -32,6 +33,8 @@ from .tarformat import DEFAULT_READ_SIZE
 from .topology import World, current_worker
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_READAHEAD = 64 << 20
 
 
 def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
@@ -84,6 +87,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         num_workers: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
         read_size: int = DEFAULT_READ_SIZE,
+        readahead_bytes: int | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | None = None,
+        verify_checksums: bool = True,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
@@ -101,6 +108,18 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.on_error = on_error
         self.error_tolerance = error_tolerance
         self.read_size = read_size
+        remote = any("://" in self.manifest.shard_url(i) and not self.manifest.shard_url(i).startswith("file://")
+                     for i in range(min(1, len(self.manifest.shards))))
+        # Read-ahead pays where storage has latency; on local disk the page cache already reads ahead.
+        self.readahead_bytes = readahead_bytes if readahead_bytes is not None else (DEFAULT_READAHEAD if remote else 0)
+        self.cache = None
+        if cache_dir is not None:
+            if cache_limit is None:
+                raise ConfigError("cache_dir needs cache_limit (bytes of local disk the cache may use)")
+            self.cache = ShardCache(cache_dir, cache_limit, verify=verify_checksums)
+            largest = max(range(len(self.manifest.shards)), key=lambda i: self.manifest.shards[i].bytes, default=None)
+            if largest is not None:
+                self.cache.check_fits(self.manifest.shards[largest].bytes, self.manifest.shard_url(largest))
         if decode is False:
             decoders: dict = {}
         else:
@@ -159,8 +178,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         counters = self._stats.counters(worker)
         policy = ErrorPolicy(self.on_error, self.error_tolerance, counters)
         stats = BatchStats()
-        samples = read_ranges(self.manifest, ranges, storage_options=self.storage_options, read_size=self.read_size,
-                              policy=policy, counters=counters)
+        source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
+                             counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes)
+        samples = read_ranges(source, ranges, policy=policy)
         if self.shuffle_buffer > 1:
             samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))

@@ -13,28 +13,42 @@ generator hop per stage.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import fsspec
 
 from . import storage
+from .cache import ShardCache
 from .errors import ShardFormatError, StorageError
 from .manifest import Manifest
 from .plan import Range
 from .policy import ErrorPolicy
+from .readahead import Prefetcher
 from .remote import make_range_reader, reader_storage_options, s3_fetcher
 from .stats import NullCounters
 from .tarformat import DEFAULT_READ_SIZE, iter_sample_batches
 
 logger = logging.getLogger(__name__)
 
+DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 
-def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any] | None = None,
-               counters: Any = None) -> tuple[Callable[[int], bytes], Callable[[], None]]:
+
+def open_range(
+    url: str,
+    start: int,
+    end: int,
+    storage_options: Mapping[str, Any] | None = None,
+    counters: Any = None,
+    *,
+    cache: ShardCache | None = None,
+    shard_size: int | None = None,
+    sha256: str | None = None,
+) -> tuple[Callable[[int], bytes], Callable[[], None]]:
     """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
 
-    Local files are read directly; remote objects through ``remote.make_range_reader`` (ranged
-    reads with retry and exact resume).
+    Local files are read directly; remote objects through the cache when one is given (the
+    whole shard is fetched once), else with ``remote.make_range_reader`` (ranged reads with
+    retry and exact resume).
     """
     counters = counters or NullCounters()
     counters.add("ranges_opened")
@@ -48,13 +62,7 @@ def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any
         except PermissionError as exc:
             raise StorageError(f"{url}: permission denied") from exc
         f.seek(start)
-
-        def read_local(n: int) -> bytes:
-            data = f.read(n)
-            counters.add("bytes_read", len(data))
-            return data
-
-        return read_local, f.close
+        return _counting(f.read, counters), f.close
 
     if protocol in ("s3", "s3a"):
         # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in remote.py.
@@ -64,7 +72,48 @@ def open_range(url: str, start: int, end: int, storage_options: Mapping[str, Any
         def fetch(a: int, b: int) -> bytes:
             return fs.cat_file(path, start=a, end=b)
 
+    if cache is not None and shard_size is not None:
+        def download(write: Callable[[bytes], None]) -> None:
+            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters)
+            while chunk := read_all(DOWNLOAD_BLOCK):
+                write(chunk)
+
+        handle = cache.open(url, sha256, shard_size, download, counters)
+        if handle is not None:
+            f, lock = handle
+            f.seek(start)
+            return f.read, lambda: ShardCache.release(f, lock)
     return make_range_reader(fetch, url=url, start=start, end=end, counters=counters), lambda: None
+
+
+def _counting(read: Callable[[int], bytes], counters: Any) -> Callable[[int], bytes]:
+    def read_counted(n: int) -> bytes:
+        data = read(n)
+        counters.add("bytes_read", len(data))
+        return data
+
+    return read_counted
+
+
+class RangeSource:
+    """Where a worker's ranges come from: storage options, counters, cache, read sizes."""
+
+    def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
+                 read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
+                 readahead_bytes: int = 0):
+        self.manifest = manifest
+        self.storage_options = storage_options
+        self.read_size = read_size
+        self.counters = counters
+        self.cache = cache
+        self.readahead_bytes = readahead_bytes
+
+    def opener(self, rng: Range):
+        shard = self.manifest.shards[rng.shard]
+        url = self.manifest.shard_url(rng.shard)
+        start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
+        return lambda: open_range(url, start, end, self.storage_options, self.counters, cache=self.cache,
+                                  shard_size=shard.bytes, sha256=shard.sha256)
 
 
 def read_range(
@@ -74,15 +123,18 @@ def read_range(
     storage_options: Mapping[str, Any] | None = None,
     read_size: int = DEFAULT_READ_SIZE,
     counters: Any = None,
+    read: Callable[[int], bytes] | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Yield the samples of one planned range, a list per read block; the count is checked
-    against the manifest."""
+    against the manifest. ``read`` supplies the range's bytes (read-ahead); else it is opened."""
     shard = manifest.shards[rng.shard]
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
     start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
-    read, close = open_range(url, start, end, storage_options, counters)
+    close = None
+    if read is None:
+        read, close = open_range(url, start, end, storage_options, counters)
     expected = len(rng)
     got = 0
     try:
@@ -97,31 +149,47 @@ def read_range(
                 samples.append(fields)
             yield samples
     finally:
-        close()
+        if close is not None:
+            close()
     if got != expected:
         raise ShardFormatError(
             url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there"
         )
 
 
-def read_ranges(
-    manifest: Manifest, ranges: Iterable[Range], *, storage_options: Mapping[str, Any] | None = None,
-    read_size: int = DEFAULT_READ_SIZE, policy: ErrorPolicy | None = None, counters: Any = None,
-) -> Iterator[list[dict[str, Any]]]:
+def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
     """Samples of several ranges in order, as lists (one per read block).
 
+    With ``source.readahead_bytes`` a background thread fetches ahead, across range boundaries.
     A broken range (missing shard, truncated or corrupt bytes, a manifest that lies) goes to
     ``policy``: raised, or its remaining samples skipped and counted.
     """
-    for rng in ranges:
-        delivered = 0
-        try:
-            for chunk in read_range(manifest, rng, storage_options=storage_options, read_size=read_size, counters=counters):
-                delivered += len(chunk)
-                yield chunk
-                if policy is not None:
-                    policy.ok()
-        except (ShardFormatError, StorageError) as exc:
-            if policy is None:
-                raise
-            policy.failed(exc, lost=max(1, len(rng) - delivered))
+    ranges = list(ranges)
+    prefetcher = None
+    if source.readahead_bytes > 0 and ranges:
+        prefetcher = Prefetcher([source.opener(r) for r in ranges], block_size=source.read_size,
+                                max_bytes=source.readahead_bytes)
+    try:
+        for index, rng in enumerate(ranges):
+            delivered = 0
+            try:
+                if prefetcher is not None:
+                    read, close = prefetcher.reader(index), None
+                else:
+                    read, close = source.opener(rng)()
+                try:
+                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read):
+                        delivered += len(chunk)
+                        yield chunk
+                        if policy is not None:
+                            policy.ok()
+                finally:
+                    if close is not None:
+                        close()
+            except (ShardFormatError, StorageError) as exc:
+                if policy is None:
+                    raise
+                policy.failed(exc, lost=max(1, len(rng) - delivered))
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()

@@ -1,0 +1,140 @@
+"""The local shard cache against the moto server: one download per shard across concurrent
+processes, atomic fills, LRU eviction under the limit that never removes a shard being read,
+reuse in the next epoch, and a limit that cannot work failing at construction."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from conftest import make_samples
+from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream.cache import ShardCache
+from shardstream.errors import ConfigError, StorageError
+from shardstream.stats import StreamStats
+
+
+def write(bucket, options, n=100, max_count=20):
+    with ShardWriter(f"s3://{bucket}/c", max_count=max_count, storage_options=options) as w:
+        for s in make_samples(n, size=2000):
+            w.write(s)
+    return f"s3://{bucket}/c"
+
+
+def cache_files(cache_dir):
+    names = os.listdir(cache_dir)
+    return sorted(n for n in names if n.endswith(".tar")), [n for n in names if ".partial-" in n]
+
+
+def _read_all(url, options, cache_dir, limit, out):
+    ds = ShardStream(url, batch_size=4, shuffle=False, rank=0, world_size=1, storage_options=options,
+                     cache_dir=cache_dir, cache_limit=limit)
+    keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
+    out.put((keys, ds.stats()))
+
+
+def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
+    bucket, options, _ = s3
+    url = write(bucket, options)
+    cache_dir = str(tmp_path / "cache")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_read_all, args=(url, options, cache_dir, 10**9, out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    expected = sorted(s["__key__"] for s in make_samples(100))
+    assert all(sorted(keys) == expected for keys, _ in results)
+    assert sum(stats["cache_misses"] for _, stats in results) == 5  # 5 shards, 3 processes x 2 workers
+    ranges = sum(stats["ranges_opened"] for _, stats in results)  # workers may share a shard
+    assert ranges >= 3 * 5 and sum(stats["cache_hits"] for _, stats in results) == ranges - 5
+    tars, partials = cache_files(cache_dir)
+    assert len(tars) == 5 and not partials
+
+
+def test_next_epoch_reads_from_cache_only(s3, tmp_path):
+    bucket, options, _ = s3
+    url = write(bucket, options)
+    ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
+                     cache_dir=str(tmp_path / "cache"), cache_limit=10**9)
+    first = sorted(k for b in ds for k in b["__key__"])
+    after_first = ds.stats()
+    ds.set_epoch(1)
+    second = sorted(k for b in ds for k in b["__key__"])
+    after_second = ds.stats()
+    assert first == second
+    assert after_first["cache_misses"] == 5 and after_second["cache_misses"] == 5
+    assert after_second["bytes_read"] == after_first["bytes_read"]  # nothing more from storage
+    assert after_second["cache_hits"] == after_first["cache_hits"] + 5
+
+
+def test_eviction_keeps_the_cache_under_its_limit(s3, tmp_path):
+    bucket, options, _ = s3
+    url = write(bucket, options)
+    shard_bytes = max(s["bytes"] for s in json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"])
+    limit = int(shard_bytes * 2.5)
+    cache_dir = tmp_path / "cache"
+    for epoch in range(2):
+        ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
+                         cache_dir=str(cache_dir), cache_limit=limit, readahead_bytes=0)
+        ds.set_epoch(epoch)
+        assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(100))
+        tars, partials = cache_files(cache_dir)
+        assert sum(os.path.getsize(cache_dir / t) for t in tars) <= limit and len(tars) == 2 and not partials
+
+
+def _local_manifest(s3, url, tmp_path):
+    bucket, _, client = s3
+    path = tmp_path / "index.json"
+    path.write_bytes(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
+    return path
+
+
+def test_shard_in_use_is_never_evicted_and_full_cache_bypasses(tmp_path):
+    cache = ShardCache(str(tmp_path / "cache"), limit_bytes=1500)
+    stats = StreamStats()
+    counters = stats.counters(0)
+
+    def payload(byte):
+        return lambda write: write(bytes([byte]) * 1000)
+
+    held = cache.open("s3://b/a.tar", None, 1000, payload(1), counters)
+    assert held is not None
+    assert cache.open("s3://b/b.tar", None, 1000, payload(2), counters) is None  # a is being read
+    assert stats.totals()["cache_bypass"] == 1
+    assert held[0].read() == b"\x01" * 1000  # still there, intact
+    ShardCache.release(*held)
+    second = cache.open("s3://b/b.tar", None, 1000, payload(2), counters)  # now a can go
+    assert second is not None and second[0].read() == b"\x02" * 1000
+    ShardCache.release(*second)
+    assert cache_files(tmp_path / "cache")[0] == [os.path.basename(cache.name("s3://b/b.tar", None, 1000))]
+
+
+def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
+    bucket, options, client = s3
+    url = write(bucket, options, n=20)
+    doc = json.loads(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
+    doc["shards"][0]["sha256"] = "0" * 64
+    client.put_object(Bucket=bucket, Key="c/index.json", Body=json.dumps(doc).encode())
+    ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
+                     cache_dir=str(tmp_path / "cache"), cache_limit=10**9)
+    with pytest.raises(StorageError, match="sha256 .* does not match the manifest's 0000"):
+        list(ds)
+    tars, partials = cache_files(tmp_path / "cache")
+    assert not tars and not partials
+
+
+def test_limit_smaller_than_a_shard_is_a_clear_error(s3, tmp_path):
+    bucket, options, _ = s3
+    url = write(bucket, options, n=20)
+    with pytest.raises(ConfigError, match=r"cache_limit 1000 bytes is smaller than shard s3://.*shard-000000.tar"):
+        ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
+                    cache_dir=str(tmp_path / "cache"), cache_limit=1000)
+    with pytest.raises(ConfigError, match="cache_dir needs cache_limit"):
+        ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options, cache_dir=str(tmp_path / "c"))
