@@ -1,0 +1,67 @@
+"""The read-ahead thread: order, bounded memory, abandoned ranges, errors handed over in place."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+
+from shardstream.readahead import Prefetcher
+
+
+def opener(data: bytes, fail_after: int | None = None, log=None):
+    def open_():
+        stream = io.BytesIO(data)
+
+        def read(n):
+            if fail_after is not None and stream.tell() >= fail_after:
+                raise OSError("connection reset")
+            chunk = stream.read(n)
+            if log is not None:
+                log.append(len(chunk))
+            return chunk
+
+        return read, lambda: None
+
+    return open_
+
+
+def drain(read, n=7):
+    out = b""
+    while chunk := read(n):
+        out += chunk
+    return out
+
+
+def test_ranges_come_back_whole_and_in_order():
+    datas = [bytes([i]) * (100 + 37 * i) for i in range(5)]
+    p = Prefetcher([opener(d) for d in datas], block_size=16, max_bytes=64)
+    try:
+        assert [drain(p.reader(i)) for i in range(5)] == datas
+    finally:
+        p.close()
+
+
+def test_memory_stays_bounded_while_the_consumer_is_slow():
+    log: list[int] = []
+    p = Prefetcher([opener(b"x" * 10_000, log=log)], block_size=100, max_bytes=1_000)
+    try:
+        threading.Event().wait(0.2)  # the fetcher runs ahead as far as it may
+        assert sum(log) <= 1_000 + 100  # at most the bound plus the block in hand
+        assert drain(p.reader(0)) == b"x" * 10_000
+    finally:
+        p.close()
+
+
+def test_abandoned_range_is_skipped_and_errors_arrive_with_their_range():
+    p = Prefetcher([opener(b"a" * 500), opener(b"b" * 300, fail_after=100), opener(b"c" * 50)], block_size=50, max_bytes=10_000)
+    try:
+        assert p.reader(0)(50) == b"a" * 50  # read a little of range 0, then move on
+        read1 = p.reader(1)
+        assert read1(50) + read1(50) == b"b" * 100
+        with pytest.raises(OSError, match="connection reset"):
+            drain(read1)
+        assert drain(p.reader(2)) == b"c" * 50
+    finally:
+        p.close()
