@@ -108,8 +108,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.on_error = on_error
         self.error_tolerance = error_tolerance
         self.read_size = read_size
-        remote = any("://" in self.manifest.shard_url(i) and not self.manifest.shard_url(i).startswith("file://")
-                     for i in range(min(1, len(self.manifest.shards))))
+        first = self.manifest.shard_url(0) if self.manifest.shards else ""
+        remote = "://" in first and not first.startswith("file://")
         # Read-ahead pays where storage has latency; on local disk the page cache already reads ahead.
         self.readahead_bytes = readahead_bytes if readahead_bytes is not None else (DEFAULT_READAHEAD if remote else 0)
         self.cache = None

@@ -15,27 +15,25 @@ import contextlib
 import io
 import os
 import shutil
-import socket
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @contextlib.contextmanager
 def moto_server():
-    from moto.server import ThreadedMotoServer
+    """The moto server of bench_s3 (its own process, stopped by PID)."""
+    from bench_s3 import start_moto
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    proc, url = start_moto()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def run_cli(argv: list[str]) -> str:
