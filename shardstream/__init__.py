@@ -33,6 +33,8 @@ _EXPORTS = {
     "ManifestError": "errors",
     "StorageError": "errors",
     "ShardFormatError": "errors",
+    "ChecksumError": "errors",
+    "SampleError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

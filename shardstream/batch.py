@@ -43,6 +43,16 @@ def default_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _finish(chunks: Iterator[list[dict[str, Any]]], left: int) -> None:
+    """Run the upstream stages to their end after the last batch, so that the checks they make
+    after their last sample (the manifest's count, the shard's sha256) are not skipped. The
+    plan gives each worker exactly its batches' samples, so nothing is normally left."""
+    for chunk in chunks:
+        left += len(chunk)
+    if left:
+        logger.debug("%d samples beyond this worker's planned batches were not used", left)
+
+
 class BatchStats:
     def __init__(self) -> None:
         self.refilled = 0
@@ -60,6 +70,7 @@ def batch_samples(
     pending: list[dict[str, Any]] = []
     recent: list[dict[str, Any]] = []  # the last full batch: material to refill from
     made = 0
+    chunks = iter(chunks)
     for chunk in chunks:
         pending += chunk
         start = 0
@@ -69,6 +80,7 @@ def batch_samples(
             start += batch_size
             made += 1
             if made == num_batches:
+                _finish(chunks, len(pending) - start)
                 return
         del pending[:start]
     if made < num_batches:

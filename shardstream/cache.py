@@ -25,7 +25,7 @@ import os
 import uuid
 from typing import Any, Callable
 
-from .errors import ConfigError, StorageError
+from .errors import ChecksumError, ConfigError, StorageError
 from .stats import NullCounters
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class ShardCache:
             if written != size:
                 raise StorageError(f"{url}: downloaded {written} bytes, the manifest says {size}")
             if self.verify and sha256 and digest.hexdigest() != sha256:
-                raise StorageError(f"{url}: sha256 {digest.hexdigest()} does not match the manifest's {sha256}")
+                raise ChecksumError(url, digest.hexdigest(), sha256)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

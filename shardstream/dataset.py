@@ -91,6 +91,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         cache_dir: str | None = None,
         cache_limit: int | None = None,
         verify_checksums: bool = True,
+        verify_stream: bool = False,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
@@ -108,6 +109,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.on_error = on_error
         self.error_tolerance = error_tolerance
         self.read_size = read_size
+        self.verify_stream = verify_stream
         first = self.manifest.shard_url(0) if self.manifest.shards else ""
         remote = "://" in first and not first.startswith("file://")
         # Read-ahead pays where storage has latency; on local disk the page cache already reads ahead.
@@ -179,7 +181,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         policy = ErrorPolicy(self.on_error, self.error_tolerance, counters)
         stats = BatchStats()
         source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
-                             counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes)
+                             counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
+                             verify_stream=self.verify_stream)
         samples = read_ranges(source, ranges, policy=policy)
         if self.shuffle_buffer > 1:
             samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,

@@ -6,6 +6,7 @@
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, or inconsistent
     ├── StorageError                 a shard cannot be opened or read (names the URL)
+    │   └── ChecksumError            a shard's bytes do not match the manifest's sha256
     ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
     └── SampleError                  a sample that cannot be decoded (names URL, key and field)
 
@@ -43,6 +44,17 @@ class ManifestError(ShardstreamError):
 
 class StorageError(ShardstreamError):
     """A shard or manifest that cannot be opened or read."""
+
+
+class ChecksumError(StorageError):
+    """A shard whose bytes do not hash to the sha256 the manifest recorded."""
+
+    def __init__(self, url: str, actual: str, expected: str):
+        self.url = url
+        self.actual = actual
+        self.expected = expected
+        super().__init__(f"{url}: sha256 {actual} does not match the manifest's {expected} "
+                         "(the shard changed after it was packed, or is corrupt)")
 
 
 class ShardFormatError(ShardstreamError):

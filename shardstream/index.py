@@ -32,7 +32,7 @@ def _index_shard(url: str, storage_options: Mapping[str, Any] | None) -> tuple[S
     except FileNotFoundError as exc:
         raise StorageError(f"{url}: not found") from exc
     except PermissionError as exc:
-        raise StorageError(f"{url}: access denied (check credentials, profile and endpoint)") from exc
+        raise StorageError(f"{url}: {storage.explain_denied(fs, path, exc)}") from exc
     digest = hashlib.sha256()
 
     def read(n: int) -> bytes:

@@ -40,7 +40,7 @@ class ErrorPolicy:
         if self._counters is not None:
             self._counters.add("samples_skipped", lost)
         self._consecutive += 1
-        logger.warning("skipping sample: %s", exc)
+        logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
         if self._consecutive > self.tolerance:
             raise SampleError("(several shards)", "(several)", f"{self._consecutive} consecutive samples failed "
                               f"(last: {exc}); the dataset or the decoders are likely broken") from exc

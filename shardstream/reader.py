@@ -12,6 +12,7 @@ generator hop per stage.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -19,7 +20,7 @@ import fsspec
 
 from . import storage
 from .cache import ShardCache
-from .errors import ShardFormatError, StorageError
+from .errors import ChecksumError, ShardFormatError, StorageError
 from .manifest import Manifest
 from .plan import Range
 from .policy import ErrorPolicy
@@ -96,22 +97,34 @@ def _counting(read: Callable[[int], bytes], counters: Any) -> Callable[[int], by
 
 
 class RangeSource:
-    """Where a worker's ranges come from: storage options, counters, cache, read sizes."""
+    """Where a worker's ranges come from: storage options, counters, cache, read sizes, and
+    whether whole-shard ranges are hashed as they stream (``verify_stream``)."""
 
     def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
                  read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
-                 readahead_bytes: int = 0):
+                 readahead_bytes: int = 0, verify_stream: bool = False):
         self.manifest = manifest
         self.storage_options = storage_options
         self.read_size = read_size
         self.counters = counters
         self.cache = cache
         self.readahead_bytes = readahead_bytes
+        self.verify_stream = verify_stream
+
+    def verifies(self, rng: Range) -> bool:
+        """A range is hashed while streaming when it is the whole shard, the manifest has its
+        sha256, and no cache is in the way (cache fills are checked on their own)."""
+        shard = self.manifest.shards[rng.shard]
+        return (self.verify_stream and self.cache is None and bool(shard.sha256)
+                and rng.start == 0 and rng.stop == shard.samples)
 
     def opener(self, rng: Range):
         shard = self.manifest.shards[rng.shard]
         url = self.manifest.shard_url(rng.shard)
-        start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
+        if self.verifies(rng):  # every byte of the object, so the hash covers the file
+            start, end = 0, shard.bytes
+        else:
+            start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
         return lambda: open_range(url, start, end, self.storage_options, self.counters, cache=self.cache,
                                   shard_size=shard.bytes, sha256=shard.sha256)
 
@@ -124,17 +137,31 @@ def read_range(
     read_size: int = DEFAULT_READ_SIZE,
     counters: Any = None,
     read: Callable[[int], bytes] | None = None,
+    verify: bool = False,
 ) -> Iterator[list[dict[str, Any]]]:
     """Yield the samples of one planned range, a list per read block; the count is checked
-    against the manifest. ``read`` supplies the range's bytes (read-ahead); else it is opened."""
+    against the manifest. ``read`` supplies the range's bytes (read-ahead); else it is opened.
+
+    With ``verify`` the range must be the whole shard and ``read`` must give the whole object
+    (bytes [0, size)): every byte is hashed, and after the last sample the rest of the object is
+    read and the sha256 compared with the manifest's. A mismatch raises ChecksumError once the
+    shard's samples have been handed on: streaming cannot take them back (a cache fill, checked
+    before use, can)."""
     shard = manifest.shards[rng.shard]
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
     start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
+    if verify and not (rng.start == 0 and rng.stop == shard.samples and shard.sha256):
+        raise ValueError(f"verify needs a whole-shard range with a sha256 in the manifest, got {rng} of {url}")
     close = None
     if read is None:
-        read, close = open_range(url, start, end, storage_options, counters)
+        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters)
+    digest = None
+    if verify:
+        digest = hashlib.sha256()
+        read = _hashing(read, digest)
+        _skip(read, start, url)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
     try:
@@ -155,6 +182,32 @@ def read_range(
         raise ShardFormatError(
             url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there"
         )
+    if digest is not None:
+        _skip(read, shard.bytes - end, url)  # the end-of-archive blocks and padding
+        if digest.hexdigest() != shard.sha256:
+            if counters is not None:
+                counters.add("checksum_failures")
+            raise ChecksumError(url, digest.hexdigest(), shard.sha256)
+        if counters is not None:
+            counters.add("shards_verified")
+
+
+def _hashing(read: Callable[[int], bytes], digest) -> Callable[[int], bytes]:
+    def read_hashed(n: int) -> bytes:
+        data = read(n)
+        digest.update(data)
+        return data
+
+    return read_hashed
+
+
+def _skip(read: Callable[[int], bytes], n: int, url: str) -> None:
+    """Read and drop exactly n bytes (they still pass through the hash)."""
+    while n > 0:
+        chunk = read(min(n, DEFAULT_READ_SIZE))
+        if not chunk:
+            raise ShardFormatError(url, -1, f"stream ended with {n} bytes of the object still to come (truncated shard)")
+        n -= len(chunk)
 
 
 def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
@@ -178,7 +231,8 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                 else:
                     read, close = source.opener(rng)()
                 try:
-                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read):
+                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read,
+                                            verify=source.verifies(rng), counters=source.counters):
                         delivered += len(chunk)
                         yield chunk
                         if policy is not None:
@@ -186,6 +240,10 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                 finally:
                     if close is not None:
                         close()
+            except ChecksumError as exc:
+                if policy is None:
+                    raise
+                policy.failed(exc, lost=0)  # its samples were delivered; under "skip" this is logged and counted
             except (ShardFormatError, StorageError) as exc:
                 if policy is None:
                     raise

@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from .errors import StorageError
 from .stats import NullCounters
+from .storage import denied_message
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def permanent_error(url: str, exc: BaseException) -> StorageError:
         return StorageError(f"{url}: the bucket does not exist (check the URL and --endpoint-url)")
     if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
         return StorageError(f"{url}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile)")
-    return StorageError(f"{url}: access denied (check credentials, --profile and --endpoint-url): {exc}")
+    return StorageError(f"{url}: {denied_message(exc)}")
 
 
 class PartialRead(Exception):

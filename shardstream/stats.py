@@ -20,6 +20,8 @@ COUNTERS = (
     "cache_hits",       # shard ranges served from the local cache
     "cache_misses",     # shards downloaded into the cache
     "cache_bypass",     # reads that skipped a full cache (every cached shard in use)
+    "shards_verified",  # whole shards hashed while streaming (verify_stream) and found intact
+    "checksum_failures",  # shards whose bytes did not match the manifest's sha256
 )
 MAX_SLOTS = 256  # DataLoader workers per rank that get their own row
 

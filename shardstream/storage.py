@@ -38,6 +38,54 @@ def make_storage_options(
     return options
 
 
+_DENIED = (
+    ("InvalidAccessKeyId", "the access key ID is not known to this endpoint (check AWS_ACCESS_KEY_ID, --profile and --endpoint-url)"),
+    ("SignatureDoesNotMatch", "the secret key does not match the access key ID (check AWS_SECRET_ACCESS_KEY or the profile's secret)"),
+    ("ExpiredToken", "the session token has expired (refresh the credentials)"),
+    ("InvalidToken", "the session token is not valid (check AWS_SESSION_TOKEN or the profile)"),
+)
+_DENIED_DEFAULT = "access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code behind an exception (s3fs wraps botocore's ClientError), or its text."""
+    seen = set()
+    texts = []
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            if code:
+                return str(code)
+        texts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(texts)
+
+
+def denied_message(exc: BaseException) -> str:
+    """What a 403 means, in words that say what to check: unknown key, wrong secret, expired token
+    or missing permission."""
+    code = error_code(exc)
+    for word, message in _DENIED:
+        if word in code:
+            return message
+    return _DENIED_DEFAULT
+
+
+def explain_denied(fs, path: str, exc: BaseException) -> str:
+    """``denied_message`` for a refused request on ``path``; a HEAD's 403 has no body to say why,
+    so ask again with a one-byte ranged GET, whose error carries the code."""
+    if error_code(exc) in ("403", "Forbidden") or "Forbidden" in str(exc):
+        try:
+            fs.cat_file(path, start=0, end=1)
+        except PermissionError as detailed:
+            exc = detailed
+        except Exception:  # noqa: BLE001 - the first answer stands
+            pass
+    return denied_message(exc)
+
+
 def get_fs(url: str, storage_options: Mapping[str, Any] | None = None):
     """Return ``(filesystem, path)`` for a URL; options only apply to remote protocols."""
     protocol = fsspec.utils.get_protocol(url)
@@ -77,7 +125,7 @@ def publish_file(fs, local_tmp: str, dest_path: str) -> None:
         raise DestinationError(f"cannot write {full_url(fs, dest_path)}: bucket or path does not exist") from exc
     except PermissionError as exc:
         raise DestinationError(
-            f"cannot write {full_url(fs, dest_path)}: access denied (check credentials, --profile, --endpoint-url)"
+            f"cannot write {full_url(fs, dest_path)}: {denied_message(exc)}"
         ) from exc
     finally:
         try:
@@ -98,8 +146,10 @@ def write_bytes_atomic(fs, dest_path: str, data: bytes) -> None:
         return
     try:
         fs.pipe_file(dest_path, data)
-    except (FileNotFoundError, PermissionError) as exc:
-        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: {exc}") from exc
+    except FileNotFoundError as exc:
+        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: bucket or path does not exist") from exc
+    except PermissionError as exc:
+        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: {denied_message(exc)}") from exc
 
 
 def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -111,9 +161,7 @@ def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) 
     except FileNotFoundError as exc:
         raise StorageError(f"{full_url(fs, path)}: not found") from exc
     except PermissionError as exc:
-        raise StorageError(
-            f"{full_url(fs, path)}: access denied (check credentials, profile and endpoint)"
-        ) from exc
+        raise StorageError(f"{full_url(fs, path)}: {explain_denied(fs, path, exc)}") from exc
     except Exception as exc:  # network trouble from any fsspec backend; programming errors pass through
         from .remote import is_transient
 
@@ -136,8 +184,6 @@ def check_destination_writable(fs, path: str) -> None:
     except FileNotFoundError as exc:
         raise DestinationError(f"{url}: bucket does not exist") from exc
     except PermissionError as exc:
-        raise DestinationError(
-            f"{url}: access denied (check credentials, --profile, --endpoint-url)"
-        ) from exc
+        raise DestinationError(f"{url}: {denied_message(exc)}") from exc
     except OSError as exc:
         raise DestinationError(f"{url}: cannot reach storage ({exc})") from exc

@@ -37,8 +37,8 @@ def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_
         size = fs.size(path)
     except FileNotFoundError:
         return [Problem(url, "missing (listed in the manifest, not found in storage)")]
-    except PermissionError:
-        return [Problem(url, "access denied")]
+    except PermissionError as exc:
+        return [Problem(url, storage.explain_denied(fs, path, exc))]
     if size != info.bytes:
         problems.append(Problem(url, f"size is {size} bytes, the manifest says {info.bytes}"))
     digest = hashlib.sha256()
