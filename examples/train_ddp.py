@@ -84,6 +84,9 @@ def main() -> None:
             samples += labels.numel()
             tick = time.perf_counter()
         elapsed = time.perf_counter() - started
+        # counts/gathered stay referenced until main() returns, after destroy_process_group: with
+        # gloo, a worker thread that drops the last reference to a collective's Python tensors
+        # while the interpreter exits aborts the process (torch 2.13).
         counts = torch.tensor([batches], dtype=torch.int64)
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)

@@ -38,12 +38,13 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, ou
             keys += batch["__key__"]
             batches += 1
         result[epoch] = {"keys": keys, "batches": batches, "len": len(loader)}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        plan = {e: {"dropped": dataset.plan(epoch=e).dropped} for e in (0, 1)}
-        with open(out, "w") as f:
-            json.dump({"ranks": gathered, "plan": plan}, f)
+    result["plan"] = {e: {"dropped": dataset.plan(epoch=e).dropped} for e in (0, 1)}
+    # Results go to a file per rank, not through dist.all_gather_object: with torch 2.13 a gloo
+    # worker thread may drop the last reference to that call's Python-made tensors while the
+    # interpreter shuts down, which aborts the process ("terminate called without an active
+    # exception") after all the work is done. Tensors a collective used must outlive it.
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
     dist.destroy_process_group()
 
 
@@ -62,8 +63,11 @@ def run_ddp(world: int, source: str, options: dict, tmp_path) -> dict:
         for p in procs:
             if p.is_alive():
                 p.kill()
-    with open(out) as f:
-        return json.load(f)
+    ranks = []
+    for r in range(world):
+        with open(f"{out}.{r}") as f:
+            ranks.append(json.load(f))
+    return {"ranks": ranks, "plan": ranks[0]["plan"]}
 
 
 def check(result: dict, total: int) -> None:
