@@ -161,7 +161,7 @@ def read_range(
     if verify:
         digest = hashlib.sha256()
         read = _hashing(read, digest)
-        _skip(read, start, url)  # bytes before the first sample (directory entries in others' tars)
+        _skip(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
     try:
@@ -183,7 +183,7 @@ def read_range(
             url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there"
         )
     if digest is not None:
-        _skip(read, shard.bytes - end, url)  # the end-of-archive blocks and padding
+        _skip(read, shard.bytes - end, url, end)  # the end-of-archive blocks and padding
         if digest.hexdigest() != shard.sha256:
             if counters is not None:
                 counters.add("checksum_failures")
@@ -201,13 +201,14 @@ def _hashing(read: Callable[[int], bytes], digest) -> Callable[[int], bytes]:
     return read_hashed
 
 
-def _skip(read: Callable[[int], bytes], n: int, url: str) -> None:
-    """Read and drop exactly n bytes (they still pass through the hash)."""
+def _skip(read: Callable[[int], bytes], n: int, url: str, at: int) -> None:
+    """Read and drop exactly n bytes from offset ``at`` (they still pass through the hash)."""
     while n > 0:
         chunk = read(min(n, DEFAULT_READ_SIZE))
         if not chunk:
-            raise ShardFormatError(url, -1, f"stream ended with {n} bytes of the object still to come (truncated shard)")
+            raise ShardFormatError(url, at, f"stream ended with {n} bytes of the object still to come (truncated shard)")
         n -= len(chunk)
+        at += len(chunk)
 
 
 def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:

@@ -13,7 +13,7 @@ import tarfile
 import pytest
 
 from conftest import make_samples
-from shardstream import ChecksumError, ShardStream, ShardWriter, make_loader
+from shardstream import ChecksumError, ShardFormatError, ShardStream, ShardWriter, make_loader
 from shardstream.index import write_index
 
 
@@ -116,3 +116,13 @@ def test_partial_ranges_are_not_claimed_as_verified(tmp_path):
         total += len(keys(ds))
         assert ds.stats()["shards_verified"] == 0 and ds.stats()["checksum_failures"] == 0
     assert total == 40
+
+
+def test_a_shard_cut_in_its_trailer_is_caught_only_when_verifying(tmp_path):
+    url = write(str(tmp_path / "ds"), n=20)
+    shard = tmp_path / "ds" / "shard-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:-100])  # end-of-archive zeros: no sample is touched
+    assert len(keys(ShardStream(url, batch_size=5, shuffle=False, rank=0, world_size=1))) == 20
+    ds = ShardStream(url, batch_size=5, shuffle=False, rank=0, world_size=1, verify_stream=True)
+    with pytest.raises(ShardFormatError, match=r"shard-000000\.tar at byte \d+: stream ended with 100 bytes"):
+        keys(ds)
