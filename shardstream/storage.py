@@ -76,7 +76,8 @@ def denied_message(exc: BaseException) -> str:
 def explain_denied(fs, path: str, exc: BaseException) -> str:
     """``denied_message`` for a refused request on ``path``; a HEAD's 403 has no body to say why,
     so ask again with a one-byte ranged GET, whose error carries the code."""
-    if error_code(exc) in ("403", "Forbidden") or "Forbidden" in str(exc):
+    code = error_code(exc)
+    if code == "403" or "Forbidden" in code:
         try:
             fs.cat_file(path, start=0, end=1)
         except PermissionError as detailed:
