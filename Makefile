@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_DIR ?= data/demo
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ demo: install
 	    --master-addr 127.0.0.1 --master-port $$($(BIN)/python tools/free_port.py) \
 	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 3 --batch-size 32 --workers 1
 
-test: install
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 bench: install

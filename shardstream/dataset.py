@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
 
-from .batch import BatchStats, batch_samples, default_collate, pack_for_transport
-from .decode import Decoder, decode_samples, default_decoders
-from .policy import ErrorPolicy
-from .errors import ConfigError
-from .index import index_shards
-from .manifest import Manifest, load_manifest
-from .plan import EpochPlan, plan_epoch
-from .cache import ShardCache
-from .reader import RangeSource, read_ranges
-from .shuffle import shuffle_samples, worker_rng
-from .sources import expand_urls
-from .stats import StreamStats
-from .tarformat import DEFAULT_READ_SIZE
-from .topology import World, current_worker
+from shardstream.errors import ConfigError
+from shardstream.format.manifest import Manifest, load_manifest
+from shardstream.format.tar import DEFAULT_READ_SIZE
+from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
+from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
+from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
+from shardstream.plan.epoch import EpochPlan, plan_epoch
+from shardstream.plan.topology import World, current_worker
+from shardstream.policy import ErrorPolicy
+from shardstream.stats import StreamStats
+from shardstream.storage.cache import ShardCache
+from shardstream.storage.scan import scan_shards
+from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +47,14 @@ def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Ma
     """
     if isinstance(source, Manifest):
         return source
-    if isinstance(source, str) and not (source.endswith(".tar") or any(c in source for c in "{*?[")):
+    if isinstance(source, str) and not is_shard_pattern(source):
         return load_manifest(source, storage_options)
     patterns = [source] if isinstance(source, str) else list(source)
     urls = [u for p in patterns for u in expand_urls(p, storage_options)]
     if not urls:
         raise ConfigError(f"no shards match {source!r}")
     logger.info("no manifest given: indexing %d shards (one full read each)", len(urls))
-    return index_shards(urls, storage_options)
+    return scan_shards(urls, storage_options)
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -175,7 +176,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if worker == 0 and rank == 0:
             logger.info("%s", plan.summary())
         for fn in (*self.decoder.decoders.values(), self.transform):
-            if hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
+            if fn is not None and hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(plan.epoch, rank, worker)
         counters = self._stats.counters(worker)
         policy = ErrorPolicy(self.on_error, self.error_tolerance, counters)

@@ -8,7 +8,8 @@ while kernels still read it. On CPU, batches pass through unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

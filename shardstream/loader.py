@@ -12,8 +12,8 @@ from typing import Any
 
 import webdataset
 
-from .batch import unpack_after_transport
-from .dataset import ShardStream
+from shardstream.dataset import ShardStream
+from shardstream.pipeline.batch import unpack_after_transport
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class ShardLoader(webdataset.WebLoader):
         next_log = time.monotonic() + interval if interval else None
         for batch in super().__iter__():
             yield unpack_after_transport(batch, pin)
-            if next_log is not None and time.monotonic() >= next_log:
+            if interval and next_log is not None and time.monotonic() >= next_log:
                 next_log = time.monotonic() + interval
                 logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from .errors import SampleError
+from shardstream.errors import SampleError
 
 logger = logging.getLogger(__name__)
 

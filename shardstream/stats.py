@@ -30,7 +30,7 @@ class StreamStats:
     def __init__(self) -> None:
         self._array: Any = multiprocessing.RawArray("q", MAX_SLOTS * len(COUNTERS))
 
-    def counters(self, worker: int) -> "WorkerCounters":
+    def counters(self, worker: int) -> WorkerCounters:
         return WorkerCounters(self._array, worker % MAX_SLOTS)
 
     def totals(self) -> dict[str, int]:

@@ -11,8 +11,8 @@ import urllib.request
 import uuid
 
 import pytest
-
 from conftest import make_samples
+
 from shardstream import ShardStream, ShardWriter
 from shardstream.cli.main import main as cli_main
 from shardstream.errors import DestinationError, ManifestError, StorageError

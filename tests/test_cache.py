@@ -9,12 +9,12 @@ import multiprocessing
 import os
 
 import pytest
-
 from conftest import make_samples
+
 from shardstream import ShardStream, ShardWriter, make_loader
-from shardstream.cache import ShardCache
 from shardstream.errors import ConfigError, StorageError
 from shardstream.stats import StreamStats
+from shardstream.storage.cache import ShardCache
 
 
 def write(bucket, options, n=100, max_count=20):

@@ -11,10 +11,10 @@ import json
 import tarfile
 
 import pytest
-
 from conftest import make_samples
+
 from shardstream import ChecksumError, ShardFormatError, ShardStream, ShardWriter, make_loader
-from shardstream.index import write_index
+from shardstream.tools.index import write_index
 
 
 def write(url, n=60, options=None, max_count=20):

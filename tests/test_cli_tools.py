@@ -4,16 +4,15 @@ and on the moto S3 server."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import webdataset as wds
+from conftest import make_samples, write_image_folder
 from PIL import Image
 
-from conftest import make_samples, write_image_folder
 from shardstream import ShardStream, ShardWriter
 from shardstream.cli.main import build_parser, main
-from shardstream.pack import pack
+from shardstream.write.pack import pack
 
 
 @pytest.fixture

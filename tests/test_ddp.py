@@ -10,8 +10,8 @@ import multiprocessing
 import os
 
 import pytest
-
 from conftest import make_samples
+
 from shardstream import ShardWriter
 
 

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from shardstream import RandomResizedCrop
-from shardstream.decode import ImageDecoder
+from shardstream.pipeline.decode import ImageDecoder
 
 
 def jpeg_bytes(width=320, height=240, mode="RGB", quality=95) -> bytes:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conftest import make_samples
 from faultproxy import FaultProxy
+
 from shardstream import ShardStream, ShardWriter, make_loader
 from shardstream.errors import ManifestError, StorageError
 
@@ -83,7 +83,7 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
 
 
 def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3, monkeypatch):
-    import shardstream.remote as remote
+    import shardstream.storage.retry as remote
 
     bucket, options, _ = s3
     url = write(bucket, options, n=40)

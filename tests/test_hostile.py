@@ -9,14 +9,15 @@ import tarfile
 import tracemalloc
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from conftest import make_samples
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from shardstream import ShardStream, ShardWriter
 from shardstream.errors import ManifestError, SampleError, ShardFormatError, StorageError
-from shardstream.index import index_shard
-from shardstream.manifest import Manifest
-from shardstream.tarformat import END_OF_ARCHIVE, iter_samples, member_header, padding
+from shardstream.format.manifest import Manifest
+from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
+from shardstream.storage.scan import scan_shard
 
 
 def valid_tar(n=6) -> bytes:
@@ -91,7 +92,7 @@ def test_zero_length_object_and_non_utf8_name(tmp_path):
     empty = tmp_path / "empty.tar"
     empty.write_bytes(b"")
     with pytest.raises(ShardFormatError, match="empty.tar at byte 0: no end-of-archive"):
-        index_shard(str(empty))
+        scan_shard(str(empty))
     info = tarfile.TarInfo("x")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tf:
@@ -168,7 +169,7 @@ def test_sample_missing_required_field_under_skip(tmp_path):
 
 def test_extract_never_writes_outside_dir(tmp_path):
     from shardstream.errors import ShardstreamError
-    from shardstream.inspect import extract_sample
+    from shardstream.tools.preview import extract_sample
 
     with pytest.raises(ShardstreamError, match="outside"):
         extract_sample({"__key__": "../../escape", "txt": b"x"}, str(tmp_path / "out"))

@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from PIL import Image
+from conftest import make_samples
 
-from conftest import make_samples, write_image_folder
 from shardstream import ShardWriter, load_manifest
 from shardstream.cli.main import main
 from shardstream.errors import DestinationError, SourceError
-from shardstream.pack import pack
-from shardstream.reader import read_range
-from shardstream.plan import Range
+from shardstream.pipeline.read import read_range
+from shardstream.plan.epoch import Range
+from shardstream.write.pack import pack
 
 
 def read_with_webdataset(paths):
@@ -43,7 +42,7 @@ def read_with_manifest(root, storage_options=None):
 
 
 def expected_bytes(samples):
-    from shardstream.encode import encode_sample
+    from shardstream.write.encode import encode_sample
 
     return dict(encode_sample(s) for s in samples)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from shardstream.errors import ConfigError
-from shardstream.plan import plan_epoch
+from shardstream.plan.epoch import plan_epoch
 
 
 def uneven_counts(num_shards: int, seed: int = 0) -> list[int]:

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from shardstream.readahead import Prefetcher
+from shardstream.storage.readahead import Prefetcher
 
 
 def opener(data: bytes, fail_after: int | None = None, log=None):

@@ -3,7 +3,6 @@ decode, batching, error policy and manifests that lie."""
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 
@@ -11,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from conftest import make_samples
 from PIL import Image
 
-from conftest import make_samples
 from shardstream import ShardStream, ShardWriter, make_loader, to_device
 from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError
 

@@ -12,7 +12,7 @@ import pytest
 import webdataset as wds
 
 from shardstream.errors import ShardFormatError
-from shardstream.tarformat import END_OF_ARCHIVE, iter_samples, member_header, padding, split_name
+from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding, split_name
 
 
 def parse(data: bytes, url: str = "mem://x.tar", read_size: int = 1024):

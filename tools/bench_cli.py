@@ -52,7 +52,7 @@ def main() -> None:
     import numpy as np
 
     from shardstream import ShardWriter
-    from shardstream.pack import pack
+    from shardstream.write.pack import pack
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10)

@@ -30,8 +30,9 @@ def make_inputs(workdir: str, kind: str, n: int):
         for i in range(n):
             samples.append({"__key__": f"{i:08d}", "bin": rng.bytes(int(rng.integers(800, 1200))), "cls": str(i % 1000).encode()})
     else:
-        from PIL import Image
         import io
+
+        from PIL import Image
 
         base = [rng.integers(0, 255, (300, 400, 3), dtype=np.uint8) for _ in range(8)]
         for i in range(n):
@@ -70,7 +71,7 @@ def run_wds_api(samples, out):
 
 
 def run_ss_dir(src, out):
-    from shardstream.pack import pack
+    from shardstream.write.pack import pack
 
     pack(src, out, max_count=100_000, max_size=10**12, overwrite=True)
 
@@ -128,7 +129,7 @@ def main() -> None:
             shutil.rmtree(src, ignore_errors=True)
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
-    print(f"| input | path | samples | shardstream samples/s | shardstream MB/s | webdataset samples/s | webdataset MB/s | ratio |")
+    print("| input | path | samples | shardstream samples/s | shardstream MB/s | webdataset samples/s | webdataset MB/s | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for kind, path, n, total, ss, wd in rows:
         print(f"| {kind} | {path} | {n} | {n / ss:,.0f} | {total / ss / 1e6:,.1f} | {n / wd:,.0f} | {total / wd / 1e6:,.1f} | {wd / ss:.2f}x |")

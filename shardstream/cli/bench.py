@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: float, shuffle_buffer: int,
             storage_options: dict, live: bool = False) -> dict:
     """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures."""
-    from ..dataset import ShardStream
-    from ..loader import make_loader
+    from shardstream.dataset import ShardStream
+    from shardstream.loader import make_loader
 
     started = time.perf_counter()
     dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle_buffer=shuffle_buffer,

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..index import write_index
+    from shardstream.tools.index import write_index
 
     options = storage_options_from(args)
     manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite)

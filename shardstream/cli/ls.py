@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..manifest import load_manifest, manifest_url
+    from shardstream.format.manifest import load_manifest, manifest_url
 
     manifest = load_manifest(args.url, storage_options_from(args))
     summary = {

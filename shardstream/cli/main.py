@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from ..errors import ShardstreamError
+from shardstream.errors import ShardstreamError
+
 from . import bench, index, ls, pack, show, verify
 
 COMMANDS = [pack, ls, show, verify, index, bench]
@@ -28,7 +29,7 @@ Run 'shardstream COMMAND --help' for a command's options and examples.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from shardstream import __version__
 
     parser = argparse.ArgumentParser(
         prog="shardstream", description="Pack and stream WebDataset tar shards for PyTorch.",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..storage import make_storage_options
+from shardstream.storage.fs import make_storage_options
 
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
           "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
+
 from .options import add_storage_arguments, human_bytes, parse_size, storage_options_from
 
 NAME = "pack"
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pack import pack
+    from shardstream.write.pack import pack
 
     bar = None
     if not args.no_progress and sys.stderr.isatty():

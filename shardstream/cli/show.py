@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import ShardstreamError
-    from ..inspect import describe_field, extract_sample, find_key, iter_dataset_samples
-    from ..manifest import load_manifest
+    from shardstream.errors import ShardstreamError
+    from shardstream.format.manifest import load_manifest
+    from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
     manifest = load_manifest(args.url, options)

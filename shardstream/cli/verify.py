@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..manifest import load_manifest
-    from ..verify import verify_dataset
+    from shardstream.format.manifest import load_manifest
+    from shardstream.tools.verify import verify_dataset
 
     manifest = load_manifest(args.url, storage_options_from(args))
     bar = None

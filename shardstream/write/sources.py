@@ -17,13 +17,16 @@ SourceError naming ``where``.
 from __future__ import annotations
 
 import json
-import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from . import storage
-from .encode import check_key, encode_value
-from .errors import SourceError
-from .tarformat import iter_samples, split_name
+from shardstream.errors import SourceError
+from shardstream.format.manifest import load_manifest
+from shardstream.format.tar import iter_samples, split_name
+from shardstream.storage import fs as storage
+from shardstream.storage.scan import scan_shard
+from shardstream.storage.urls import expand_urls, is_shard_pattern
+from shardstream.write.encode import check_key, encode_value
 
 Item = tuple[str, tuple]
 
@@ -31,7 +34,7 @@ Item = tuple[str, tuple]
 def detect_kind(src: str, storage_options: Mapping[str, Any] | None = None) -> str:
     if src.endswith(".jsonl") or src.endswith(".jsonl.gz"):
         return "jsonl"
-    if src.endswith(".tar") or any(c in src for c in "{*?["):
+    if is_shard_pattern(src):
         return "shards"
     fs, path = storage.get_fs(src, storage_options)
     if fs.isfile(storage.join(path, "index.json")):
@@ -79,7 +82,7 @@ def _list_dir(src: str, label_from_dir: bool, storage_options) -> Listing:
         if any(part.startswith(".") for part in rel.split("/")):
             continue  # hidden files and our own partial files
         key, ext = split_name(rel)
-        if key is None:
+        if key is None or ext is None:
             errors.append((storage.full_url(fs, path), "file name has no extension to name its field"))
             continue
         fields = groups.setdefault(key, {})
@@ -147,26 +150,9 @@ def _list_jsonl(src: str, storage_options) -> Listing:
 
 
 # -- existing shards ---------------------------------------------------------------------------
-def expand_urls(pattern: str, storage_options=None) -> list[str]:
-    """A brace pattern, a glob, or a single URL -> sorted shard URLs (existing files only for globs)."""
-    import braceexpand
-
-    urls: list[str] = []
-    for url in braceexpand.braceexpand(pattern):
-        if any(c in url for c in "*?["):
-            fs, path = storage.get_fs(url, storage_options)
-            urls += [storage.full_url(fs, p) for p in sorted(fs.glob(path))]
-        else:
-            urls.append(url)
-    return urls
-
-
 def _list_shards(src: str, storage_options) -> Listing:
-    from .manifest import load_manifest
-    from .index import index_shard
-
     items: list[Item] = []
-    if not src.endswith(".tar") and not any(c in src for c in "{*?["):
+    if not is_shard_pattern(src):
         manifest = load_manifest(src, storage_options)
         for i, shard in enumerate(manifest.shards):
             url = manifest.shard_url(i)
@@ -177,7 +163,7 @@ def _list_shards(src: str, storage_options) -> Listing:
     if not urls:
         raise SourceError(src, "no shards match")
     for url in urls:
-        info = index_shard(url, storage_options)
+        info = scan_shard(url, storage_options)
         for j in range(info.samples):
             items.append((f"{url} sample #{j}", ("tar", url, info.offsets[j], info.offsets[j + 1])))
     return Listing(items)

@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from . import storage
-from .decode import Decoder, default_decoders
-from .errors import SampleError, ShardstreamError
-from .manifest import Manifest
-from .tarformat import iter_sample_batches
+from shardstream.errors import SampleError, ShardstreamError
+from shardstream.format.manifest import Manifest
+from shardstream.format.tar import iter_sample_batches
+from shardstream.pipeline.decode import Decoder, default_decoders
+from shardstream.storage import fs as storage
 
 READ_SIZE = 8 << 20
 

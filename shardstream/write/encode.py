@@ -11,7 +11,7 @@ import io
 import json
 from typing import Any
 
-from .errors import SourceError
+from shardstream.errors import SourceError
 
 TEXT_EXTS = {"txt", "text", "transcript", "html", "htm", "csv", "xml"}
 INT_EXTS = {"cls", "cls2", "class", "count", "index", "inx", "id"}
@@ -52,8 +52,8 @@ def encode_value(ext: str, value: Any) -> bytes:
 
 
 def _encode_image(value: Any, fmt: str) -> bytes:
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8:

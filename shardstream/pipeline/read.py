@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import fsspec
 
-from . import storage
-from .cache import ShardCache
-from .errors import ChecksumError, ShardFormatError, StorageError
-from .manifest import Manifest
-from .plan import Range
-from .policy import ErrorPolicy
-from .readahead import Prefetcher
-from .remote import make_range_reader, reader_storage_options, s3_fetcher
-from .stats import NullCounters
-from .tarformat import DEFAULT_READ_SIZE, iter_sample_batches
+from shardstream.errors import ChecksumError, ShardFormatError, StorageError
+from shardstream.format.manifest import Manifest
+from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
+from shardstream.plan.epoch import Range
+from shardstream.policy import ErrorPolicy
+from shardstream.stats import NullCounters
+from shardstream.storage import fs as storage
+from shardstream.storage.cache import ShardCache
+from shardstream.storage.readahead import Prefetcher
+from shardstream.storage.retry import make_range_reader, reader_storage_options, s3_fetcher
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ def read_range(
         if digest.hexdigest() != shard.sha256:
             if counters is not None:
                 counters.add("checksum_failures")
-            raise ChecksumError(url, digest.hexdigest(), shard.sha256)
+            raise ChecksumError(url, digest.hexdigest(), str(shard.sha256))
         if counters is not None:
             counters.add("shards_verified")
 

@@ -12,7 +12,6 @@ transforms that define it, at the start of each worker's epoch.
 
 from __future__ import annotations
 
-import io
 import math
 import random
 
@@ -61,7 +60,7 @@ class RandomResizedCrop:
         import torch
         import torch.nn.functional as F
 
-        from .decode import decode_image_pil, decode_jpeg_array, is_jpeg
+        from shardstream.pipeline.decode import decode_image_pil, decode_jpeg_array, is_jpeg
 
         array = None
         if is_jpeg(data):

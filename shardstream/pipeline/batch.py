@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 

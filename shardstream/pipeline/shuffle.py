@@ -6,7 +6,8 @@ The RNG is seeded from (seed, epoch, rank, worker), so an epoch's order is repro
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -15,13 +15,14 @@ import os
 import re
 import tempfile
 import uuid
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, BinaryIO
 
-from . import storage
-from .encode import check_key, encode_sample
-from .errors import DestinationError, SourceError
-from .manifest import MANIFEST_NAME, Manifest, ShardInfo
-from .tarformat import END_OF_ARCHIVE, member_header, padding
+from shardstream.errors import DestinationError, SourceError
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
+from shardstream.storage import fs as storage
+from shardstream.write.encode import check_key, encode_sample
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class ShardWriter:
         self.bytes_written = 0
         self._label_counts: dict[int, int] = {}
         self._keys: set[str] | None = set() if check_unique_keys else None
-        self._file = None
+        self._file: BinaryIO | None = None
         self._tmp_path: str | None = None
         self._closed = False
 
@@ -183,6 +184,7 @@ class ShardWriter:
     def _flush(self) -> None:
         block = b"".join(self._pending)
         self._hash.update(block)
+        assert self._file is not None, "no shard in progress"
         self._file.write(block)
         self._pending = []
         self._pending_bytes = 0
@@ -192,6 +194,7 @@ class ShardWriter:
         self._pending.append(END_OF_ARCHIVE)
         self._size += len(END_OF_ARCHIVE)
         self._flush()
+        assert self._file is not None and self._tmp_path is not None, "no shard in progress"
         self._file.close()
         self._file = None
         dest_path = storage.join(self.root, self._name)
@@ -248,7 +251,7 @@ class ShardWriter:
     def manifest_url(self) -> str:
         return storage.join(self.dest, MANIFEST_NAME)
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -17,23 +17,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from .errors import StorageError
-from .stats import NullCounters
-from .storage import denied_message
+from shardstream.errors import StorageError
+from shardstream.stats import NullCounters
+from shardstream.storage.classify import is_permanent, is_throttle, is_transient, permanent_error
 
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8
 BACKOFF_BASE = 0.05
 BACKOFF_CAP = 5.0
-_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "ParamValidationError", "NoRegionError"}
-_PERMANENT_WORDS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "NoSuchKey", "InvalidBucketName")
-_THROTTLE_WORDS = ("SlowDown", "reduce your request rate", "Throttl", "TooManyRequests", "429", "503")
-
-
 def reader_storage_options(options: Mapping[str, Any] | None, protocol: str) -> dict[str, Any]:
     """Storage options for reading: s3fs/botocore retries off (ours count them), bounded timeouts."""
     merged = dict(options or {})
@@ -46,39 +41,9 @@ def reader_storage_options(options: Mapping[str, Any] | None, protocol: str) -> 
     return merged
 
 
-def is_permanent(exc: BaseException) -> bool:
-    if isinstance(exc, _PERMANENT_TYPES) or type(exc).__name__ in _PERMANENT_NAMES:
-        return True
-    text = str(exc)
-    return any(word in text for word in _PERMANENT_WORDS)
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Network and server trouble worth retrying; programming errors are not."""
-    if isinstance(exc, (OSError, EOFError, TimeoutError)):
-        return True
-    module = type(exc).__module__.split(".", 1)[0]
-    return module in ("aiohttp", "botocore", "aiobotocore", "urllib3", "asyncio", "s3fs")
-
-
-def is_throttle(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return any(word in text for word in _THROTTLE_WORDS)
-
-
 def backoff(attempt: int, rng: random.Random) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
     return rng.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
-
-
-def permanent_error(url: str, exc: BaseException) -> StorageError:
-    if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc):
-        return StorageError(f"{url}: not found (it is listed in the manifest: was it deleted or moved?)")
-    if "NoSuchBucket" in str(exc):
-        return StorageError(f"{url}: the bucket does not exist (check the URL and --endpoint-url)")
-    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
-        return StorageError(f"{url}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile)")
-    return StorageError(f"{url}: {denied_message(exc)}")
 
 
 class PartialRead(Exception):

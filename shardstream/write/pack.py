@@ -11,13 +11,14 @@ import logging
 import multiprocessing
 import random
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from .errors import SourceError
-from .manifest import Manifest
-from .sources import Item, list_source, load_item, set_worker_storage_options
-from .writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
+from shardstream.errors import SourceError
+from shardstream.format.manifest import Manifest
+from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, TypeGuard
 
-from . import storage
-from .errors import ManifestError, StorageError
+from shardstream.errors import ManifestError, StorageError
+from shardstream.storage import fs as storage
 
 FORMAT_NAME = "shardstream-index"
 FORMAT_VERSION = 1
@@ -60,7 +61,7 @@ class Manifest:
         return storage.join(self.base_url, path)
 
     def to_json(self) -> dict[str, Any]:
-        from . import __version__
+        from shardstream import __version__
 
         return {
             "format": FORMAT_NAME,
@@ -80,7 +81,7 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1).encode("utf-8")
 
     @classmethod
-    def from_json(cls, doc: Any, where: str) -> "Manifest":
+    def from_json(cls, doc: Any, where: str) -> Manifest:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not a shardstream manifest (no \"format\": \"{FORMAT_NAME}\")")
         version = doc.get("version")
@@ -135,7 +136,7 @@ def _shard_from_json(raw: Any, where: str) -> ShardInfo:
     return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=tuple(offsets))
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

@@ -23,10 +23,11 @@ import hashlib
 import logging
 import os
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from .errors import ChecksumError, ConfigError, StorageError
-from .stats import NullCounters
+from shardstream.errors import ChecksumError, ConfigError, StorageError
+from shardstream.stats import NullCounters
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,15 @@ import logging
 import os
 import posixpath
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import DestinationError, StorageError
+from shardstream.errors import DestinationError, StorageError
+from shardstream.storage.classify import denied_message, explain_denied, is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -36,55 +38,6 @@ def make_storage_options(
     if profile:
         options["profile"] = profile
     return options
-
-
-_DENIED = (
-    ("InvalidAccessKeyId", "the access key ID is not known to this endpoint (check AWS_ACCESS_KEY_ID, --profile and --endpoint-url)"),
-    ("SignatureDoesNotMatch", "the secret key does not match the access key ID (check AWS_SECRET_ACCESS_KEY or the profile's secret)"),
-    ("ExpiredToken", "the session token has expired (refresh the credentials)"),
-    ("InvalidToken", "the session token is not valid (check AWS_SESSION_TOKEN or the profile)"),
-)
-_DENIED_DEFAULT = "access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
-
-
-def error_code(exc: BaseException) -> str:
-    """The S3 error code behind an exception (s3fs wraps botocore's ClientError), or its text."""
-    seen = set()
-    texts = []
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            if code:
-                return str(code)
-        texts.append(str(exc))
-        exc = exc.__cause__ or exc.__context__
-    return " ".join(texts)
-
-
-def denied_message(exc: BaseException) -> str:
-    """What a 403 means, in words that say what to check: unknown key, wrong secret, expired token
-    or missing permission."""
-    code = error_code(exc)
-    for word, message in _DENIED:
-        if word in code:
-            return message
-    return _DENIED_DEFAULT
-
-
-def explain_denied(fs, path: str, exc: BaseException) -> str:
-    """``denied_message`` for a refused request on ``path``; a HEAD's 403 has no body to say why,
-    so ask again with a one-byte ranged GET, whose error carries the code."""
-    code = error_code(exc)
-    if code == "403" or "Forbidden" in code:
-        try:
-            fs.cat_file(path, start=0, end=1)
-        except PermissionError as detailed:
-            exc = detailed
-        except Exception:  # noqa: BLE001 - the first answer stands
-            pass
-    return denied_message(exc)
 
 
 def get_fs(url: str, storage_options: Mapping[str, Any] | None = None):
@@ -164,8 +117,6 @@ def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) 
     except PermissionError as exc:
         raise StorageError(f"{full_url(fs, path)}: {explain_denied(fs, path, exc)}") from exc
     except Exception as exc:  # network trouble from any fsspec backend; programming errors pass through
-        from .remote import is_transient
-
         if not is_transient(exc):
             raise
         raise StorageError(f"{full_url(fs, path)}: cannot reach storage ({exc}); check the endpoint URL and the network") from exc

@@ -20,7 +20,7 @@ class World:
             raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
 
     @classmethod
-    def detect(cls, rank: int | None = None, world_size: int | None = None) -> "World":
+    def detect(cls, rank: int | None = None, world_size: int | None = None) -> World:
         """Explicit values, else an initialized torch.distributed, else torchrun's RANK/WORLD_SIZE, else (0, 1)."""
         if rank is not None or world_size is not None:
             if rank is None or world_size is None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import io
 import json
 import logging
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
-from .errors import SampleError
-from .policy import ErrorPolicy
+from shardstream.errors import SampleError
+from shardstream.policy import ErrorPolicy
 
 logger = logging.getLogger(__name__)
 

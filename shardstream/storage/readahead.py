@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Opener = Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]
 
@@ -53,7 +53,7 @@ class Prefetcher:
                     close()
                 if not self._put((index, None)):
                     return
-            except Exception as exc:  # handed to the consumer of that range, in order
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer of that range, in order
                 if not self._put((index, exc)):
                     return
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from . import storage
-from .errors import ShardstreamError
-from .manifest import Manifest
-from .plan import Range
-from .reader import read_range
-from .tarformat import BLOCK
+from shardstream.errors import ShardstreamError
+from shardstream.format.manifest import Manifest
+from shardstream.format.tar import BLOCK
+from shardstream.pipeline.read import read_range
+from shardstream.plan.epoch import Range
+from shardstream.storage import fs as storage
 
 PROBE_BYTES = 3 * BLOCK  # a pax or long-name header, then the member's own header
 
@@ -62,7 +63,7 @@ def _first_name(data: bytes) -> str | None:
 
 def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """The sample with ``key``, reading only each sample's first header block(s) until found."""
-    from .tarformat import split_name
+    from shardstream.format.tar import split_name
 
     for i, shard in enumerate(manifest.shards):
         url = manifest.shard_url(i)
@@ -100,7 +101,7 @@ def describe_field(ext: str, data: bytes, width: int = 60) -> str:
 
             buf = io.BytesIO(data)
             version = np.lib.format.read_magic(buf)
-            shape, _, dtype = np.lib.format._read_array_header(buf, version)  # header only
+            shape, _, dtype = np.lib.format._read_array_header(buf, version)  # type: ignore[attr-defined]  # header only
             return f"array shape={tuple(shape)} dtype={dtype}"
         if kind in ("json", "jsn"):
             text = json.dumps(json.loads(data), ensure_ascii=False)
@@ -109,7 +110,7 @@ def describe_field(ext: str, data: bytes, width: int = 60) -> str:
             return f"int {int(data)}"
         if kind in ("txt", "text", "html", "csv", "xml"):
             return "text " + _clip(repr(data.decode("utf-8"))[1:-1], width)
-    except Exception as exc:  # a preview must never fail the listing
+    except Exception as exc:  # noqa: BLE001 - a preview must never fail the listing
         return f"unreadable as .{kind}: {type(exc).__name__}: {_clip(str(exc), width)}"
     try:
         text = data.decode("utf-8")

@@ -15,12 +15,12 @@ exact samples every (rank, worker) reads.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from .errors import ConfigError
+from shardstream.errors import ConfigError
 
 MODES = ("drop", "pad")
 
@@ -139,8 +139,8 @@ def plan_epoch(
             f"each rank gets {batches} batches of {batch_size} but num_workers is {num_workers}: "
             f"{workers - batches} workers would have nothing to read; use num_workers <= {batches}"
         )
-    order = shard_permutation(len(counts), seed, epoch) if shuffle else np.arange(len(counts))
-    order = [int(i) for i in order if counts[int(i)] > 0]
+    perm = shard_permutation(len(counts), seed, epoch) if shuffle else np.arange(len(counts))
+    order = [int(i) for i in perm if counts[int(i)] > 0]
     starts = np.concatenate([[0], np.cumsum([counts[i] for i in order])[:-1]]).astype(np.int64)
     return EpochPlan(
         epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers,

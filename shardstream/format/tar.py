@@ -19,11 +19,12 @@ Record shapes:
 from __future__ import annotations
 
 import tarfile
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from .errors import ShardFormatError
+from shardstream.errors import ShardFormatError
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
@@ -154,7 +155,7 @@ def _verify_checksums(buf: bytes, positions: list[int], url: str, base: int) -> 
     computed = rows.sum(axis=1, dtype=np.int64) - field.sum(axis=1) + 8 * 32
     # The stored value is octal digits padded with NUL/space: fold the digits, skip the rest.
     digit = (field >= 48) & (field <= 55)
-    after = np.cumsum(digit[:, ::-1], axis=1)[:, ::-1] - digit
+    after: np.ndarray = np.cumsum(digit[:, ::-1], axis=1)[:, ::-1] - digit
     stored = np.where(digit, (field - 48) << (3 * after), 0).sum(axis=1)
     for i in np.nonzero(computed != stored)[0]:
         pos = positions[int(i)]
@@ -172,7 +173,7 @@ def iter_sample_batches(
     end: int,
     read_size: int = DEFAULT_READ_SIZE,
     require_end_marker: bool = False,
-) -> Iterator[list[tuple[str, int, int, dict[str, bytes]]]]:
+) -> Iterator[list[tuple[str, int, int, dict[str, Any]]]]:
     """Yield lists of complete samples ``(key, offset, end, {ext: data})`` from bytes ``[start, end)``.
 
     ``read(n)`` returns the next up-to-n bytes of the stream positioned at ``start``; ``end`` is
@@ -197,10 +198,10 @@ def iter_sample_batches(
     member_start: int | None = None  # first header of a member preceded by long-name/pax headers
     key: str | None = None  # the sample being assembled
     key_offset = key_end = 0
-    fields: dict[str, bytes] = {}
+    fields: dict[str, Any] = {}
     seen: set[str] = set()
     while True:
-        out: list[tuple[str, int, int, dict[str, bytes]]] = []
+        out: list[tuple[str, int, int, dict[str, Any]]] = []
         headers: list[int] = []
         done = False
         need = BLOCK
@@ -245,11 +246,12 @@ def iter_sample_batches(
                             name = buf[pos + 345 : pos + 500].split(b"\0", 1)[0].decode() + "/" + name
                         here = base + pos
                     else:
-                        name = pax["path"] if pax is not None and "path" in pax else long_name
-                        if name is None:  # a pax header without a path: the name is in this header
+                        override = pax["path"] if pax is not None and "path" in pax else long_name
+                        if override is None:  # a pax header without a path: the name is in this header
                             nul = buf.find(0, pos, pos + 100)
-                            name = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
-                        here = member_start
+                            override = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
+                        name = override
+                        here = member_start if member_start is not None else base + pos
                         long_name = pax = member_start = None
                     if name[:1] == "/" or ".." in name or "\0" in name:
                         _check_name(name, url, base + pos)
@@ -324,7 +326,7 @@ def iter_sample_batches(
         pos = 0
 
 
-def iter_samples(read: Callable[[int], bytes], **kwargs) -> Iterator[tuple[str, int, int, dict[str, bytes]]]:
+def iter_samples(read: Callable[[int], bytes], **kwargs) -> Iterator[tuple[str, int, int, dict[str, Any]]]:
     """``iter_sample_batches`` flattened: one ``(key, offset, end, {ext: data})`` at a time."""
     for batch in iter_sample_batches(read, **kwargs):
         yield from batch

@@ -1,0 +1,1 @@
+"""The on-disk format: tar members (headers out, a checked parser in) and the manifest."""

@@ -1,0 +1,1 @@
+"""Looking after a dataset: a manifest for others' shards, verification, previews."""

@@ -1,0 +1,1 @@
+"""The writing side: sources listed and loaded, samples encoded, shards and manifest written."""
