@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from shardstream.errors import ConfigError
+from shardstream.format.compression import shard_compression
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
@@ -159,6 +160,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             num_workers=num_workers if num_workers is not None else (self.num_workers or 0),
             batch_size=self.batch_size, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
             shuffle=self.shuffle, mode=self.mode,
+            compressed_shards=sum(1 for i in range(len(self.counts)) if shard_compression(self.manifest.shard_url(i))),
         )
 
     def stats(self) -> dict[str, int]:
