@@ -88,7 +88,7 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
     name = url.rstrip("/").rsplit("/", 1)[-1].lower()
     if name.endswith((".yaml", ".yml")):
         try:
-            import yaml
+            import yaml  # type: ignore[import-untyped]
         except ImportError as exc:
             raise ConfigError(f"{url}: reading a YAML mix file needs pyyaml (pip install pyyaml), "
                               "or write the mix as JSON") from exc
