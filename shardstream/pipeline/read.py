@@ -34,6 +34,9 @@ from shardstream.storage.retry import make_range_reader, reader_storage_options,
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
+# A range's first read is this small and the next ones double up to read_size, so the first
+# samples (and the first batch) are parsed out of a few hundred KiB rather than a full block.
+FIRST_READ = 256 << 10
 
 
 def open_range(
@@ -189,7 +192,7 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for batch in iter_sample_batches(read, url=url, start=start, end=end, read_size=read_size):
+        for batch in iter_sample_batches(_first_reads_small(read), url=url, start=start, end=end, read_size=read_size):
             got += len(batch)
             if got > expected:
                 break
@@ -214,6 +217,20 @@ def read_range(
             raise ChecksumError(url, digest.hexdigest(), str(shard.sha256))
         if counters is not None:
             counters.add("shards_verified")
+
+
+def _first_reads_small(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for."""
+    cap = FIRST_READ
+
+    def read_growing(n: int) -> bytes:
+        nonlocal cap
+        if n <= cap:
+            return read(n)
+        cap *= 2
+        return read(cap // 2)
+
+    return read_growing
 
 
 def _hashing(read: Callable[[int], bytes], digest) -> Callable[[int], bytes]:

@@ -83,7 +83,10 @@ class EpochPlan:
 
     def ranges(self, rank: int, worker: int, counts: Sequence[int]) -> list[Range]:
         """The shard ranges worker ``worker`` of rank ``rank`` reads, in order."""
-        begin, end = self.worker_slice(rank, worker)
+        return self.ranges_between(*self.worker_slice(rank, worker), counts)
+
+    def ranges_between(self, begin: int, end: int, counts: Sequence[int]) -> list[Range]:
+        """The shard ranges of positions [begin, end) of the laid-out (possibly wrapped) sequence."""
         out: list[Range] = []
         n = self.total_samples
         pos = begin
