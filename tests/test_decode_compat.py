@@ -141,7 +141,7 @@ def test_webdataset_preset_gives_webdatasets_samples_exactly(tmp_path, spec):
             ext = {"jpeg": "jpg", "png": "png", "webp": "webp", "tiff": "tiff"}.get(kind.split("-")[0], kind)
             w.write({"__key__": f"s{i:03d}", ext: make(), "cls": str(i).encode(), "json": json.dumps({"i": i}).encode(),
                      "npy": encode_value("npy", np.arange(i + 1, dtype=">f8")), "txt.gz": b"t",  # TarWriter gzips .gz fields itself
-                     "pth": encode_value("pth", torch.arange(3))})
+                     "pth": encode_value("pth", torch.arange(3)), "html": b"<p>", "count": b"3", "xml.gz": b"<x/>"})
     expected = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False).decode(spec))
     stream = ShardStream(str(path), batch_size=1, shuffle=False, decode=webdataset_decoders(spec), world_size=1, rank=0,
                          collate=lambda samples: samples)

@@ -205,11 +205,19 @@ def webdataset_decoders(image: str | None = "pil") -> dict[str, Callable[[bytes]
     Pass as ``ShardStream(..., decode=webdataset_decoders("rgb8"))``."""
     from webdataset import autodecode
 
-    decoders: dict[str, Callable[[bytes], Any]] = dict(autodecode.decoders)
+    # ShardStream merges a decode= mapping over its defaults: every default extension webdataset
+    # does not decode is mapped to keep_bytes, so it stays bytes as in webdataset.
+    decoders: dict[str, Callable[[bytes], Any]] = {ext: keep_bytes for ext in default_decoders(allow_pickle=True)}
+    decoders.update(autodecode.decoders)
     if image is not None:
         handler = WebDatasetImage(image)
         decoders.update({ext: handler for ext in autodecode.IMAGE_EXTENSIONS})
     return decoders
+
+
+def keep_bytes(data: bytes) -> bytes:
+    """A decoder that leaves the field as it is (to switch off a default decoder by extension)."""
+    return data
 
 
 class _Gunzip:
