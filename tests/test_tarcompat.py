@@ -422,3 +422,22 @@ def test_bsdtar_pax_header_for_an_extended_attribute_keeps_the_prefix(tmp_path):
     expected = wds_samples(str(out))
     assert [k for k, _ in expected] == [PREFIX_NAMES[0][:-4]]
     assert parse(out.read_bytes()) == expected
+
+
+def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
+    from shardstream import ShardStream
+    from shardstream.tools.index import write_index
+
+    bucket, options, client = s3
+    local = tmp_path / "a.tar.gz"
+    _write_tar(local, _members(9, "s"), "w:gz")
+    expected = dict(wds_samples(str(local)))
+    client.put_object(Bucket=bucket, Key="wds/a.tar.gz", Body=local.read_bytes())
+    manifest, url = write_index(f"s3://{bucket}/wds/*.tar.gz", f"s3://{bucket}/wds", storage_options=options)
+    assert manifest.shards[0].path == "a.tar.gz"
+    for extra in ({"readahead_bytes": 1 << 20}, {"cache_dir": str(tmp_path / "cache"), "cache_limit": 1 << 30}):
+        stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world_size=3, rank=2,
+                             storage_options=options, collate=lambda samples: samples, **extra)
+        got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
+        assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]
