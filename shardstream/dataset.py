@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from shardstream.errors import ConfigError
+from shardstream.format.compression import shard_compression
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
@@ -26,6 +27,7 @@ from shardstream.pipeline.decode import Decoder, decode_samples, default_decoder
 from shardstream.pipeline.read import RangeSource, read_ranges
 from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
 from shardstream.plan.epoch import EpochPlan, plan_epoch
+from shardstream.plan.resume import ResumePlan, ResumeState, Segment, dataset_digest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
 from shardstream.stats import StreamStats
@@ -137,6 +139,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.num_workers = num_workers
         self.inline_transport = False  # set by make_loader, which undoes it on arrival
         self.plan(num_workers=num_workers or 0)  # settings that cannot work fail here
+        self._init_resume()
 
     # -- epochs and plans ----------------------------------------------------------------------
     @property
@@ -157,6 +160,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             num_workers=num_workers if num_workers is not None else (self.num_workers or 0),
             batch_size=self.batch_size, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
             shuffle=self.shuffle, mode=self.mode,
+            compressed_shards=sum(1 for i in range(len(self.counts)) if shard_compression(self.manifest.shard_url(i))),
         )
 
     def stats(self) -> dict[str, int]:
@@ -184,26 +188,153 @@ class ShardStream(torch.utils.data.IterableDataset):
         source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
                              counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
                              verify_stream=self.verify_stream)
-        samples = read_ranges(source, ranges, policy=policy)
-        if self.shuffle_buffer > 1:
-            samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
-                                      rng=worker_rng(self.seed, plan.epoch, rank, worker))
-        samples = decode_samples(samples, self.decoder, policy)
-        if self.transform is not None:
-            transform = self.transform
+        num_batches = plan.worker_batches(worker)
+        resume = self.resume_plan(num_workers)
+        if resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
+            continued = resume.worker(rank, worker)
+            num_batches = continued.num_batches
+            samples = continued.samples(resume.ids, lambda rs: read_ranges(source, rs, policy=policy))
+        else:
+            samples = read_ranges(source, ranges, policy=policy)
+            if self.shuffle_buffer > 1:
+                samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
+                                          rng=worker_rng(self.seed, plan.epoch, rank, worker))
+        decoder, transform = _bind_per_sample(self.decoder, self.transform)
+        samples = decode_samples(samples, decoder, policy)
+        if transform is not None:
             samples = ([transform(x) for x in chunk] for chunk in samples)
-        batches = batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
-                                collate=self.collate, stats=stats)
+        batches = batch_samples(samples, batch_size=self.batch_size, num_batches=num_batches,
+                                collate=self.collate, stats=stats) if num_batches else iter(())
         if self.inline_transport and get_worker_info() is not None:
             batches = map(pack_for_transport, batches)
+        if get_worker_info() is None:
+            batches = self._count_received(batches, plan.epoch, resume)
+        else:
+            self._workers_seen.value = num_workers
         yield from batches
         if policy.skipped or stats.refilled:
             logger.warning("rank %d worker %d epoch %d: skipped %d bad samples, repeated %d to keep batches equal",
                            rank, worker, plan.epoch, policy.skipped, stats.refilled)
+
+    # -- resume (plan/resume.py): Stateful protocol -----------------------------------------------
+    def _init_resume(self) -> None:
+        self._resume: ResumeState | None = None  # a loaded state, until its epoch's pass has run
+        self._digest = dataset_digest((s.path, s.samples, s.bytes, s.sha256) for s in self.manifest.shards)
+        # Main-process iteration (num_workers=0, or a plain ``for batch in dataset``): [epoch, batches
+        # received, the ResumePlan that pass followed or None]. Workers cannot see what the loop received.
+        self._main_pass: list[Any] | None = None
+        self._workers_seen = multiprocessing.RawValue("q", 0)  # DataLoader workers per rank, written by workers
+
+    def resume_plan(self, num_workers: int | None = None) -> ResumePlan | None:
+        """How the next pass continues a loaded state (None when it starts the epoch afresh): which
+        samples remain and how they are split; ``.summary()`` says it in one line. Pure, no I/O."""
+        if self._resume is None or self._resume.epoch != self.epoch:
+            return None
+        workers = num_workers if num_workers is not None else (self.num_workers or self._workers_seen.value)
+        return ResumePlan(self.counts, self._resume, self._segment(workers))
+
+    def _segment(self, num_workers: int, batches: int = 0) -> Segment:
+        return Segment(self.world.world_size, max(1, num_workers), self.batch_size, self.shuffle_buffer,
+                       self.shuffle_initial, batches)
+
+    def _state(self, received: int, resume: ResumePlan | None, num_workers: int) -> dict[str, Any]:
+        """The state after ``received`` batches of the current pass of the current epoch."""
+        if resume is not None:
+            return resume.state_after(received).to_json()
+        return ResumeState(manifest=self._digest, samples=sum(self.counts),
+                           seed=self.seed, shuffle=self.shuffle, mode=self.mode, epoch=self.epoch,
+                           segments=(self._segment(num_workers, received),)).to_json()
+
+    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
+        """The data position as a small JSON-serialisable dict (torchdata's ``Stateful`` protocol).
+
+        ``batches``: how many batches the training loop received in the current pass over this
+        epoch (its step count within the epoch). Needed with your own DataLoader with workers:
+        only the loop knows what it received (batches sitting in prefetch queues are not
+        consumed). Without it, the count is that of iterating this dataset in the main process.
+        Every rank receives the same count, so rank 0's state is enough for all ranks.
+        ``make_loader``'s loader counts for you: prefer ``loader.state_dict()``.
+        """
+        workers = self.num_workers if self.num_workers is not None else self._workers_seen.value
+        if batches is None:
+            if self._main_pass is not None and self._main_pass[0] == self.epoch:
+                return self._state(self._main_pass[1], self._main_pass[2], workers)
+            if self._workers_seen.value:
+                raise ConfigError("this ShardStream was iterated in DataLoader workers, so it cannot know how many "
+                                  "batches the training loop received: call state_dict(batches=STEPS_THIS_EPOCH), "
+                                  "or use make_loader's loader.state_dict()")
+            batches = 0
+        if self._resume is not None and self._resume.epoch == self.epoch and batches == 0:
+            return self._resume.to_json()
+        return self._state(batches, self.resume_plan(workers), workers)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (from ``state_dict``): the next pass over its epoch delivers the
+        rest of that epoch. Same topology: exactly the batches an uninterrupted run would have
+        delivered, in order. Another world size, worker count, batch size or shuffle buffer: every
+        sample not yet consumed, once (pad mode: at least once), in equal batches per rank. Sets
+        the epoch to the state's. Raises StateError for a state of another dataset, seed, shuffle,
+        mode or version. Load it before the DataLoader starts its (persistent) workers."""
+        loaded = ResumeState.from_json(dict(state))
+        loaded.check(manifest=self._digest, samples=sum(self.counts), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
+        self._resume = loaded
+        self._main_pass = None
+        self.set_epoch(loaded.epoch)
+
+    def _count_received(self, batches, epoch: int, resume: ResumePlan | None):
+        """Main-process iteration: count what the consumer received; a finished resumed pass is done."""
+        record: list[Any] = [epoch, 0, resume]
+        self._main_pass = record
+        for batch in batches:
+            record[1] += 1
+            yield batch
+        if resume is not None:
+            self._resume = None
+            record[1], record[2] = len(self), None  # the epoch is complete under this topology
 
     # -- pickling (DataLoader spawn, copies) ----------------------------------------------------
     def __getstate__(self):
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None and not isinstance(self._epoch, int):
             state["_epoch"] = self._epoch.value  # plain copies cannot share the counter
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_workers_seen"] = _Plain(self._workers_seen.value)
+        state["_main_pass"] = None
         return state
+
+
+class _Plain:
+    """A RawValue stand-in for plain (non-spawn) copies."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+
+def _bind_per_sample(decoder: Callable[[dict], dict], transform: Callable[[dict], dict] | None):
+    """Decoders and transforms with ``bind_sample(name)`` (seeded augmentation) get the sample's
+    name before each call, so their randomness is a function of (seed, epoch, sample): the same
+    after a resume and under any topology."""
+    keyed = [fn for fn in getattr(decoder, "decoders", {}).values() if hasattr(fn, "bind_sample")]
+    if keyed:
+        inner = decoder
+
+        def decoder(sample: dict) -> dict:
+            name = sample_name(sample)
+            for fn in keyed:
+                fn.bind_sample(name)
+            return inner(sample)
+
+    if transform is not None and hasattr(transform, "bind_sample"):
+        bound, plain = transform, transform
+
+        def transform(sample: dict) -> dict:
+            bound.bind_sample(sample_name(sample))
+            return plain(sample)
+
+    return decoder, transform
+
+
+def sample_name(sample: Mapping[str, Any]) -> str:
+    """Shard file name and key: the same wherever the dataset is stored."""
+    url = str(sample.get("__url__", ""))
+    return f"{url.rsplit('/', 1)[-1]}/{sample.get('__key__', '')}"
