@@ -54,8 +54,8 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
-    dataset = shardstream.ShardStream(args.data, batch_size=args.batch_size, shuffle=True, seed=0,
-                                      shuffle_buffer=500, storage_options=options)
+    dataset = shardstream.ShardStream(args.data, batch_size=args.batch_size, seed=0,
+                                      shuffle=shardstream.Shuffle(500), storage_options=options)
     loader = shardstream.make_loader(dataset, num_workers=args.workers)
     classes = len(dataset.manifest.label_map or {}) or 10
     model = nn.parallel.DistributedDataParallel(SmallNet(classes).to(device), device_ids=[local_rank] if use_cuda else None)

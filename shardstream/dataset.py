@@ -16,12 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import get_worker_info
 
 from shardstream.errors import ConfigError
 from shardstream.format.manifest import Manifest, load_manifest
-from shardstream.format.tar import DEFAULT_READ_SIZE
-from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
+from shardstream.options import Cache, Decode, OnError, Read, Shuffle
+from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.read import RangeSource, read_ranges
 from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
@@ -35,26 +34,20 @@ from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_READAHEAD = 64 << 20
 
-
-def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
-    """A manifest, a dataset root / index.json URL, or shard URLs (brace pattern, glob, list).
-
-    Shard URLs without a manifest are indexed once, here: every shard is read end to end (8 in
-    parallel) to count its samples and find their offsets. For large datasets, run
-    ``shardstream pack`` (or write a manifest once) instead.
-    """
+def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
+    """A Manifest as is, or the manifest of a dataset root / index.json URL. Shard URLs are refused
+    here: indexing them reads every shard, which ``ShardStream.from_urls`` does on request."""
     if isinstance(source, Manifest):
         return source
-    if isinstance(source, str) and not is_shard_pattern(source):
-        return load_manifest(source, storage_options)
-    patterns = [source] if isinstance(source, str) else list(source)
-    urls = [u for p in patterns for u in expand_urls(p, storage_options)]
-    if not urls:
-        raise ConfigError(f"no shards match {source!r}")
-    logger.info("no manifest given: indexing %d shards (one full read each)", len(urls))
-    return scan_shards(urls, storage_options)
+    if not isinstance(source, str) or is_shard_pattern(source):
+        shown = source if isinstance(source, str) else "[...]"
+        raise ConfigError(
+            f"{source!r} names shard files, not a packed dataset (a folder or URL with index.json): use "
+            f"ShardStream.from_urls({shown!r}, ...) to index them at start-up (one full read of every shard), "
+            f"or write their manifest once with `shardstream index '{shown}' DEST` and pass DEST"
+        )
+    return load_manifest(source, storage_options)
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -63,80 +56,80 @@ class ShardStream(torch.utils.data.IterableDataset):
     Every rank yields ``len(self)`` batches per epoch, known before it starts; in ``mode="drop"``
     no sample appears twice in an epoch across all ranks and workers, in ``mode="pad"`` every
     sample appears at least once. Call ``set_epoch(e)`` before each epoch for a new order.
+
+    The common options are keywords; rare ones come grouped as small frozen values documented in
+    ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
+    ``on_error=OnError(policy, tolerance)``, ``read=Read(...)``, ``cache=Cache(dir, limit)``, and
+    ``world=World(rank, world_size)`` (default: detected, see ``World.detect``).
     """
 
     def __init__(
         self,
-        source: str | Sequence[str] | Manifest,
+        source: str | Manifest,
         *,
         batch_size: int,
-        shuffle: bool = True,
+        shuffle: bool | Shuffle = True,
         seed: int = 0,
-        shuffle_buffer: int = 1000,
-        shuffle_initial: int | None = None,
-        decode: bool | Mapping[str, Callable[[bytes], Any]] = True,
-        image: str = "tensor",
-        draft_size: tuple[int, int] | None = None,
-        required: Sequence[str] = (),
-        transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-        collate: Callable[[list[dict[str, Any]]], Any] | None = None,
+        decode: bool | Mapping[str, Callable[[bytes], Any]] | Decode = True,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
         mode: str = "drop",
-        on_error: str = "raise",
-        error_tolerance: int = 16,
-        rank: int | None = None,
-        world_size: int | None = None,
-        num_workers: int | None = None,
+        on_error: str | OnError = "raise",
+        world: World | None = None,
         storage_options: Mapping[str, Any] | None = None,
-        read_size: int = DEFAULT_READ_SIZE,
-        readahead_bytes: int | None = None,
-        cache_dir: str | None = None,
-        cache_limit: int | None = None,
-        verify_checksums: bool = True,
-        verify_stream: bool = False,
+        read: Read | None = None,
+        cache: Cache | None = None,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
-        self.manifest = resolve_manifest(source, self.storage_options)
+        self.manifest = _load_source(source, self.storage_options)
         self.counts = [s.samples for s in self.manifest.shards]
-        self.world = World.detect(rank, world_size)
+        self.world = world if world is not None else World.detect()
         self.batch_size = batch_size
-        self.shuffle = shuffle
+        # None: no shuffling at all (shards in manifest order, no buffer).
+        self.shuffle: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.seed = seed
-        self.shuffle_buffer = shuffle_buffer if shuffle else 0
-        self.shuffle_initial = shuffle_initial if shuffle_initial is not None else max(1, shuffle_buffer // 10)
         self.mode = mode
         self.transform = transform
         self.collate = collate or default_collate
-        self.on_error = on_error
-        self.error_tolerance = error_tolerance
-        self.read_size = read_size
-        self.verify_stream = verify_stream
-        first = self.manifest.shard_url(0) if self.manifest.shards else ""
-        remote = "://" in first and not first.startswith("file://")
-        # Read-ahead pays where storage has latency; on local disk the page cache already reads ahead.
-        self.readahead_bytes = readahead_bytes if readahead_bytes is not None else (DEFAULT_READAHEAD if remote else 0)
+        self.on_error = OnError.of(on_error)
+        self.read = read or Read()
+        self.readahead_bytes = self.read.readahead_for(self.manifest.shard_url(i) for i in range(len(self.counts)))
         self.cache = None
-        if cache_dir is not None:
-            if cache_limit is None:
-                raise ConfigError("cache_dir needs cache_limit (bytes of local disk the cache may use)")
-            self.cache = ShardCache(cache_dir, cache_limit, verify=verify_checksums)
+        if cache is not None:
+            self.cache = ShardCache(cache.dir, cache.limit, verify=cache.verify)
             largest = max(range(len(self.manifest.shards)), key=lambda i: self.manifest.shards[i].bytes, default=None)
             if largest is not None:
                 self.cache.check_fits(self.manifest.shards[largest].bytes, self.manifest.shard_url(largest))
-        if decode is False:
-            decoders: dict = {}
-        else:
-            decoders = default_decoders(image, draft_size)
-            if isinstance(decode, Mapping):
-                decoders.update(decode)
-        self.decoder = Decoder(decoders, required)
-        ErrorPolicy(on_error, error_tolerance)  # raises on a bad on_error here, not later in a worker
+        self.decode = Decode.of(decode)
+        decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
+        decoders.update(self.decode.decoders or {})
+        self.decoder = Decoder(decoders, self.decode.required)
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
         self._epoch = multiprocessing.RawValue("q", 0)
         self._stats = StreamStats()
-        self.num_workers = num_workers
-        self.inline_transport = False  # set by make_loader, which undoes it on arrival
-        self.plan(num_workers=num_workers or 0)  # settings that cannot work fail here
+        self.plan()  # settings that cannot work fail here
+
+    @classmethod
+    def from_urls(
+        cls,
+        urls: str | Sequence[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        threads: int = 8,
+        **options: Any,
+    ) -> ShardStream:
+        """A ShardStream over shard files that have no manifest: a brace pattern, a glob, a URL or
+        a list of them. Every shard is read end to end once, here (``threads`` in parallel), to
+        count its samples and find their offsets; for large datasets write the manifest once with
+        ``shardstream index`` (or pack with ``shardstream pack``) and pass its folder instead.
+        ``options`` are the constructor's."""
+        patterns = [urls] if isinstance(urls, str) else list(urls)
+        found = [u for p in patterns for u in expand_urls(p, storage_options)]
+        if not found:
+            raise ConfigError(f"no shards match {urls!r}: check the pattern (brace ranges, glob) and the storage options")
+        logger.info("indexing %d shards without a manifest (one full read each)", len(found))
+        return cls(scan_shards(found, storage_options, threads=threads), storage_options=storage_options, **options)
 
     # -- epochs and plans ----------------------------------------------------------------------
     @property
@@ -151,12 +144,14 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._epoch.value = epoch
 
     def plan(self, epoch: int | None = None, num_workers: int | None = None) -> EpochPlan:
-        """The exact plan of an epoch for this topology (pure: no I/O)."""
+        """The exact plan of an epoch for this topology (pure: no I/O). ``num_workers``: DataLoader
+        workers per rank (0 or None: iteration in the main process); inside a worker, ``__iter__``
+        plans for the loader's actual number, from ``torch.utils.data.get_worker_info``."""
         return plan_epoch(
             self.counts, world_size=self.world.world_size,
-            num_workers=num_workers if num_workers is not None else (self.num_workers or 0),
+            num_workers=num_workers or 0,
             batch_size=self.batch_size, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
-            shuffle=self.shuffle, mode=self.mode,
+            shuffle=self.shuffle is not None, mode=self.mode,
         )
 
     def stats(self) -> dict[str, int]:
@@ -179,24 +174,21 @@ class ShardStream(torch.utils.data.IterableDataset):
             if fn is not None and hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(plan.epoch, rank, worker)
         counters = self._stats.counters(worker)
-        policy = ErrorPolicy(self.on_error, self.error_tolerance, counters)
+        policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
-        source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
+        source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read.read_size,
                              counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                             verify_stream=self.verify_stream)
+                             verify_stream=self.read.verify_stream)
         samples = read_ranges(source, ranges, policy=policy)
-        if self.shuffle_buffer > 1:
-            samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,
+        if self.shuffle is not None and self.shuffle.buffer > 1:
+            samples = shuffle_samples(samples, buffer_size=self.shuffle.buffer, initial=self.shuffle.initial_fill,
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))
         samples = decode_samples(samples, self.decoder, policy)
         if self.transform is not None:
             transform = self.transform
             samples = ([transform(x) for x in chunk] for chunk in samples)
-        batches = batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
-                                collate=self.collate, stats=stats)
-        if self.inline_transport and get_worker_info() is not None:
-            batches = map(pack_for_transport, batches)
-        yield from batches
+        yield from batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
+                                 collate=self.collate, stats=stats)
         if policy.skipped or stats.refilled:
             logger.warning("rank %d worker %d epoch %d: skipped %d bad samples, repeated %d to keep batches equal",
                            rank, worker, plan.epoch, policy.skipped, stats.refilled)

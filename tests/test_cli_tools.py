@@ -10,7 +10,7 @@ import webdataset as wds
 from conftest import make_samples, write_image_folder
 from PIL import Image
 
-from shardstream import ShardStream, ShardWriter
+from shardstream import ShardStream, ShardWriter, World
 from shardstream.cli.main import build_parser, main
 from shardstream.write.pack import pack
 
@@ -129,7 +129,7 @@ def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
     assert "indexed 3 shards, 45 samples" in capsys.readouterr().out
     doc = json.loads((tmp_path / "index.json").read_text())
     assert [s["path"] for s in doc["shards"]] == ["w-00.tar", "w-01.tar", "w-02.tar"]
-    ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, world=World(0, 1))
     assert [k for b in ds for k in b["__key__"]] == [s["__key__"] for s in samples]
     assert main(["verify", str(tmp_path)]) == 0
     capsys.readouterr()

@@ -286,3 +286,13 @@ def test_interrupted_pack_leaves_nothing_complete_and_rerun_completes(tmp_path, 
     result = pack(str(src), str(dest), max_count=20)  # no --overwrite needed for leftovers
     assert result.samples == 1500
     assert sorted(p.name for p in dest.iterdir() if not p.name.startswith("shard-")) == ["index.json"]
+
+
+def test_pack_returns_the_manifest_it_wrote_with_its_location(tmp_path):
+    """One manifest per pack: the returned one is the written one, and its shard URLs resolve."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"__key__": f"k{i}", "txt": f"t{i}"}) + "\n" for i in range(30)))
+    result = pack(str(src), str(tmp_path / "out"), max_count=10)
+    written = load_manifest(str(tmp_path / "out"))
+    assert result.manifest.shard_url(0) == written.shard_url(0) == str(tmp_path / "out" / "shard-000000.tar")
+    assert result.manifest.dumps() == written.dumps()

@@ -34,10 +34,12 @@ def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: f
     """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures."""
     from shardstream.dataset import ShardStream
     from shardstream.loader import make_loader
+    from shardstream.options import Shuffle
+    from shardstream.plan.topology import World
 
     started = time.perf_counter()
-    dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle_buffer=shuffle_buffer,
-                          rank=0, world_size=1, storage_options=storage_options)
+    dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle=Shuffle(shuffle_buffer),
+                          world=World(0, 1), storage_options=storage_options)
     bytes_per_sample = dataset.manifest.total_bytes / max(1, dataset.manifest.total_samples)
     loader = make_loader(dataset, num_workers=workers, pin_memory=False)
     samples = batches = epoch = 0

@@ -101,35 +101,3 @@ def batch_samples(
                 made += 1
                 pending = []
 
-
-# -- worker -> main process hand-off --------------------------------------------------------
-# DataLoader workers send every torch tensor through a new shared-memory segment, a fixed cost of
-# tens of microseconds per tensor that dominates for small fields (labels, ids). Under make_loader
-# such small tensors travel inline as numpy arrays and become tensors again on arrival
-# (``torch.from_numpy``, no copy); large ones (images) keep the shared-memory path.
-INLINE_KEY = "__inline__"
-INLINE_MAX_BYTES = 64 * 1024
-
-
-def pack_for_transport(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
-    import torch
-
-    if not isinstance(batch, dict):
-        return batch
-    inline = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.nbytes <= max_bytes and v.device.type == "cpu"]
-    for k in inline:
-        batch[k] = batch[k].numpy()
-    if inline:
-        batch[INLINE_KEY] = inline
-    return batch
-
-
-def unpack_after_transport(batch: Any, pin: bool = False) -> Any:
-    if not isinstance(batch, dict) or INLINE_KEY not in batch:
-        return batch
-    import torch
-
-    for k in batch.pop(INLINE_KEY):
-        t = torch.from_numpy(batch[k])
-        batch[k] = t.pin_memory() if pin else t
-    return batch

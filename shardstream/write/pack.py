@@ -106,13 +106,9 @@ def pack(
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
-    manifest = Manifest(
-        shards=writer.shards, extensions=writer.extensions, label_map=writer.label_map,
-        label_counts=writer.label_counts,
-        skipped={"count": writer.skipped_count, "items": writer.skipped},
-    )
+    assert writer.manifest is not None  # the with-block closed the writer without an error
     return PackResult(
-        manifest=manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
+        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
         shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
         seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
     )

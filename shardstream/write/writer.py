@@ -83,6 +83,7 @@ class ShardWriter:
         self._file: BinaryIO | None = None
         self._tmp_path: str | None = None
         self._closed = False
+        self.manifest: Manifest | None = None  # set by close(): the one manifest of this dataset
 
     # -- destination ---------------------------------------------------------------------------
     def _prepare_destination(self, overwrite: bool) -> list[str]:
@@ -226,6 +227,7 @@ class ShardWriter:
         )
         storage.write_bytes_atomic(self.fs, storage.join(self.root, MANIFEST_NAME), manifest.dumps())
         manifest.base_url = self.dest
+        self.manifest = manifest
         return manifest
 
     def abort(self) -> None:
