@@ -27,7 +27,7 @@ from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
 from shardstream.plan.epoch import EpochPlan, plan_epoch
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
-from shardstream.stats import StreamStats
+from shardstream.stats import MAX_SLOTS, StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls, is_shard_pattern
@@ -50,12 +50,75 @@ def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | No
     return load_manifest(source, storage_options)
 
 
+def _shared_lock() -> Any:
+    """A lock that forked, spawned and forkserver workers can all share: a spawn-context lock
+    (a fork-context one refuses to travel to spawned processes)."""
+    return multiprocessing.get_context("spawn").Lock()
+
+
+class EpochClock:
+    """Which epoch each pass over the dataset follows, shared by the main process and its workers.
+
+    ``set_epoch(e)``: the next pass is epoch e. Without it, every new pass advances the epoch by
+    one by itself (the same on every rank, which all make the same passes). A pass is recognised
+    where it starts, in each worker: a worker that already took part in the current pass, or a
+    different number of workers than the current pass has, starts the next one. So persistent
+    and fresh workers, a plain DataLoader, ``make_loader`` and direct iteration all count alike.
+    """
+
+    def __init__(self) -> None:
+        # [set epoch, passes started since, workers in the current pass, then per worker slot the
+        # pass it last took part in]
+        self._state: Any = multiprocessing.RawArray("q", 3 + MAX_SLOTS)
+        self._lock: Any = _shared_lock()
+
+    def set(self, epoch: int) -> None:
+        with self._lock:
+            self._state[:] = [epoch] + [0] * (len(self._state) - 1)
+
+    @property
+    def next(self) -> int:
+        """The epoch the next pass will follow."""
+        return self._state[0] + self._state[1]
+
+    def start_pass(self, worker: int, num_workers: int) -> int:
+        """Called once per pass by each worker (or the main process as worker 0 of 1): its epoch."""
+        state = self._state
+        slot = 3 + worker % MAX_SLOTS
+        with self._lock:
+            if state[1] == 0 or state[slot] == state[1] or state[2] != num_workers:
+                state[1] += 1
+                state[2] = num_workers
+            state[slot] = state[1]
+            return state[0] + state[1] - 1
+
+    def __getstate__(self):
+        if multiprocessing.context.get_spawning_popen() is None:
+            return {"values": list(self._state)}  # a plain copy (pickle, deepcopy): its own clock
+        return {"state": self._state, "lock": self._lock}
+
+    def __setstate__(self, d) -> None:
+        if "values" in d:
+            self._state = multiprocessing.RawArray("q", d["values"])
+            self._lock = _shared_lock()
+        else:
+            self._state, self._lock = d["state"], d["lock"]
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     """Stream batches from WebDataset tar shards, split exactly across ranks and workers.
 
     Every rank yields ``len(self)`` batches per epoch, known before it starts; in ``mode="drop"``
     no sample appears twice in an epoch across all ranks and workers, in ``mode="pad"`` every
-    sample appears at least once. Call ``set_epoch(e)`` before each epoch for a new order.
+    sample appears at least once. Each new pass over the dataset follows the next epoch's order by
+    itself; ``set_epoch(e)`` makes the next pass epoch e (call it every epoch to be explicit, e.g.
+    when resuming).
+
+    Batches are made inside the dataset: under a plain ``torch.utils.data.DataLoader`` pass
+    ``batch_size=None`` (its default of 1 would add a dimension of 1 to every field), or use
+    ``make_loader``. A ``transform`` may return a dict, a tuple, a list or a tensor (batched like
+    torch's default_collate), or None to drop the sample (counted in ``stats()["samples_filtered"]``;
+    batches stay equal by repeating recent samples, as after skipped errors).
 
     The common options are keywords; rare ones come grouped as small frozen values documented in
     ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
@@ -106,7 +169,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         decoders.update(self.decode.decoders or {})
         self.decoder = Decoder(decoders, self.decode.required)
         # Shared with DataLoader workers (persistent ones too), so set_epoch reaches them.
-        self._epoch = multiprocessing.RawValue("q", 0)
+        self._clock = EpochClock()
         self._stats = StreamStats()
         self.plan()  # settings that cannot work fail here
 
@@ -134,14 +197,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     # -- epochs and plans ----------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        return self._epoch.value if not isinstance(self._epoch, int) else self._epoch
+        """The epoch the next pass over the dataset will follow."""
+        return self._clock.next
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose order the next iteration follows (same on every rank)."""
-        if isinstance(self._epoch, int):
-            self._epoch = epoch
-        else:
-            self._epoch.value = epoch
+        """Make the next pass follow epoch ``epoch`` (same on every rank); later passes go on from it."""
+        self._clock.set(epoch)
 
     def plan(self, epoch: int | None = None, num_workers: int | None = None) -> EpochPlan:
         """The exact plan of an epoch for this topology (pure: no I/O). ``num_workers``: DataLoader
@@ -165,7 +226,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     # -- iteration (runs in each DataLoader worker) ---------------------------------------------
     def __iter__(self):
         worker, num_workers = current_worker()
-        plan = self.plan(num_workers=num_workers)
+        plan = self.plan(epoch=self._clock.start_pass(worker, num_workers), num_workers=num_workers)
         rank = self.world.rank
         ranges = plan.ranges(rank, worker, self.counts)
         if worker == 0 and rank == 0:
@@ -184,18 +245,25 @@ class ShardStream(torch.utils.data.IterableDataset):
             samples = shuffle_samples(samples, buffer_size=self.shuffle.buffer, initial=self.shuffle.initial_fill,
                                       rng=worker_rng(self.seed, plan.epoch, rank, worker))
         samples = decode_samples(samples, self.decoder, policy)
+        filtered = [0]
         if self.transform is not None:
-            transform = self.transform
-            samples = ([transform(x) for x in chunk] for chunk in samples)
+            samples = transform_samples(samples, self.transform, counters, filtered)
         yield from batch_samples(samples, batch_size=self.batch_size, num_batches=plan.worker_batches(worker),
                                  collate=self.collate, stats=stats)
-        if policy.skipped or stats.refilled:
-            logger.warning("rank %d worker %d epoch %d: skipped %d bad samples, repeated %d to keep batches equal",
-                           rank, worker, plan.epoch, policy.skipped, stats.refilled)
+        if policy.skipped or stats.refilled or filtered[0]:
+            dropped = f" (and the transform dropped {filtered[0]})" if filtered[0] else ""
+            logger.warning("rank %d worker %d epoch %d: skipped %d bad samples%s, repeated %d to keep batches equal",
+                           rank, worker, plan.epoch, policy.skipped, dropped, stats.refilled)
 
-    # -- pickling (DataLoader spawn, copies) ----------------------------------------------------
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        if multiprocessing.context.get_spawning_popen() is None and not isinstance(self._epoch, int):
-            state["_epoch"] = self._epoch.value  # plain copies cannot share the counter
-        return state
+
+
+def transform_samples(chunks, transform, counters, filtered: list[int]):
+    """Apply the user's transform to lists of samples; a None result drops the sample (counted)."""
+    for chunk in chunks:
+        out = [transform(x) for x in chunk]
+        kept = [y for y in out if y is not None]
+        if len(kept) != len(out):
+            counters.add("samples_filtered", len(out) - len(kept))
+            filtered[0] += len(out) - len(kept)
+        if kept:
+            yield kept

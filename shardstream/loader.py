@@ -142,24 +142,36 @@ def _passthrough(batch: Any) -> Any:
     return batch
 
 
+class UnpackStage:
+    """The loader's first pipeline stage: unpack_batch on every batch, so stages added later
+    (``loader.map(...)``) see the batches as the dataset made them."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+
+    def __call__(self, batches):
+        pin = self.pin
+        for batch in batches:
+            yield unpack_batch(batch, pin)
+
+
 class ShardLoader(webdataset.WebLoader):
     """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
 
     def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, **kwargs: Any):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
-        self.pin = bool(kwargs.get("pin_memory"))
         self.log_interval = log_interval
+        self.append(UnpackStage(bool(kwargs.get("pin_memory"))))
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __iter__(self):
-        pin = self.pin
         interval = self.log_interval
         next_log = time.monotonic() + interval if interval else None
         for batch in super().__iter__():
-            yield unpack_batch(batch, pin)
+            yield batch
             if interval and next_log is not None and time.monotonic() >= next_log:
                 next_log = time.monotonic() + interval
                 logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))

@@ -86,3 +86,10 @@ def test_make_loader_does_not_change_the_dataset(tmp_path):
     assert vars(ds).keys() == before.keys() and all(vars(ds)[k] is v for k, v in before.items())
     assert sorted(k for b in loader for k in b["__key__"]) == sorted(k for b in ds for k in b["__key__"])
     assert vars(ds).keys() == before.keys()
+
+
+def test_loader_map_sees_batches_as_the_dataset_made_them(tmp_path):
+    root = write_dataset(tmp_path / "d", 40, max_count=10)
+    ds = ShardStream(root, batch_size=4, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2).map(lambda b: (type(b["cls"]).__name__, len(b["__key__"])))
+    assert list(loader) == [("Tensor", 4)] * 10

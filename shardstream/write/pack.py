@@ -89,7 +89,7 @@ def pack(
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
-        for ok, a, b in _load_all(items, workers, storage_options):
+        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options)):
             if not ok:
                 if on_error == "raise":
                     raise SourceError(a, b)
@@ -97,9 +97,10 @@ def pack(
                 continue
             try:
                 writer.write_encoded(a, b)
-            except SourceError as exc:
+            except SourceError as exc:  # the writer knows the key; the listing knows the file or line
+                exc = SourceError(f"{where} ({exc.where})", exc.what)
                 if on_error == "raise":
-                    raise
+                    raise exc from None
                 writer.skip(exc.where, exc.what)
                 continue
             if progress is not None:

@@ -98,11 +98,12 @@ class ShardWriter:
         foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
         if not overwrite:
             if MANIFEST_NAME in entries:
-                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); to replace it pass "
+                                       "overwrite=True (shardstream pack: --overwrite)")
             if foreign:
                 raise DestinationError(
                     f"{url} is not empty ({len(foreign)} other entries, e.g. {foreign[0]!r}); "
-                    "choose an empty destination or pass --overwrite"
+                    "choose an empty destination or pass overwrite=True (shardstream pack: --overwrite)"
                 )
             if ours:
                 logger.warning("%s: replacing %d files left by an interrupted pack", url, len(ours))
