@@ -23,7 +23,7 @@ from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
-from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
 from shardstream.plan.epoch import EpochPlan, plan_epoch
 from shardstream.plan.resume import ResumePlan, ResumeState, Segment, dataset_digest
@@ -191,7 +191,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
             continued = resume.worker(rank, worker)
             num_batches = continued.num_batches
-            samples = continued.samples(resume.ids, lambda rs: read_ranges(source, rs, policy=policy))
+            samples = continued.samples(resume.ids, lambda rs: read_scattered(source, rs, policy=policy))
         else:
             samples = read_ranges(source, ranges, policy=policy)
             if self.shuffle_buffer > 1:
