@@ -31,7 +31,7 @@ from shardstream.mixing import Mix, Source, open_mix
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.mix import merge_sources
-from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
 from shardstream.plan.epoch import EpochPlan, plan_epoch
 from shardstream.plan.mix import MixPlan
@@ -258,7 +258,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                                  verify_stream=self.verify_stream)
             continued = resume.worker(rank, worker)
             num_batches = continued.num_batches
-            samples = continued.samples(resume.ids, lambda rs: read_ranges(source, rs, policy=policy))
+            samples = continued.samples(resume.ids, lambda rs: read_scattered(source, rs, policy=policy))
         else:
             samples = itertools.chain.from_iterable(
                 self._read(p, begin, end, rank, worker, counters, policy) for p, begin, end in windows
