@@ -97,9 +97,7 @@ class ImageDecoder:
 
 
 def _decode_npy(data: bytes):
-    import numpy as np
-
-    return _as_tensor(np.load(io.BytesIO(data), allow_pickle=False))
+    return _as_tensor(load_npy(data))
 
 
 def _as_tensor(array):
@@ -137,6 +135,76 @@ def _decode_pickle(data: bytes):
     import pickle
 
     return pickle.loads(data)  # only reached when the user passed allow_pickle=True
+
+
+def load_npy(data: bytes):
+    """``.npy`` bytes -> numpy array: the same values, dtype, shape and strides as ``np.load``,
+    with at most one copy.
+
+    ``np.load`` over a ``BytesIO`` copies the data twice (out of the stream, into a new array)
+    and parses the header with ``ast`` every time. Here the header is parsed once per distinct
+    header (cached) and the data is taken at the header's offset with ``np.frombuffer``.
+
+    Ownership: the result is always writable and private to the caller. A writable buffer
+    (a bytearray, or a writable memoryview of a read block that gives each member its own region
+    and is never reused) is viewed in place: no copy. An immutable ``bytes`` is copied once,
+    because a view of it could be shared: the same ``bytes`` object decoded twice (or kept by
+    the caller) would otherwise see one sample's in-place change in another.
+    """
+    import numpy as np
+
+    header = _npy_header(data)
+    if header is None:  # a format version this fast path does not know: numpy's own reader
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    offset, shape, fortran_order, dtype, count = header
+    size = memoryview(data).nbytes - offset
+    if size < count * dtype.itemsize:
+        raise ValueError(f"EOF: .npy data holds {size} bytes, its header needs {count * dtype.itemsize}")
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    if not array.flags.writeable:
+        array = array.copy()  # one copy, into numpy's allocator (huge pages for large arrays)
+    return array.reshape(shape[::-1]).transpose() if fortran_order else array.reshape(shape)
+
+
+_NPY_HEADERS: dict[bytes, tuple] = {}
+_NPY_HEADERS_MAX = 1024
+
+
+def _npy_header(data: bytes):
+    """(data offset, shape, fortran_order, dtype, count) of a version 1 or 2 ``.npy``; None for
+    other versions. Parsed headers are cached by their bytes: a dataset has few distinct ones."""
+    prefix = bytes(data[:12])
+    if len(prefix) < 10 or prefix[:6] != b"\x93NUMPY":
+        raise ValueError("not a .npy file (no magic string)")
+    version = (prefix[6], prefix[7])
+    if version == (1, 0):
+        offset = 10 + int.from_bytes(prefix[8:10], "little")
+    elif version == (2, 0) and len(prefix) == 12:
+        offset = 12 + int.from_bytes(prefix[8:12], "little")
+    else:
+        return None
+    raw = bytes(data[:offset])
+    try:
+        return _NPY_HEADERS[raw]
+    except KeyError:
+        pass
+    import numpy as np
+    from numpy.lib import format as npy_format
+
+    stream = io.BytesIO(raw)
+    npy_format.read_magic(stream)
+    read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(stream)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+    count = 1
+    for n in shape:
+        count *= n
+    header = (offset, shape, fortran_order, dtype, count)
+    if len(_NPY_HEADERS) < _NPY_HEADERS_MAX:
+        _NPY_HEADERS[raw] = header
+    return header
 
 
 def _decode_pth(data: bytes):
