@@ -441,3 +441,17 @@ def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
         got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
         assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]
+
+
+def test_webdataset_tarwriter_tgz_read_from_bare_urls(tmp_path):
+    from shardstream import ShardStream
+
+    path = tmp_path / "w.tgz"
+    with wds.TarWriter(str(path)) as w:  # webdataset gzips a shard named .tgz
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "txt": f"t{i}", "cls": i})
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    expected = wds_samples(str(path))
+    stream = ShardStream(str(path), batch_size=3, shuffle=False, decode=False, world_size=1, rank=0,
+                         collate=lambda samples: samples)
+    assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for b in stream for s in b] == expected
