@@ -24,6 +24,9 @@ _EXPORTS = {
     "OnError": "options",
     "Read": "options",
     "Cache": "options",
+    "Source": "mixing",
+    "plan_mix": "plan.mix",
+    "MixPlan": "plan.mix",
     "make_loader": "loader",
     "to_device": "device",
     "DevicePrefetcher": "device",
@@ -52,6 +55,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "EpochPlan",
     "Manifest",
     "ManifestError",
+    "MixPlan",
     "OnError",
     "RandomResizedCrop",
     "Read",
@@ -61,6 +65,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "ShardWriter",
     "ShardstreamError",
     "Shuffle",
+    "Source",
     "SourceError",
     "StorageError",
     "World",
@@ -68,6 +73,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "make_loader",
     "pack",
     "plan_epoch",
+    "plan_mix",
     "to_device",
     "__version__",
 ]
@@ -88,9 +94,11 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.loader import make_loader
+    from shardstream.mixing import Source
     from shardstream.options import Cache, Decode, OnError, Read, Shuffle
     from shardstream.pipeline.augment import RandomResizedCrop
     from shardstream.plan.epoch import EpochPlan, plan_epoch
+    from shardstream.plan.mix import MixPlan, plan_mix
     from shardstream.plan.topology import World
     from shardstream.write.pack import pack
     from shardstream.write.writer import ShardWriter

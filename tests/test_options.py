@@ -48,10 +48,10 @@ def test_readahead_default_is_by_where_the_shards_are():
 def test_the_common_call_is_one_line_and_options_land(tmp_path):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
     ds = ShardStream(root, batch_size=4)
-    assert ds.shuffle == Shuffle() and ds.decode == Decode() and ds.on_error == OnError() and ds.readahead_bytes == 0
+    assert ds.shuffler == Shuffle() and ds.decode == Decode() and ds.on_error == OnError() and ds.readahead_bytes == 0
     ds = ShardStream(root, batch_size=4, shuffle=False, decode=False, on_error="skip", world=World(1, 2),
                      read=Read(readahead_bytes=1 << 20, read_size=4096))
-    assert ds.shuffle is None and ds.on_error.policy == "skip" and ds.readahead_bytes == 1 << 20
+    assert ds.shuffler is None and ds.on_error.policy == "skip" and ds.readahead_bytes == 1 << 20
     assert isinstance(next(iter(ds))["txt"][0], bytes) and len(ds) == 5
 
 
