@@ -10,6 +10,7 @@ Each stage is a function in its own module; this class only holds settings and t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
@@ -153,13 +154,20 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._epoch.value = epoch
 
     def plan(self, epoch: int | None = None, num_workers: int | None = None) -> EpochPlan:
-        """The exact plan of an epoch for this topology (pure: no I/O)."""
-        return plan_epoch(
+        """The exact plan of an epoch for this topology (pure: no I/O). Called without
+        ``num_workers`` while a loaded state is pending for that epoch, its summary also says how
+        the epoch resumes (exactly, or elastically with the leftover dropped or repeated)."""
+        plan = plan_epoch(
             self.counts, world_size=self.world.world_size,
             num_workers=num_workers if num_workers is not None else (self.num_workers or 0),
             batch_size=self.batch_size, seed=self.seed, epoch=self.epoch if epoch is None else epoch,
             shuffle=self.shuffle, mode=self.mode,
         )
+        if num_workers is None and getattr(self, "_resume", None) is not None and plan.epoch == self.epoch:
+            resume = self.resume_plan()
+            if resume is not None:
+                plan = dataclasses.replace(plan, resumed=resume.summary())
+        return plan
 
     def stats(self) -> dict[str, int]:
         """Counters summed over this rank's workers since construction (see ``stats.COUNTERS``)."""

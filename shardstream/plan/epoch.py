@@ -50,6 +50,7 @@ class EpochPlan:
     batches_per_rank: int
     shard_order: tuple[int, ...]
     starts: tuple[int, ...]  # start of each shard_order entry in the laid-out sequence
+    resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/resume.py)
 
     @property
     def samples_per_rank(self) -> int:
@@ -101,7 +102,7 @@ class EpochPlan:
             f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "
             f"{self.world_size} ranks x {self.batches_per_rank} batches of {self.batch_size} "
             f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
-        )
+        ) + (f"; {self.resumed}" if self.resumed else "")
 
 
 def shard_permutation(num_shards: int, seed: int, epoch: int) -> np.ndarray:
