@@ -18,6 +18,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from shardstream.errors import ManifestError, StorageError
+from shardstream.format.compression import shard_compression
 from shardstream.storage import fs as storage
 
 FORMAT_NAME = "shardstream-index"
@@ -129,14 +130,14 @@ def _shard_from_json(raw: Any, where: str) -> ShardInfo:
     where = f"{where} ({path})"
     if not _is_count(samples) or not _is_count(size):
         raise ManifestError(f"{where}: 'samples' and 'bytes' must be non-negative integers")
-    packed = _offsets_from_json(offsets, samples, size, where)
+    packed = _offsets_from_json(offsets, samples, size, where, compressed=bool(shard_compression(path)))
     sha = raw.get("sha256")
     if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
         raise ManifestError(f"{where}: 'sha256' must be 64 hex digits")
     return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=packed)
 
 
-def _offsets_from_json(offsets: Any, samples: int, size: int, where: str) -> array.array:
+def _offsets_from_json(offsets: Any, samples: int, size: int, where: str, *, compressed: bool = False) -> array.array:
     """Checked offsets as one array.array("q"), validated with numpy, not a Python loop per sample.
 
     This runs for every shard before the first read, so its cost is per shard, not per sample:
@@ -159,7 +160,7 @@ def _offsets_from_json(offsets: Any, samples: int, size: int, where: str) -> arr
         raise ManifestError(problem)
     if samples and not bool((values[1:] > values[:-1]).all()):
         raise ManifestError(f"{where}: offsets are not strictly increasing")
-    if values[-1] > size:
+    if values[-1] > size and not compressed:  # a compressed shard's offsets are in its decompressed stream
         raise ManifestError(f"{where}: offsets run to byte {values[-1]}, past the shard's {size} bytes")
     return packed
 
