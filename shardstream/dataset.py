@@ -13,6 +13,7 @@ Each stage is a function in its own module; this class only holds settings and t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -289,11 +290,18 @@ class ShardStream(torch.utils.data.IterableDataset):
                                   "cannot make equal batches (and reports it per source)")
             return self.mix.plan(world_size=self.world.world_size, num_workers=workers, batch_size=self.batch_size,
                                  seed=self.seed, epoch=epoch, shuffle=self.shuffle, per_batch=self.per_batch)
-        return plan_epoch(
+        plan = plan_epoch(
             self.counts, world_size=self.world.world_size, num_workers=workers,
             batch_size=self.batch_size, seed=self.seed, epoch=epoch, shuffle=self.shuffle, mode=self.mode,
             compressed_shards=sum(1 for i in range(len(self.counts)) if shard_compression(self.manifest.shard_url(i))),
         )
+        # A loaded state pending for this epoch: the summary also says how the epoch resumes
+        # (exactly, or elastically with the leftover dropped or repeated).
+        if num_workers is None and getattr(self, "_resume", None) is not None and plan.epoch == self.epoch:
+            resume = self.resume_plan()
+            if isinstance(resume, ResumePlan):
+                plan = dataclasses.replace(plan, resumed=resume.summary())
+        return plan
 
     def stats(self) -> dict[str, int]:
         """Counters summed over this rank's workers since construction (see ``stats.COUNTERS``)."""
