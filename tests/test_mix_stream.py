@@ -179,3 +179,17 @@ def test_mix_refuses_pad_and_duplicate_names(roots):
         ShardStream([Source(a), Source(a)], batch_size=4)
     with pytest.raises(ConfigError, match="wrap every dataset in Source"):
         ShardStream([Source(a), b], batch_size=4)
+
+
+def test_mix_file_on_s3_with_relative_sources(s3, roots):
+    bucket, options, client = s3
+    with ShardWriter(f"s3://{bucket}/data/web", max_count=13, storage_options=options) as w:
+        for s in make_samples(30):
+            w.write(s)
+    doc = {"sources": [{"url": "../data/web", "weight": 1, "name": "web"}, {"url": roots[1], "weight": 1, "name": "disk"}]}
+    client.put_object(Bucket=bucket, Key="mixes/m.json", Body=json.dumps(doc).encode())
+    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, rank=0, world_size=1, storage_options=options)
+    assert ds.mix is not None and ds.mix.manifests[0].base_url == f"s3://{bucket}/data/web"
+    assert ds.mix.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
+    tags = Counter(t for batch in make_loader(ds, num_workers=0) for t in batch["__source__"])
+    assert tags == {s.name: s.used for s in ds.plan().shares()} and tags["web"] == 30
