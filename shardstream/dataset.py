@@ -31,10 +31,11 @@ from shardstream.mixing import Mix, Source, open_mix
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate, pack_for_transport
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.mix import merge_sources
-from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
 from shardstream.plan.epoch import EpochPlan, plan_epoch
 from shardstream.plan.mix import MixPlan
+from shardstream.plan.mixresume import MixResumePlan, MixResumeState, source_rng
 from shardstream.plan.resume import ResumePlan, ResumeState, Segment, dataset_digest
 from shardstream.plan.steps import step_windows, worker_steps
 from shardstream.plan.topology import World, current_worker
@@ -252,13 +253,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         stats = BatchStats()
         resume = self.resume_plan(num_workers)
         samples: Iterator[list[dict[str, Any]]]
-        if resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
+        if isinstance(resume, MixResumePlan):  # the rest of a saved mixed epoch (plan/mixresume.py)
+            continued_mix = resume.worker(rank, worker)
+            num_batches = continued_mix.num_batches
+            sources = self._range_sources(counters)
+            streams = continued_mix.samples(lambda i, rs: read_ranges(sources[i], rs, policy=policy))
+            assert self.mix is not None
+            samples = merge_sources(streams, continued_mix.pattern, self.mix.names)
+        elif resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
             source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
                                  counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
                                  verify_stream=self.verify_stream)
             continued = resume.worker(rank, worker)
             num_batches = continued.num_batches
-            samples = continued.samples(resume.ids, lambda rs: read_ranges(source, rs, policy=policy))
+            samples = continued.samples(resume.ids, lambda rs: read_scattered(source, rs, policy=policy))
         else:
             samples = itertools.chain.from_iterable(
                 self._read(p, begin, end, rank, worker, counters, policy) for p, begin, end in windows
@@ -282,29 +290,48 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # -- resume (plan/resume.py): Stateful protocol -----------------------------------------------
     def _init_resume(self) -> None:
-        self._resume: ResumeState | None = None  # a loaded state, until its epoch's pass has run
+        self._resume: ResumeState | MixResumeState | None = None  # a loaded state, until its epoch's pass has run
         self._digest = dataset_digest((s.path, s.samples, s.bytes, s.sha256) for s in self.manifest.shards)
         # Main-process iteration (num_workers=0, or a plain ``for batch in dataset``): [epoch, batches
         # received, the ResumePlan that pass followed or None]. Workers cannot see what the loop received.
         self._main_pass: list[Any] | None = None
         self._workers_seen = multiprocessing.RawValue("q", 0)  # DataLoader workers per rank, written by workers
 
-    def resume_plan(self, num_workers: int | None = None) -> ResumePlan | None:
+    def resume_plan(self, num_workers: int | None = None) -> ResumePlan | MixResumePlan | None:
         """How the next pass continues a loaded state (None when it starts the epoch afresh): which
         samples remain and how they are split; ``.summary()`` says it in one line. Pure, no I/O."""
-        if self._resume is None or self._resume.epoch != self.epoch or self.mix is not None or self.steps is not None:
+        if self._resume is None or self._resume.epoch != self.epoch or self.steps is not None:
             return None
         workers = num_workers if num_workers is not None else (self.num_workers or self._workers_seen.value)
+        if isinstance(self._resume, MixResumeState):
+            self._resume.check(sources=self._mix_identity(), seed=self.seed, shuffle=self.shuffle,
+                               per_batch=self.per_batch, topology=self._topology(workers))
+            plan = self.plan(num_workers=workers)
+            assert isinstance(plan, MixPlan)
+            return MixResumePlan(plan, self._resume)
         return ResumePlan(self.counts, self._resume, self._segment(workers))
+
+    def _mix_identity(self) -> list[dict[str, Any]]:
+        """What a mixed state names: each source's name, manifest digest, size and ask."""
+        assert self.mix is not None
+        return [{"name": name, "manifest": dataset_digest((s.path, s.samples, s.bytes, s.sha256) for s in m.shards),
+                 "samples": m.total_samples, "ask": source.ask().describe()}
+                for name, source, m in zip(self.mix.names, self.mix.sources, self.mix.manifests)]
+
+    def _topology(self, num_workers: int) -> tuple[int, int, int, int, int]:
+        return (self.world.world_size, max(1, num_workers), self.batch_size, self.shuffle_buffer, self.shuffle_initial)
 
     def _segment(self, num_workers: int, batches: int = 0) -> Segment:
         return Segment(self.world.world_size, max(1, num_workers), self.batch_size, self.shuffle_buffer,
                        self.shuffle_initial, batches)
 
-    def _state(self, received: int, resume: ResumePlan | None, num_workers: int) -> dict[str, Any]:
+    def _state(self, received: int, resume: ResumePlan | MixResumePlan | None, num_workers: int) -> dict[str, Any]:
         """The state after ``received`` batches of the current pass of the current epoch."""
         if resume is not None:
             return resume.state_after(received).to_json()
+        if self.mix is not None:
+            return MixResumeState(tuple(self._mix_identity()), self.seed, self.shuffle, self.per_batch, self.epoch,
+                                  self._topology(num_workers), received).to_json()
         return ResumeState(manifest=self._digest, samples=sum(self.counts),
                            seed=self.seed, shuffle=self.shuffle, mode=self.mode, epoch=self.epoch,
                            segments=(self._segment(num_workers, received),)).to_json()
@@ -339,16 +366,24 @@ class ShardStream(torch.utils.data.IterableDataset):
         sample not yet consumed, once (pad mode: at least once), in equal batches per rank. Sets
         the epoch to the state's. Raises StateError for a state of another dataset, seed, shuffle,
         mode or version. Load it before the DataLoader starts its (persistent) workers."""
-        if self.mix is not None or self.steps is not None:
-            raise ConfigError("resuming a mixed stream or a stream defined by steps= is not supported yet: "
-                              "checkpoint at epoch boundaries (set_epoch) for those")
+        if self.steps is not None:
+            raise ConfigError("resuming a stream defined by steps= is not supported yet: "
+                              "checkpoint at loader epoch boundaries (set_epoch) for those")
+        if self.mix is not None:  # exact resume on the same topology (plan/mixresume.py)
+            mixed = MixResumeState.from_json(dict(state))
+            mixed.check(sources=self._mix_identity(), seed=self.seed, shuffle=self.shuffle, per_batch=self.per_batch,
+                        topology=mixed.topology if self.num_workers is None else self._topology(self.num_workers))
+            self._resume = mixed
+            self._main_pass = None
+            self.set_epoch(mixed.epoch)
+            return
         loaded = ResumeState.from_json(dict(state))
         loaded.check(manifest=self._digest, samples=sum(self.counts), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
         self._resume = loaded
         self._main_pass = None
         self.set_epoch(loaded.epoch)
 
-    def _count_received(self, batches, epoch: int, resume: ResumePlan | None):
+    def _count_received(self, batches, epoch: int, resume: ResumePlan | MixResumePlan | None):
         """Main-process iteration: count what the consumer received; a finished resumed pass is done."""
         record: list[Any] = [epoch, 0, resume]
         self._main_pass = record
@@ -376,14 +411,17 @@ class ShardStream(torch.utils.data.IterableDataset):
             return
         assert self.mix is not None
         ranges, pattern = plan.reads(begin, end)
-        streams = []
-        for i, manifest in enumerate(self.mix.manifests):
-            source = RangeSource(manifest, storage_options=self.mix.storage_options[i], read_size=self.read_size,
-                                 counters=counters, cache=self.cache, readahead_bytes=self.readahead[i],
-                                 verify_stream=self.verify_stream)
-            rng = random.Random(f"shardstream:{self.seed}:{plan.epoch}:{rank}:{worker}:source{i}")
-            streams.append(shuffled(read_ranges(source, ranges[i], policy=policy), rng))
+        streams = [shuffled(read_ranges(source, ranges[i], policy=policy), source_rng(self.seed, plan.epoch, rank, worker, i))
+                   for i, source in enumerate(self._range_sources(counters))]
         yield from merge_sources(streams, pattern, self.mix.names)
+
+    def _range_sources(self, counters: Any) -> list[RangeSource]:
+        """Where each source of a mix is read from (its own storage options and read-ahead)."""
+        assert self.mix is not None
+        return [RangeSource(manifest, storage_options=self.mix.storage_options[i], read_size=self.read_size,
+                            counters=counters, cache=self.cache, readahead_bytes=self.readahead[i],
+                            verify_stream=self.verify_stream)
+                for i, manifest in enumerate(self.mix.manifests)]
 
     # -- pickling (DataLoader spawn, copies) ----------------------------------------------------
     def __getstate__(self):

@@ -50,7 +50,7 @@ def run(loader, stop=None):
     return got, json.loads(json.dumps(loader.state_dict()))
 
 
-@pytest.mark.parametrize("workers,persistent,mode", [(0, False, "drop"), (2, False, "pad"), (2, True, "drop"), (3, True, "pad")])
+@pytest.mark.parametrize("workers,persistent,mode", [(0, False, "drop"), (2, False, "pad"), (2, True, "drop")])
 def test_exact_resume_real_workers(root, workers, persistent, mode):
     def fresh():
         loader = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent, log_interval=None)
@@ -60,7 +60,7 @@ def test_exact_resume_real_workers(root, workers, persistent, mode):
     reference, _ = run(fresh())
     loader = fresh()
     next_epoch_ref = None
-    for stop in (1, 7, len(reference) - 1, len(reference)):
+    for stop in ((1, 7, len(reference) - 1, len(reference)) if workers == 0 else (3, len(reference))):
         _, state = run(fresh(), stop)
         assert state["epoch"] == 1 and state["segments"][-1]["batches"] == stop
         resumed = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent,
@@ -114,7 +114,7 @@ def test_own_dataloader_with_workers_needs_the_step_count(root):
     assert rest == reference[6:]
 
 
-@pytest.mark.parametrize("old,new", [((2, 2, 4), (3, 1, 4)), ((3, 1, 4), (2, 2, 3)), ((1, 0, 4), (2, 3, 2))])
+@pytest.mark.parametrize("old,new", [((2, 2, 4), (3, 1, 4)), ((1, 0, 4), (2, 2, 3))])
 def test_elastic_resume_real_workers(root, old, new):
     (w0, k0, b0), (w1, k1, b1) = old, new
     consumed, reference = [], []
