@@ -10,10 +10,12 @@ from conftest import make_samples
 
 from shardstream import ShardStream, ShardWriter, Source, make_loader
 from shardstream.errors import ConfigError, StateError
+from shardstream.options import Shuffle
 from shardstream.pipeline.shuffle import shuffle_samples
 from shardstream.plan.mix import Ask, plan_mix
 from shardstream.plan.mixresume import MixResumePlan, MixResumeState, source_rng
 from shardstream.plan.resume import SampleIds, merge_round_robin
+from shardstream.plan.topology import World
 
 
 def ids_of(plan, source, ranges):
@@ -91,7 +93,7 @@ def run(loader, stop=None):
 @pytest.mark.parametrize("workers,per_batch", [(0, "spread"), (2, "exact")])
 def test_exact_resume_real_workers(sources, workers, per_batch):
     def fresh():
-        ds = ShardStream(sources, batch_size=4, seed=5, shuffle_buffer=16, rank=0, world_size=1, per_batch=per_batch)
+        ds = ShardStream(sources, batch_size=4, seed=5, shuffle=Shuffle(16), world=World(0, 1), per_batch=per_batch)
         loader = make_loader(ds, num_workers=workers, log_interval=None, pin_memory=False)
         loader.set_epoch(1)
         return loader
@@ -117,13 +119,13 @@ def test_exact_resume_real_workers(sources, workers, per_batch):
 
 
 def test_mix_resume_refuses_other_mixes_and_topologies(sources):
-    ds = ShardStream(sources, batch_size=4, seed=5, rank=0, world_size=1)
+    ds = ShardStream(sources, batch_size=4, seed=5, world=World(0, 1))
     state = ds.state_dict(batches=3)
     with pytest.raises(StateError, match="another mix"):
-        ShardStream(sources[:1], batch_size=4, seed=5, rank=0, world_size=1).load_state_dict(state)
+        ShardStream(sources[:1], batch_size=4, seed=5, world=World(0, 1)).load_state_dict(state)
     with pytest.raises(StateError, match="seed=5"):
-        ShardStream(sources, batch_size=4, seed=6, rank=0, world_size=1).load_state_dict(state)
-    other = make_loader(ShardStream(sources, batch_size=4, seed=5, rank=0, world_size=1), num_workers=2)
+        ShardStream(sources, batch_size=4, seed=6, world=World(0, 1)).load_state_dict(state)
+    other = make_loader(ShardStream(sources, batch_size=4, seed=5, world=World(0, 1)), num_workers=2)
     with pytest.raises(StateError, match="only on the topology it was saved on"):
         other.load_state_dict(state)
     with pytest.raises(StateError, match="not a resume state of a mix"):

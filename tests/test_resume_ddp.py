@@ -15,9 +15,11 @@ import pytest
 from conftest import make_samples
 
 from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream.options import Shuffle
+from shardstream.plan.topology import World
 
 STOP = 5  # steps before the checkpoint
-SETTINGS = dict(batch_size=4, seed=7, shuffle_buffer=20)
+SETTINGS = dict(batch_size=4, seed=7, shuffle=Shuffle(20))
 
 
 def _rank_main(rank: int, world: int, store: str, source: str, options: dict, work: str, phase: str, ready) -> None:
@@ -105,7 +107,7 @@ def reference(source: str, options: dict, world: int) -> dict[int, dict[int, lis
     """The uninterrupted run, rank by rank in this process (the order does not depend on DDP)."""
     out: dict[int, dict[int, list]] = {}
     for rank in range(world):
-        loader = make_loader(ShardStream(source, storage_options=options, rank=rank, world_size=world, **SETTINGS),
+        loader = make_loader(ShardStream(source, storage_options=options, world=World(rank, world), **SETTINGS),
                              num_workers=2, log_interval=None)
         for epoch in (0, 1):
             loader.set_epoch(epoch)
@@ -133,7 +135,7 @@ def preempt_and_resume(source: str, options: dict, tmp_path) -> None:
     assert len({len(three[r][0]) for r in range(3)}) == 1  # equal batches per rank
     epoch = set(flat(ref[0][0]) + flat(ref[1][0]))
     assert len(before + after) == len(set(before + after))  # no sample twice
-    probe = ShardStream(source, storage_options=options, rank=0, world_size=3, **SETTINGS)
+    probe = ShardStream(source, storage_options=options, world=World(0, 3), **SETTINGS)
     with open(os.path.join(work, "checkpoint.pt"), "rb") as f:
         import torch
 

@@ -24,9 +24,12 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from shardstream import Shuffle, World
+
 sys.path.insert(0, os.path.dirname(__file__))
 
-SETTINGS = dict(batch_size=64, seed=1, shuffle_buffer=1000)
+SETTINGS = dict(batch_size=64, seed=1, shuffle=Shuffle(1000))
 
 
 def write(url: str, n: int, options: dict | None, per_shard: int) -> None:
@@ -38,27 +41,28 @@ def write(url: str, n: int, options: dict | None, per_shard: int) -> None:
             w.write_encoded(f"{i:08d}", {"bin": rng.bytes(int(rng.integers(500, 1500))), "cls": b"1"})
 
 
-def first_batch(source: str, options: dict | None, state: dict | None, world: int) -> tuple[float, int]:
-    """Seconds from constructing the loader to its first batch; and bytes read to get there."""
+def first_batch(source: str, options: dict | None, state: dict | None, world: int) -> tuple[float, int, int]:
+    """Seconds from constructing the loader to its first batch; bytes read and ranges opened
+    (one request each on S3) by then."""
     from shardstream import ShardStream, make_loader
 
     started = time.perf_counter()
-    ds = ShardStream(source, rank=0, world_size=world, storage_options=options, **SETTINGS)
+    ds = ShardStream(source, world=World(0, world), storage_options=options, **SETTINGS)
     loader = make_loader(ds, num_workers=2, log_interval=None)
     if state is not None:
         loader.load_state_dict(state)
     it = iter(loader)
     next(it)
     elapsed = time.perf_counter() - started
-    read = loader.stats()["bytes_read"]
+    stats = loader.stats()
     del it
-    return elapsed, read
+    return elapsed, stats["bytes_read"], stats["ranges_opened"]
 
 
 def state_at(source: str, options: dict | None, fraction: float) -> dict:
     from shardstream import ShardStream, make_loader
 
-    ds = ShardStream(source, rank=0, world_size=2, storage_options=options, **SETTINGS)
+    ds = ShardStream(source, world=World(0, 2), storage_options=options, **SETTINGS)
     make_loader(ds, num_workers=2, log_interval=None)
     return ds.state_dict(batches=int(fraction * len(ds)))
 
@@ -112,14 +116,15 @@ def main() -> None:
             for name, src, opts in sources:
                 for label, fraction, world in cases:
                     state = None if fraction is None else states[name, fraction]
-                    t, read = first_batch(src, opts, state, world)
-                    times.setdefault((name, label), []).append((t, read))
+                    times.setdefault((name, label), []).append(first_batch(src, opts, state, world))
         print(f"{args.samples:,} samples of ~1 KB in shards of {args.shard_samples}, rank 0 of 2, 2 workers, batch 64, buffer 1000; "
               f"median of {args.repeats} interleaved repeats", flush=True)
         for (name, label), values in times.items():
             t = statistics.median(v[0] for v in values)
             read = statistics.median(v[1] for v in values)
-            print(f"{name:8s} {label:38s} first batch {t:6.2f} s, {read / 1e6:6.1f} MB read by then", flush=True)
+            opened = statistics.median(v[2] for v in values)
+            print(f"{name:8s} {label:38s} first batch {t:6.2f} s, {read / 1e6:6.1f} MB in {opened:5.0f} ranges by then",
+                  flush=True)
     finally:
         if proc is not None:
             proc.kill()
