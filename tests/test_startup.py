@@ -89,7 +89,7 @@ def test_shard_suffixes_are_looked_at_once_not_per_plan(tmp_path, monkeypatch):
     calls = []
     real = dataset_module.shard_compression
     monkeypatch.setattr(dataset_module, "shard_compression", lambda url: calls.append(url) or real(url))
-    ds = ShardStream(str(tmp_path / "d"), batch_size=4, rank=0, world_size=1)
+    ds = ShardStream(str(tmp_path / "d"), batch_size=4, world=World(0, 1))
     for epoch in range(3):
         ds.plan(epoch=epoch)
     assert len(ds) == 15 and sum(len(b["__key__"]) for b in ds) == 60
