@@ -293,7 +293,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         plan = plan_epoch(
             self.counts, world_size=self.world.world_size, num_workers=workers,
             batch_size=self.batch_size, seed=self.seed, epoch=epoch, shuffle=self.shuffle, mode=self.mode,
-            compressed_shards=sum(1 for i in range(len(self.counts)) if shard_compression(self.manifest.shard_url(i))),
+            compressed_shards=sum(1 for shard in self.manifest.shards if shard_compression(shard.path)),
         )
         # A loaded state pending for this epoch: the summary also says how the epoch resumes
         # (exactly, or elastically with the leftover dropped or repeated).
