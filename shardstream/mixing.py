@@ -18,6 +18,7 @@ is accepted.
 
 from __future__ import annotations
 
+import importlib
 import json
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -88,7 +89,8 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
     name = url.rstrip("/").rsplit("/", 1)[-1].lower()
     if name.endswith((".yaml", ".yml")):
         try:
-            import yaml  # type: ignore[import-untyped]
+            # Imported by name: pyyaml is optional, and whether its type stubs are installed must not matter.
+            yaml: Any = importlib.import_module("yaml")
         except ImportError as exc:
             raise ConfigError(f"{url}: reading a YAML mix file needs pyyaml (pip install pyyaml), "
                               "or write the mix as JSON") from exc

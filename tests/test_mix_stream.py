@@ -193,3 +193,14 @@ def test_mix_file_on_s3_with_relative_sources(s3, roots):
     assert ds.mix.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
     tags = Counter(t for batch in make_loader(ds, num_workers=0) for t in batch["__source__"])
     assert tags == {s.name: s.used for s in ds.plan().shares()} and tags["web"] == 30
+
+
+def test_a_source_short_under_skip_keeps_batches_equal(tmp_path):
+    a = write(tmp_path / "a", 60, "a")
+    b = write(tmp_path / "b", 39, "b")
+    (tmp_path / "b" / "shard-000001.tar").unlink()  # 13 of b's samples are gone
+    ds = ShardStream([Source(a, name="a"), Source(b, name="b")], batch_size=6, world=World(0, 1), on_error="skip")
+    batches = list(make_loader(ds, num_workers=2, pin_memory=False))
+    assert len(batches) == len(ds) and all(len(x["__key__"]) == 6 for x in batches)
+    tags = Counter(t for x in batches for t in x["__source__"])
+    assert tags["a"] >= ds.plan().shares()[0].used and ds.stats()["samples_skipped"] >= 13

@@ -14,7 +14,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 256  # samples per list handed on (the stages after this one loop over lists)
+CHUNK = 1024  # samples per list handed on (the stages after this one loop over lists)
+
+
+def _tagged(chunks: Iterable[list[dict[str, Any]]], name: str) -> Iterator[list[dict[str, Any]]]:
+    for chunk in chunks:
+        for sample in chunk:
+            sample["__source__"] = name
+        yield chunk
 
 
 def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: Iterable[int],
@@ -25,21 +32,15 @@ def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: It
     empty; the batch stage refills at the end, so every worker still yields its planned batches.
     Afterwards every stream is run to its end, so the checks after a range's last sample run.
     """
-    flat = [itertools.chain.from_iterable(s) for s in streams]
-    out: list[dict[str, Any]] = []
+    flat = [itertools.chain.from_iterable(_tagged(s, name)) for s, name in zip(streams, names)]
+    pattern = iter(pattern)
     short = 0
-    for i in pattern:
-        sample = next(flat[i], None)
-        if sample is None:
-            short += 1
-            continue
-        sample["__source__"] = names[i]
-        out.append(sample)
-        if len(out) >= CHUNK:
-            yield out
-            out = []
-    if out:
-        yield out
+    while block := list(itertools.islice(pattern, CHUNK)):
+        got = [next(flat[i], None) for i in block]  # one comprehension: no per-sample Python statements
+        out = [x for x in got if x is not None] if None in got else got
+        short += len(got) - len(out)
+        if out:
+            yield out  # type: ignore[misc]  # the Nones are gone
     left = sum(1 for stream in flat for _ in stream)
     if short or left:
         logger.debug("mix: %d positions found their source short, %d samples left over", short, left)
