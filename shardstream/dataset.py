@@ -293,7 +293,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         plan = plan_epoch(
             self.counts, world_size=self.world.world_size, num_workers=workers,
             batch_size=self.batch_size, seed=self.seed, epoch=epoch, shuffle=self.shuffle, mode=self.mode,
-            compressed_shards=sum(1 for i in range(len(self.counts)) if shard_compression(self.manifest.shard_url(i))),
+            compressed_shards=self._compressed_shards(),
         )
         # A loaded state pending for this epoch: the summary also says how the epoch resumes
         # (exactly, or elastically with the leftover dropped or repeated).
@@ -302,6 +302,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             if isinstance(resume, ResumePlan):
                 plan = dataclasses.replace(plan, resumed=resume.summary())
         return plan
+
+    def _compressed_shards(self) -> int:
+        """How many shards are compressed (for the plan's summary): counted once, by the shard
+        paths' suffixes (a URL ends as its path does), since plan() runs in every worker and
+        len(); once per call over 10,000 shards cost seconds of start-up."""
+        count = self.__dict__.get("_compressed_count")
+        if count is None:
+            count = self._compressed_count = sum(1 for s in self.manifest.shards if shard_compression(s.path))
+        return count
 
     def stats(self) -> dict[str, int]:
         """Counters summed over this rank's workers since construction (see ``stats.COUNTERS``)."""

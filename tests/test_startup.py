@@ -78,3 +78,19 @@ def test_first_reads_are_small_then_grow_to_read_size(tmp_path, monkeypatch):
     assert sum(sizes) < DEFAULT_READ_SIZE
     keys = [k for b in ds for k in b["__key__"]]
     assert len(keys) == len(set(keys)) == 960  # the rest of the epoch still reads every planned sample once
+
+
+def test_shard_suffixes_are_looked_at_once_not_per_plan(tmp_path, monkeypatch):
+    import shardstream.dataset as dataset_module
+
+    with ShardWriter(str(tmp_path / "d"), max_count=2) as w:
+        for i in range(60):
+            w.write_encoded(f"{i:06d}", {"cls": str(i).encode()})
+    calls = []
+    real = dataset_module.shard_compression
+    monkeypatch.setattr(dataset_module, "shard_compression", lambda url: calls.append(url) or real(url))
+    ds = ShardStream(str(tmp_path / "d"), batch_size=4, world=World(0, 1))
+    for epoch in range(3):
+        ds.plan(epoch=epoch)
+    assert len(ds) == 15 and sum(len(b["__key__"]) for b in ds) == 60
+    assert len(calls) == 30  # one look per shard (30 shards), however often the plan is made
