@@ -20,7 +20,8 @@ What an epoch of a mix is (docs/mixing.md says the same for users):
 3. The sources' sequences are interleaved into one mixed sequence of T = sum(q_i) samples:
    - ``per_batch="spread"``: the j-th sample of source i sits at key (j + phase_i) / q_i (a
      random phase per epoch); the mixed sequence is all samples ordered by key. Every run of L
-     consecutive samples holds L * q_i / T samples of source i within +-2 (|error| < 2), so
+     consecutive samples holds L * q_i / T samples of source i within (1 - p_i) + p_i * (m - 1) for m
+     sources with share p_i = q_i / T (under 1 for two sources, under 2 for three), so
      every batch carries each source in proportion.
    - ``per_batch="exact"``: every batch carries the same count c_i of source i (the batch size
      apportioned by share, largest remainder; each source at least one sample, else an error).
