@@ -35,6 +35,13 @@ _EXPORTS = {
     "ShardFormatError": "errors",
     "ChecksumError": "errors",
     "SampleError": "errors",
+    "StorageNotFound": "errors",
+    "AccessDenied": "errors",
+    "NoCredentials": "errors",
+    "StorageUnavailable": "errors",
+    "StorageTimeout": "errors",
+    "TooManyErrors": "errors",
+    "StorageConfig": "storage.config",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -30,6 +30,7 @@ from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls, is_shard_pattern
 
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_READAHEAD = 64 << 20
 
 
-def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
+def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None,
+                     config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
     """A manifest, a dataset root / index.json URL, or shard URLs (brace pattern, glob, list).
 
     Shard URLs without a manifest are indexed once, here: every shard is read end to end (8 in
@@ -48,13 +50,13 @@ def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Ma
     if isinstance(source, Manifest):
         return source
     if isinstance(source, str) and not is_shard_pattern(source):
-        return load_manifest(source, storage_options)
+        return load_manifest(source, storage_options, config=config)
     patterns = [source] if isinstance(source, str) else list(source)
     urls = [u for p in patterns for u in expand_urls(p, storage_options)]
     if not urls:
         raise ConfigError(f"no shards match {source!r}")
     logger.info("no manifest given: indexing %d shards (one full read each)", len(urls))
-    return scan_shards(urls, storage_options)
+    return scan_shards(urls, storage_options, config=config)
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -93,10 +95,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         cache_limit: int | None = None,
         verify_checksums: bool = True,
         verify_stream: bool = False,
+        storage: StorageConfig | None = None,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
-        self.manifest = resolve_manifest(source, self.storage_options)
+        self.storage = storage or DEFAULT_STORAGE  # timeouts, retries, deadline, allowed roots
+        self.manifest = resolve_manifest(source, self.storage_options, self.storage)
         self.counts = [s.samples for s in self.manifest.shards]
         self.world = World.detect(rank, world_size)
         self.batch_size = batch_size
@@ -120,9 +124,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             if cache_limit is None:
                 raise ConfigError("cache_dir needs cache_limit (bytes of local disk the cache may use)")
             self.cache = ShardCache(cache_dir, cache_limit, verify=verify_checksums)
-            largest = max(range(len(self.manifest.shards)), key=lambda i: self.manifest.shards[i].bytes, default=None)
-            if largest is not None:
-                self.cache.check_fits(self.manifest.shards[largest].bytes, self.manifest.shard_url(largest))
+            self.cache.check_fits([(s.bytes, self.manifest.shard_url(i)) for i, s in enumerate(self.manifest.shards)])
         if decode is False:
             decoders: dict = {}
         else:
@@ -183,7 +185,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         stats = BatchStats()
         source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read_size,
                              counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                             verify_stream=self.verify_stream)
+                             verify_stream=self.verify_stream, config=self.storage)
         samples = read_ranges(source, ranges, policy=policy)
         if self.shuffle_buffer > 1:
             samples = shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial,

@@ -14,7 +14,7 @@ from conftest import make_samples
 from PIL import Image
 
 from shardstream import ShardStream, ShardWriter, make_loader, to_device
-from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError
+from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError, TooManyErrors
 
 
 def write_dataset(root, n=200, max_count=23, samples=None):
@@ -101,7 +101,7 @@ def test_corrupt_image_follows_error_policy(tmp_path):
     assert "k005" not in keys and len(set(keys)) == 39
     broken = [{"__key__": f"k{i:03d}", "png": b"junk", "cls": i} for i in range(40)]
     root2 = write_dataset(tmp_path / "e", samples=broken)
-    with pytest.raises(SampleError, match="consecutive samples failed"):
+    with pytest.raises(TooManyErrors, match=r"17 consecutive failures under on_error='skip' \(tolerance 16; last: .*k\d+"):
         list(ShardStream(root2, batch_size=4, on_error="skip", rank=0, world_size=1))
 
 

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from shardstream.errors import SampleError
+from shardstream.errors import ConfigError, SampleError
 from shardstream.policy import ErrorPolicy
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class ImageDecoder:
 
     def __init__(self, image: str = "tensor", draft_size: tuple[int, int] | None = None):
         if image not in IMAGE_MODES:
-            raise ValueError(f"image must be one of {IMAGE_MODES}, got {image!r}")
+            raise ConfigError(f"image must be one of {IMAGE_MODES}, got {image!r}")
         self.image = image
         self.draft_size = draft_size
 
