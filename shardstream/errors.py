@@ -5,6 +5,7 @@
     ├── SourceError                  bad pack input: unreadable file, malformed line, key clash
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, inconsistent, or reaching outside its root
+    ├── StateError                   a resume state from another dataset, seed, mode or version
     ├── StorageError                 an object cannot be opened or read (``.url`` names it)
     │   ├── StorageNotFound          no such object or bucket (also a FileNotFoundError)
     │   ├── AccessDenied             the store refused these credentials (also a PermissionError)
@@ -52,6 +53,10 @@ class DestinationError(ShardstreamError):
 
 class ManifestError(ShardstreamError):
     """A manifest that cannot be trusted."""
+
+
+class StateError(ShardstreamError, ValueError):
+    """A resume state that does not fit this dataset or this shardstream (says which field differs)."""
 
 
 class StorageError(ShardstreamError):

@@ -8,15 +8,19 @@ granularity and seek to any sample with nothing else. Format: docs/manifest.md.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import posixpath
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+import numpy as np
+
 from shardstream.errors import ManifestError, StorageError, StorageNotFound
+from shardstream.format.compression import shard_compression
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import read_object
@@ -32,11 +36,13 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str | None
-    offsets: tuple[int, ...]  # samples + 1 entries: each sample's first header, then the data end
+    # samples + 1 entries: each sample's first header, then the data end. Loaded manifests keep
+    # them as a compact array.array("q") (8 bytes each, Python ints on indexing), not a tuple.
+    offsets: Sequence[int]
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256,
-                "offsets": list(self.offsets)}
+                "offsets": list(self.offsets)}  # array.array -> Python ints
 
 
 @dataclass
@@ -128,16 +134,39 @@ def _shard_from_json(raw: Any, where: str) -> ShardInfo:
     where = f"{where} ({path})"
     if not _is_count(samples) or not _is_count(size):
         raise ManifestError(f"{where}: 'samples' and 'bytes' must be non-negative integers")
-    if not isinstance(offsets, list) or len(offsets) != samples + 1 or not all(_is_count(o) for o in offsets):
-        raise ManifestError(f"{where}: 'offsets' must list samples + 1 = {samples + 1} byte offsets")
-    if any(b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ManifestError(f"{where}: offsets are not strictly increasing")
-    if offsets[-1] > size:
-        raise ManifestError(f"{where}: offsets run to byte {offsets[-1]}, past the shard's {size} bytes")
+    packed = _offsets_from_json(offsets, samples, size, where, compressed=bool(shard_compression(path)))
     sha = raw.get("sha256")
     if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
         raise ManifestError(f"{where}: 'sha256' must be 64 hex digits")
-    return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=tuple(offsets))
+    return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=packed)
+
+
+def _offsets_from_json(offsets: Any, samples: int, size: int, where: str, *, compressed: bool = False) -> array.array:
+    """Checked offsets as one array.array("q"), validated with numpy, not a Python loop per sample.
+
+    This runs for every shard before the first read, so its cost is per shard, not per sample:
+    converting a JSON list of N ints to array("q") rejects non-integers in C (about 20 ns each),
+    and one vectorised pass checks order and bounds. A JSON ``true``/``false`` would convert to
+    1/0; in a strictly increasing non-negative sequence only the first two entries can be 0 or 1,
+    so checking those two for bool is exact.
+    """
+    problem = f"{where}: 'offsets' must list samples + 1 = {samples + 1} byte offsets"
+    if not isinstance(offsets, list) or len(offsets) != samples + 1:
+        raise ManifestError(problem)
+    try:
+        packed = array.array("q", offsets)
+    except (TypeError, OverflowError):
+        raise ManifestError(problem) from None
+    if any(type(o) is bool for o in offsets[:2]):
+        raise ManifestError(problem)
+    values = np.frombuffer(packed, dtype=np.int64)
+    if values[0] < 0:
+        raise ManifestError(problem)
+    if samples and not bool((values[1:] > values[:-1]).all()):
+        raise ManifestError(f"{where}: offsets are not strictly increasing")
+    if values[-1] > size and not compressed:  # a compressed shard's offsets are in its decompressed stream
+        raise ManifestError(f"{where}: offsets run to byte {values[-1]}, past the shard's {size} bytes")
+    return packed
 
 
 def _is_count(value: Any) -> TypeGuard[int]:

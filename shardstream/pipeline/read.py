@@ -18,17 +18,54 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
+from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.ranges import open_range
+from shardstream.storage.ranges import open_range as open_object_range
 from shardstream.storage.readahead import Prefetcher
 from shardstream.storage.scan import hashed, skip_exactly
 
 logger = logging.getLogger(__name__)
+
+# A range's first read is this small and the next ones double up to read_size, so the first
+# samples (and the first batch) are parsed out of a few hundred KiB rather than a full block.
+FIRST_READ = 256 << 10
+
+
+def open_range(
+    url: str,
+    start: int,
+    end: int,
+    storage_options: Mapping[str, Any] | None = None,
+    counters: Any = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    cache: ShardCache | None = None,
+    shard_size: int | None = None,
+    sha256: str | None = None,
+) -> tuple[Callable[[int], bytes], Callable[[], None]]:
+    """Return ``(read, close)`` for bytes [start, end) of a shard (``storage.ranges.open_range``:
+    retry, resume, cache). For a compressed shard, [start, end) are offsets in its decompressed
+    stream: the object is read from its first byte (``shard_size`` bytes) and decompressed, and
+    the bytes before ``start`` are dropped."""
+    compression = shard_compression(url)
+    if not compression:
+        return open_object_range(url, start, end, storage_options, counters, config=config, cache=cache,
+                                 shard_size=shard_size, sha256=sha256)
+    if shard_size is None and "://" in url and not url.startswith("file://"):
+        raise ValueError(f"{url}: reading a compressed remote shard needs its size (shard_size)")
+    raw_read, close = open_object_range(url, 0, shard_size if shard_size is not None else end, storage_options, counters,
+                                        config=config, cache=cache, shard_size=shard_size, sha256=sha256)
+    try:
+        return decompressing(raw_read, url, compression, skip=start), close
+    except BaseException:
+        close()
+        raise
+
 
 class RangeSource:
     """Where a worker's ranges come from: storage options, counters, cache, read sizes, and
@@ -51,7 +88,7 @@ class RangeSource:
         sha256, and no cache is in the way (cache fills are checked on their own)."""
         shard = self.manifest.shards[rng.shard]
         return (self.verify_stream and self.cache is None and bool(shard.sha256)
-                and rng.start == 0 and rng.stop == shard.samples)
+                and rng.start == 0 and rng.stop == shard.samples and not shard_compression(self.manifest.shard_url(rng.shard)))
 
     def opener(self, rng: Range):
         shard = self.manifest.shards[rng.shard]
@@ -87,11 +124,14 @@ def read_range(
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
     start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
+    if verify and shard_compression(url):
+        raise ValueError(f"verify while streaming does not cover compressed shards ({url}): use `shardstream verify`")
     if verify and not (rng.start == 0 and rng.stop == shard.samples and shard.sha256):
         raise ValueError(f"verify needs a whole-shard range with a sha256 in the manifest, got {rng} of {url}")
     close = None
     if read is None:
-        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters)
+        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters,
+                                 shard_size=shard.bytes)
     digest = None
     if verify:
         digest = hashlib.sha256()
@@ -100,7 +140,7 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for batch in iter_sample_batches(read, url=url, start=start, end=end, read_size=read_size):
+        for batch in iter_sample_batches(_first_reads_small(read), url=url, start=start, end=end, read_size=read_size):
             got += len(batch)
             if got > expected:
                 break
@@ -125,6 +165,20 @@ def read_range(
             raise ChecksumError(url, digest.hexdigest(), str(shard.sha256))
         if counters is not None:
             counters.add("shards_verified")
+
+
+def _first_reads_small(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for."""
+    cap = FIRST_READ
+
+    def read_growing(n: int) -> bytes:
+        nonlocal cap
+        if n <= cap:
+            return read(n)
+        cap *= 2
+        return read(cap // 2)
+
+    return read_growing
 
 
 def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardstream.errors import ShardFormatError
+from shardstream.format.compression import UNKNOWN_END, decompressing, shard_compression
 from shardstream.format.manifest import Manifest, ShardInfo
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -78,8 +79,11 @@ def scan_stream(read: Read, *, url: str, size: int, on_sample: OnSample | None =
     read = hashed(read, digest, progress)
     scan = Scan(url=url, size=size)
     data_end = 0
+    compression = shard_compression(url)  # offsets of a compressed shard are in its decompressed stream
+    tar_read = decompressing(read, url, compression) if compression else read
     try:
-        for batch in iter_sample_batches(read, url=url, start=0, end=size, require_end_marker=True):
+        for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size,
+                                         require_end_marker=True):
             for key, offset, sample_end, fields in batch:
                 scan.offsets.append(offset)
                 data_end = sample_end

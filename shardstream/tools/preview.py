@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardstream.errors import ShardstreamError
+from shardstream.format.compression import shard_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import BLOCK
 from shardstream.pipeline.read import read_range
@@ -67,6 +68,12 @@ def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | 
 
     for i, shard in enumerate(manifest.shards):
         url = manifest.shard_url(i)
+        if shard_compression(url):  # no ranged reads into a compressed stream: read it through
+            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options) if shard.samples else ():
+                for sample in chunk:
+                    if sample["__key__"] == key:
+                        return sample
+            continue
         fs, path = storage.get_fs(url, storage_options)
         starts = list(shard.offsets[:-1])
         ends = [min(a + PROBE_BYTES, b) for a, b in zip(shard.offsets[:-1], shard.offsets[1:])]
