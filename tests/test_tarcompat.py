@@ -310,3 +310,134 @@ def test_index_takes_several_inputs_and_a_file_listing_urls(tmp_path):
     (tmp_path / "list.txt").write_text(f"# shards\n{tmp_path}/c/s.tar\n\n")
     assert main(["index", str(tmp_path / "a" / "*.tar"), str(tmp_path / "b"), str(tmp_path / "list.txt"), str(tmp_path)]) == 0
     assert [s.path for s in load_manifest(str(tmp_path)).shards] == ["a/s.tar", "b/s.tar", "c/s.tar"]
+
+
+# --- every dialect: GNU tar, bsdtar, tarfile; read by webdataset and shardstream ---------------
+
+SHORT_NAMES = ["a/s1.txt", "a/s1.cls", "\u00fcber/s3.txt", "s4/.hidden.txt", "__meta__/info.txt", "S5.JPG", "S5.cls",
+               "s6.seg.png", "s6.txt", "noext", "k.v/s7.json"]
+PREFIX_NAMES = ["D" * 60 + "/" + "E" * 60 + "/s2.txt", "D" * 60 + "/" + "E" * 60 + "/s2.bin"]
+LONG_NAMES = ["L" * 130 + ".txt"]
+
+
+def _source_tree(root, names: list[str]) -> None:
+    for i, name in enumerate(names):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(f"{name}:{i}".encode() * (1 + i * 37))
+
+
+def _names_for(tool: str, fmt: str) -> list[str]:
+    if fmt in ("v7",):
+        return [n for n in SHORT_NAMES if n.isascii()]
+    if fmt in ("ustar",):
+        return SHORT_NAMES + PREFIX_NAMES
+    return SHORT_NAMES + PREFIX_NAMES + LONG_NAMES
+
+
+def _build(tmp_path, tool: str, fmt: str, compress: str = "") -> str:
+    src = tmp_path / "src"
+    names = _names_for(tool, fmt)
+    _source_tree(src, names)
+    out = tmp_path / ("x.tar" + {"": "", "gz": ".gz", "zst": ".zst"}[compress])
+    if tool == "tarfile":
+        mode = "w:gz" if compress == "gz" else "w"
+        tar_format = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}[fmt]
+        with tarfile.open(out, mode, format=tar_format) as tf:
+            for name in names:
+                tf.add(src / name, arcname=name)
+        return str(out)
+    flags = {"gz": ["-z"], "zst": ["--zstd"], "": []}[compress]
+    if tool == "gnu":
+        args = [GNU_TAR, f"--format={fmt}", *flags, "-cf", str(out), *names]
+    else:
+        args = [BSDTAR, *([f"--format={fmt}"] if fmt != "default" else []), *flags, "-cf", str(out), *names]
+    subprocess.run(args, cwd=src, check=True, capture_output=True)
+    return str(out)
+
+
+def _read_all_ways(tmp_path, path: str, *, through_pack: bool = False) -> None:
+    from shardstream.format.manifest import load_manifest
+    from shardstream.pipeline.read import read_range
+    from shardstream.plan.epoch import Range
+    from shardstream.tools.index import write_index
+
+    if path.endswith(".zst"):  # webdataset (Python's tarfile) reads no zstd: it reads the decompressed tar
+        plain = tmp_path / "plain.tar"
+        plain.write_bytes(_plain(tmp_path / path))
+        expected = wds_samples(str(plain))
+    else:
+        expected = wds_samples(path)
+    assert len(expected) >= 5 and all(not k.startswith("__meta__") for k, _ in expected)
+    manifest, url = write_index(path, str(tmp_path / "idx"))
+    manifest = load_manifest(url)
+    indexed = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+               for chunk in read_range(manifest, Range(0, 0, manifest.shards[0].samples)) for s in chunk]
+    assert indexed == expected
+    if path.endswith(".tar"):
+        with open(path, "rb") as f:
+            assert parse(f.read(), read_size=1024) == expected
+    if through_pack:
+        from shardstream.write.pack import pack
+
+        pack(path, str(tmp_path / "packed"), kind="shards")
+        packed = load_manifest(str(tmp_path / "packed"))
+        got = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+               for i, shard in enumerate(packed.shards) for chunk in read_range(packed, Range(i, 0, shard.samples)) for s in chunk]
+        assert got == expected
+
+
+@pytest.mark.parametrize("fmt", ["ustar", "gnu", "pax"])
+def test_python_tarfile_every_format(tmp_path, fmt):
+    _read_all_ways(tmp_path, _build(tmp_path, "tarfile", fmt), through_pack=fmt == "pax")
+
+
+@needs_gnu_tar
+@pytest.mark.parametrize(("fmt", "compress"), [("v7", ""), ("oldgnu", ""), ("gnu", ""), ("ustar", ""), ("posix", ""),
+                                               ("pax", "gz"), ("gnu", "zst")])
+def test_gnu_tar_every_format(tmp_path, fmt, compress):
+    if compress == "zst":
+        pytest.importorskip("zstandard")
+        if shutil.which("zstd") is None:
+            pytest.skip("the zstd program (for GNU tar --zstd) is not installed")
+    _read_all_ways(tmp_path, _build(tmp_path, "gnu", fmt, compress), through_pack=compress == "gz")
+
+
+@needs_bsdtar
+@pytest.mark.parametrize(("fmt", "compress"), [("default", ""), ("pax", ""), ("ustar", ""), ("gnutar", ""), ("pax", "gz")])
+def test_bsdtar_every_format(tmp_path, fmt, compress):
+    _read_all_ways(tmp_path, _build(tmp_path, "bsdtar", fmt, compress), through_pack=fmt == "default")
+
+
+@needs_bsdtar
+def test_bsdtar_pax_header_for_an_extended_attribute_keeps_the_prefix(tmp_path):
+    src = tmp_path / "src"
+    _source_tree(src, PREFIX_NAMES)
+    try:
+        os.setxattr(src / PREFIX_NAMES[0], "user.note", b"x")
+    except OSError as exc:
+        pytest.skip(f"this filesystem takes no user extended attributes: {exc}")
+    out = tmp_path / "x.tar"
+    subprocess.run([BSDTAR, "-cf", str(out), *PREFIX_NAMES], cwd=src, check=True)
+    expected = wds_samples(str(out))
+    assert [k for k, _ in expected] == [PREFIX_NAMES[0][:-4]]
+    assert parse(out.read_bytes()) == expected
+
+
+def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
+    from shardstream import ShardStream
+    from shardstream.tools.index import write_index
+
+    bucket, options, client = s3
+    local = tmp_path / "a.tar.gz"
+    _write_tar(local, _members(9, "s"), "w:gz")
+    expected = dict(wds_samples(str(local)))
+    client.put_object(Bucket=bucket, Key="wds/a.tar.gz", Body=local.read_bytes())
+    manifest, url = write_index(f"s3://{bucket}/wds/*.tar.gz", f"s3://{bucket}/wds", storage_options=options)
+    assert manifest.shards[0].path == "a.tar.gz"
+    for extra in ({"readahead_bytes": 1 << 20}, {"cache_dir": str(tmp_path / "cache"), "cache_limit": 1 << 30}):
+        stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world_size=3, rank=2,
+                             storage_options=options, collate=lambda samples: samples, **extra)
+        got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
+        assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
+    assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]

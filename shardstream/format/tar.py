@@ -246,6 +246,7 @@ def _header_name(buf: bytes, pos: int) -> str:
     return name
 
 
+_DATA_KINDS = b"0\x007S"  # regular file ('0', NUL), contiguous ('7'), old GNU sparse ('S')
 _META = re.compile(r"__[^/]*__($|/)")
 
 
@@ -361,7 +362,7 @@ def iter_sample_batches(
                         done = True
                         break
                     size = _parse_size(buf[pos + 124 : pos + 136], url, base + pos)
-                if pax_size is not None:
+                if pax_size is not None and buf[pos + 156] in _DATA_KINDS:  # a pax 'size' record: this member's size
                     size = pax_size
                 data_start = pos + BLOCK
                 data_end = data_start + size
@@ -382,19 +383,23 @@ def iter_sample_batches(
                         if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\0":  # POSIX prefix field
                             name = buf[pos + 345 : pos + 500].split(b"\0", 1)[0].decode() + "/" + name
                         here = base + pos
+                        if name[:1] == "/" or ".." in name or "\0" in name:
+                            _check_name(name, url, here)
+                        value = buf[data_start:data_end]
+                        if kind == 83:
+                            name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
                     else:
                         override = pax.get("path") if pax is not None else None
                         name = override or long_name or _header_name(buf, pos)
                         here = member_start if member_start is not None else base + pos
-                    if name[:1] == "/" or ".." in name or "\0" in name:
                         _check_name(name, url, base + pos)
-                    value = buf[data_start:data_end]
-                    if pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax):
-                        name, value = _pax_sparse(pax, value, name, url, here)
-                        _check_name(name, url, here)
-                    elif kind == 83:
-                        name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
-                    long_name = pax = pax_size = member_start = None
+                        value = buf[data_start:data_end]
+                        if pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax):
+                            name, value = _pax_sparse(pax, value, name, url, here)
+                            _check_name(name, url, here)
+                        elif kind == 83:
+                            name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
+                        long_name = pax = pax_size = member_start = None
                     slash = name.rfind("/")
                     dot = name.find(".", slash + 1)
                     if dot > slash + 1:
