@@ -249,3 +249,23 @@ def test_shard_larger_than_the_limit_is_streamed_not_cached(s3, tmp_path, caplog
     assert any("larger than cache_limit" in r.getMessage() for r in caplog.records)
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(15))
     assert ds.stats()["cache_bypass"] == 1 and _du(cache_dir) == small
+
+
+def test_local_manifest_refuses_climbing_out_and_remote_urls(tmp_path):
+    root = tmp_path / "d"
+    with ShardWriter(str(root), max_count=10) as w:
+        for s in make_samples(20):
+            w.write(s)
+    doc = json.loads((root / "index.json").read_text())
+    for entry in ("../other/x.tar", "sub/../../x.tar", "s3://bucket/x.tar", "memory://x.tar"):
+        bad = json.loads(json.dumps(doc))
+        bad["shards"][0]["path"] = entry
+        (root / "index.json").write_text(json.dumps(bad))
+        with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
+            ShardStream(str(root), batch_size=4, rank=0, world_size=1)
+    moved = tmp_path / "elsewhere.tar"  # what `shardstream index` writes for a shard outside DEST
+    (root / "shard-000000.tar").rename(moved)
+    doc["shards"][0]["path"] = str(moved)
+    (root / "index.json").write_text(json.dumps(doc))
+    ds = ShardStream(str(root), batch_size=4, rank=0, world_size=1)
+    assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(20))

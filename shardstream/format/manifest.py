@@ -223,13 +223,20 @@ def confine(manifest: Manifest, where: str, allow_roots: tuple[str, ...] = ()) -
     """Refuse shard entries that leave the manifest's directory: absolute paths, other schemes or
     buckets, and '..' that climbs out. A dataset on a bucket is data from whoever can write that
     bucket; it must not make a reader open ``/etc/passwd``. ``allow_roots`` names further URL
-    prefixes the user trusts (datasets that span buckets)."""
+    prefixes the user trusts (datasets that span buckets).
+
+    One exception: a manifest on local disk may name other local files by absolute path (what
+    ``shardstream index`` writes for shards outside its destination); whoever can write that
+    manifest can write local files anyway. A remote manifest never reaches local files."""
     base = _normal(manifest.base_url)
+    local_manifest = "://" not in base
     roots = [base] + [_normal(r) for r in allow_roots]
     for i, shard in enumerate(manifest.shards):
         entry = shard.path
         absolute = "://" in entry or entry.startswith(("/", "~", "\\"))
         target = _normal(entry if absolute else storage.join(manifest.base_url, entry))
+        if local_manifest and absolute and "://" not in target and not entry.startswith("~"):
+            continue
         if not any(_under(target, root) for root in roots):
             raise ManifestError(
                 f"{where}: shard #{i} {entry!r} points outside the dataset's root {base}/ "
