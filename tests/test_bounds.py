@@ -17,7 +17,7 @@ import pytest
 from conftest import make_samples
 from faultproxy import FaultProxy
 
-from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream import Cache, Read, ShardStream, ShardWriter, World, make_loader
 from shardstream.errors import ManifestError, ShardFormatError, StorageTimeout
 from shardstream.storage.config import StorageConfig
 
@@ -36,8 +36,8 @@ def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
 def test_stalled_shard_read_fails_within_the_deadline(s3, stall):
     bucket, options, _ = s3
     url = write_s3(bucket, options)
-    ds = ShardStream(url, batch_size=5, shuffle=False, rank=0, world_size=1, storage_options=options, storage=FAST,
-                     readahead_bytes=0)
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options, storage=FAST,
+                     read=Read(readahead_bytes=0))
     with FaultProxy(options["endpoint_url"], stall=stall) as proxy:
         ds.storage_options = {"endpoint_url": proxy.url}  # the store hangs after planning
         started = time.monotonic()
@@ -55,7 +55,7 @@ def test_stalled_manifest_read_fails_within_the_deadline(s3):
     with FaultProxy(options["endpoint_url"], stall="headers") as proxy:
         started = time.monotonic()
         with pytest.raises(ManifestError, match=r"cannot read the manifest: s3://.*/ds/index.json: .*timeout") as info:
-            ShardStream(url, batch_size=5, rank=0, world_size=1, storage_options={"endpoint_url": proxy.url},
+            ShardStream(url, batch_size=5, world=World(0, 1), storage_options={"endpoint_url": proxy.url},
                         storage=FAST)
         assert time.monotonic() - started < FAST.deadline + 10
     assert isinstance(info.value.__cause__, StorageTimeout) and "packed dataset root" not in str(info.value)
@@ -65,7 +65,7 @@ def test_stalled_manifest_read_fails_within_the_deadline(s3):
 def test_stall_reaches_the_training_loop_as_the_same_type_through_workers(s3):
     bucket, options, _ = s3
     url = write_s3(bucket, options)
-    ds = ShardStream(url, batch_size=5, rank=0, world_size=1, storage_options=options, storage=FAST)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options, storage=FAST)
     with FaultProxy(options["endpoint_url"], stall="accept") as proxy:
         ds.storage_options = {"endpoint_url": proxy.url}
         with pytest.raises(StorageTimeout, match="timeout"):
@@ -89,7 +89,7 @@ def test_manifest_entries_outside_the_root_are_refused(s3, entry):
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with FaultProxy(options["endpoint_url"]) as proxy:
         with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
-            ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options={"endpoint_url": proxy.url})
+            ShardStream(url, batch_size=4, world=World(0, 1), storage_options={"endpoint_url": proxy.url})
         assert proxy.counts["requests"] == 2  # the manifest's HEAD and GET: no shard was touched
 
 
@@ -104,9 +104,9 @@ def test_allow_list_lets_a_dataset_span_buckets(s3):
     doc["shards"][1]["path"] = f"s3://{other}/x/shard-000001.tar"
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with pytest.raises(ManifestError, match="points outside"):
-        ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options)
+        ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options)
     allowed = StorageConfig(allow_roots=(f"s3://{other}/x",))
-    ds = ShardStream(url, batch_size=4, shuffle=False, rank=0, world_size=1, storage_options=options, storage=allowed)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options, storage=allowed)
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     assert sorted(keys) == sorted(s["__key__"] for s in make_samples(40))
 
@@ -123,7 +123,7 @@ def test_manifest_and_header_that_lie_about_sizes(tmp_path):
     shard["offsets"][-1] = huge  # the last sample "ends" a petabyte in
     shard["sha256"] = None
     (root / "index.json").write_text(json.dumps(doc))
-    ds = ShardStream(str(root), batch_size=10, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(str(root), batch_size=10, shuffle=False, world=World(0, 1))
     assert sum(len(b["__key__"]) for b in ds) == 10  # the samples themselves are intact
     path = root / "shard-000000.tar"
     data = bytearray(path.read_bytes())
@@ -132,7 +132,7 @@ def test_manifest_and_header_that_lie_about_sizes(tmp_path):
     data[148:156] = b"%06o\0 " % sum(data[:512])  # with a valid checksum: only the size lies
     path.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError, match=r"shard-000000.tar at byte \d+: .*(truncated|ended)"):
-        list(ShardStream(str(root), batch_size=10, shuffle=False, rank=0, world_size=1))
+        list(ShardStream(str(root), batch_size=10, shuffle=False, world=World(0, 1)))
 
 
 # -- the shard cache keeps its promise ------------------------------------------------------------
@@ -147,15 +147,15 @@ def _du(path):
 
 
 def _read_rank(url, options, cache_dir, limit, rank, out):
-    ds = ShardStream(url, batch_size=4, shuffle=False, rank=rank, world_size=2, storage_options=options,
-                     cache_dir=cache_dir, cache_limit=limit)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(rank, 2), storage_options=options,
+                     cache=Cache(cache_dir, limit))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((rank, keys))
 
 
 def _slow_fill(url, endpoint, cache_dir, limit):
-    ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options={"endpoint_url": endpoint},
-                     cache_dir=cache_dir, cache_limit=limit, readahead_bytes=0)
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options={"endpoint_url": endpoint},
+                     cache=Cache(cache_dir, limit), read=Read(readahead_bytes=0))
     for _ in ds:
         pass
 
@@ -164,7 +164,7 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
     bucket, options, _ = s3
     url = write_s3(bucket, options, n=120, max_count=10, size=4000)  # 12 shards of about 25 KB
     cache_dir = str(tmp_path / "cache")
-    manifest = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options).manifest
+    manifest = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options).manifest
     limit = int(max(s.bytes for s in manifest.shards) * 3.5)
     ctx = multiprocessing.get_context("spawn")
     with FaultProxy(options["endpoint_url"], bandwidth=20_000) as proxy:  # slow: the kill lands mid-download
@@ -221,8 +221,8 @@ def tiny_tmpfs(tmp_path):
 def test_full_disk_falls_back_to_streaming_with_one_warning(s3, tiny_tmpfs, caplog):
     bucket, options, _ = s3
     url = write_s3(bucket, options, n=120, max_count=10, size=4000)  # 12 shards of ~25 KB on a 64 KB disk
-    ds = ShardStream(url, batch_size=4, shuffle=False, rank=0, world_size=1, storage_options=options,
-                     cache_dir=str(tiny_tmpfs), cache_limit=10**9)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
+                     cache=Cache(str(tiny_tmpfs), 10**9))
     with caplog.at_level(logging.WARNING, logger="shardstream"):
         keys = [k for b in ds for k in b["__key__"]]
     assert sorted(keys) == sorted(s["__key__"] for s in make_samples(120))  # every sample once
@@ -244,8 +244,8 @@ def test_shard_larger_than_the_limit_is_streamed_not_cached(s3, tmp_path, caplog
     small, big = sorted(s["bytes"] for s in doc["shards"])
     cache_dir = tmp_path / "cache"
     with caplog.at_level(logging.WARNING, logger="shardstream"):
-        ds = ShardStream(url, batch_size=5, shuffle=False, rank=0, world_size=1, storage_options=options,
-                         cache_dir=str(cache_dir), cache_limit=small + 100)
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options,
+                         cache=Cache(str(cache_dir), small + 100))
     assert any("larger than cache_limit" in r.getMessage() for r in caplog.records)
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(15))
     assert ds.stats()["cache_bypass"] == 1 and _du(cache_dir) == small
@@ -262,10 +262,10 @@ def test_local_manifest_refuses_climbing_out_and_remote_urls(tmp_path):
         bad["shards"][0]["path"] = entry
         (root / "index.json").write_text(json.dumps(bad))
         with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
-            ShardStream(str(root), batch_size=4, rank=0, world_size=1)
+            ShardStream(str(root), batch_size=4, world=World(0, 1))
     moved = tmp_path / "elsewhere.tar"  # what `shardstream index` writes for a shard outside DEST
     (root / "shard-000000.tar").rename(moved)
     doc["shards"][0]["path"] = str(moved)
     (root / "index.json").write_text(json.dumps(doc))
-    ds = ShardStream(str(root), batch_size=4, rank=0, world_size=1)
+    ds = ShardStream(str(root), batch_size=4, world=World(0, 1))
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(20))

@@ -13,7 +13,7 @@ import s3fs
 from conftest import make_samples
 from faultproxy import FaultProxy
 
-from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream import Decode, ShardStream, ShardWriter, World, make_loader
 from shardstream import errors as E
 from shardstream.cli.main import main
 from shardstream.storage.classify import Kind, classify, storage_error
@@ -137,7 +137,7 @@ def _local_dataset(root, n=40):
 def test_missing_local_shard_is_a_file_not_found_error_also_through_workers(tmp_path):
     root = _local_dataset(tmp_path / "d")
     (tmp_path / "d" / "shard-000002.tar").unlink()
-    ds = ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
     with pytest.raises(FileNotFoundError, match=r"shard-000002.tar: not found \(it is listed in the manifest") as info:
         list(ds)
     assert isinstance(info.value, E.StorageNotFound) and info.value.url.endswith("shard-000002.tar")
@@ -164,7 +164,7 @@ def test_folder_of_tars_without_manifest_says_run_index(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "shardstream index" in err and "glob" in err
     with pytest.raises(E.ManifestError, match=r"run `shardstream index .*\*\.tar"):
-        ShardStream(root, batch_size=4, rank=0, world_size=1)
+        ShardStream(root, batch_size=4, world=World(0, 1))
 
 
 def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3_endpoint, capsys, monkeypatch,
@@ -196,9 +196,9 @@ def test_bad_options_are_config_errors(tmp_path):
         pack(root, str(tmp_path / "p"), on_error="ignore")
     with pytest.raises(E.ConfigError, match="max_count"):
         ShardWriter(str(tmp_path / "w"), max_count=0)
-    with pytest.raises(E.ConfigError, match="image must be one of"):
-        ShardStream(root, batch_size=4, rank=0, world_size=1, image="bogus")
+    with pytest.raises(E.ConfigError, match=r"image=...\) must be one of"):
+        ShardStream(root, batch_size=4, world=World(0, 1), decode=Decode(image="bogus"))
     with pytest.raises(E.ConfigError, match="rank 3 is not in a world of size 2"):
-        ShardStream(root, batch_size=4, rank=3, world_size=2)
+        ShardStream(root, batch_size=4, world=World(3, 2))
     with pytest.raises(E.ConfigError, match="deadline"):
         StorageConfig(deadline=0)

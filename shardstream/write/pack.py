@@ -92,11 +92,14 @@ def pack(
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
-        for ok, a, b in _load_all(items, workers, storage_options):
+        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options)):
             try:
                 if not ok:
                     raise SourceError(a, b)
-                writer.write_encoded(a, b)
+                try:
+                    writer.write_encoded(a, b)
+                except SourceError as exc:  # the writer knows the key; the listing knows the file or line
+                    raise SourceError(f"{where} ({exc.where})", exc.what) from None
             except SourceError as exc:
                 policy.failed(exc)  # raises under "raise" (and past the tolerance)
                 writer.skip(exc.where, exc.what)
@@ -106,13 +109,9 @@ def pack(
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
-    manifest = Manifest(
-        shards=writer.shards, extensions=writer.extensions, label_map=writer.label_map,
-        label_counts=writer.label_counts,
-        skipped={"count": writer.skipped_count, "items": writer.skipped},
-    )
+    assert writer.manifest is not None  # the with-block closed the writer without an error
     return PackResult(
-        manifest=manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
+        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
         shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
         seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
     )
