@@ -47,6 +47,6 @@ class ErrorPolicy:
         if self._log:
             logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
         if self.tolerance is not None and self._consecutive > self.tolerance:
-            raise TooManyErrors(f"{self._consecutive} consecutive failures under on_error='skip' (tolerance "
+            raise TooManyErrors(f"{self._consecutive} consecutive samples failed under on_error='skip' (tolerance "
                                 f"{self.tolerance}; last: {exc}): the dataset or the decoders are likely broken, "
                                 "fix them or raise the tolerance") from exc
