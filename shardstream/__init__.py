@@ -43,6 +43,13 @@ _EXPORTS = {
     "ShardFormatError": "errors",
     "ChecksumError": "errors",
     "SampleError": "errors",
+    "StorageNotFound": "errors",
+    "AccessDenied": "errors",
+    "NoCredentials": "errors",
+    "StorageUnavailable": "errors",
+    "StorageTimeout": "errors",
+    "TooManyErrors": "errors",
+    "StorageConfig": "storage.config",
 }
 
 __all__ = [  # literal, so linters and type checkers see it; tests check it matches _EXPORTS

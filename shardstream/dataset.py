@@ -43,12 +43,14 @@ from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
 from shardstream.stats import MAX_SLOTS, StreamStats
 from shardstream.storage.cache import ShardCache
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)
 
-def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
+def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None,
+                     config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
     """A manifest, a dataset root / index.json URL, or shard URLs (brace pattern, glob, list): the
     resolver of a mix's ``Source`` values (an explicit value per source, so a pattern there is a
     request to index it). Shard URLs are indexed here: every shard is read end to end (8 in
@@ -56,16 +58,17 @@ def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Ma
     if isinstance(source, Manifest):
         return source
     if isinstance(source, str) and not is_shard_pattern(source):
-        return load_manifest(source, storage_options)
+        return load_manifest(source, storage_options, config=config)
     patterns = [source] if isinstance(source, str) else list(source)
     urls = [u for p in patterns for u in expand_urls(p, storage_options)]
     if not urls:
         raise ConfigError(f"no shards match {source!r}")
     logger.info("no manifest given: indexing %d shards (one full read each)", len(urls))
-    return scan_shards(urls, storage_options)
+    return scan_shards(urls, storage_options, config=config)
 
 
-def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | None) -> Manifest:
+def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | None,
+                 config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
     """A Manifest as is, or the manifest of a dataset root / index.json URL. Shard URLs are refused
     here: indexing them reads every shard, which ``ShardStream.from_urls`` does on request."""
     if isinstance(source, Manifest):
@@ -77,7 +80,7 @@ def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | No
             f"ShardStream.from_urls({shown!r}, ...) to index them at start-up (one full read of every shard), "
             f"or write their manifest once with `shardstream index '{shown}' DEST` and pass DEST"
         )
-    return load_manifest(source, storage_options)
+    return load_manifest(source, storage_options, config=config)
 
 
 def _shared_lock() -> Any:
@@ -194,13 +197,16 @@ class ShardStream(torch.utils.data.IterableDataset):
         per_batch: str = "spread",
         steps: int | None = None,
         samples_per_epoch: int | None = None,
+        storage: StorageConfig | None = None,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
+        self.storage = storage or DEFAULT_STORAGE  # timeouts, retries, deadline, allowed roots
         # A mix (Source values or a mix file) holds one manifest per source; self.manifest is the first.
-        self.mix: Mix | None = open_mix(source, self.storage_options, resolve_manifest)
+        self.mix: Mix | None = open_mix(source, self.storage_options,
+                                        lambda src, options: resolve_manifest(src, options, self.storage))
         if self.mix is None:
-            self.manifest = _load_source(source, self.storage_options)  # type: ignore[arg-type]
+            self.manifest = _load_source(source, self.storage_options, self.storage)  # type: ignore[arg-type]
         else:
             self.manifest = self.mix.manifests[0]
         self.per_batch = per_batch
@@ -227,9 +233,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if cache is not None:
             self.cache = ShardCache(cache.dir, cache.limit, verify=cache.verify)
             for m in manifests:
-                largest = max(range(len(m.shards)), key=lambda i: m.shards[i].bytes, default=None)
-                if largest is not None:
-                    self.cache.check_fits(m.shards[largest].bytes, m.shard_url(largest))
+                self.cache.check_fits([(s.bytes, m.shard_url(i)) for i, s in enumerate(m.shards)])
         self.decode = Decode.of(decode)
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
@@ -259,7 +263,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         if not found:
             raise ConfigError(f"no shards match {urls!r}: check the pattern (brace ranges, glob) and the storage options")
         logger.info("indexing %d shards without a manifest (one full read each)", len(found))
-        return cls(scan_shards(found, storage_options, threads=threads), storage_options=storage_options, **options)
+        storage = options.get("storage") or DEFAULT_STORAGE
+        return cls(scan_shards(found, storage_options, threads=threads, config=storage), storage_options=storage_options,
+                   **options)
 
     # -- epochs and plans ----------------------------------------------------------------------
     @property
@@ -357,7 +363,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         elif resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
             source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read.read_size,
                                  counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                                 verify_stream=self.read.verify_stream)
+                                 verify_stream=self.read.verify_stream, config=self.storage)
             continued = resume.worker(rank, worker)
             num_batches = continued.num_batches
             samples = continued.samples(resume.ids, lambda rs: read_scattered(source, rs, policy=policy))
@@ -502,7 +508,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if isinstance(plan, EpochPlan):
             source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read.read_size,
                                  counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                                 verify_stream=self.read.verify_stream)
+                                 verify_stream=self.read.verify_stream, config=self.storage)
             samples = read_ranges(source, plan.ranges_between(begin, end, self.counts), policy=policy)
             yield from shuffled(samples, worker_rng(self.seed, plan.epoch, rank, worker))
             return
@@ -517,7 +523,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         assert self.mix is not None
         return [RangeSource(manifest, storage_options=self.mix.storage_options[i], read_size=self.read.read_size,
                             counters=counters, cache=self.cache, readahead_bytes=self.readahead[i],
-                            verify_stream=self.read.verify_stream)
+                            verify_stream=self.read.verify_stream, config=self.storage)
                 for i, manifest in enumerate(self.mix.manifests)]
 
     # -- pickling (DataLoader spawn, copies) ----------------------------------------------------

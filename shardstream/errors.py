@@ -1,18 +1,30 @@
 """The exceptions shardstream raises, as one tree.
 
     ShardstreamError                 every error shardstream raises on purpose
-    ├── ConfigError                  settings that cannot work (named numbers in the message)
+    ├── ConfigError                  options that cannot work (also a ValueError)
     ├── SourceError                  bad pack input: unreadable file, malformed line, key clash
     ├── DestinationError             pack destination missing, refusing access, or not empty
-    ├── ManifestError                index.json missing, not JSON, or inconsistent
+    ├── ManifestError                index.json missing, not JSON, inconsistent, or reaching outside its root
     ├── StateError                   a resume state from another dataset, seed, mode or version
-    ├── StorageError                 a shard cannot be opened or read (names the URL)
+    ├── StorageError                 an object cannot be opened or read (``.url`` names it)
+    │   ├── StorageNotFound          no such object or bucket (also a FileNotFoundError)
+    │   ├── AccessDenied             the store refused these credentials (also a PermissionError)
+    │   ├── NoCredentials            no credentials found where botocore looks for them
+    │   ├── StorageUnavailable       a transient cause that outlasted the retries: refused, DNS,
+    │   │   │                        TLS, reset, 5xx/throttling (``.attempts``, ``.waited``)
+    │   │   └── StorageTimeout       no answer within the timeouts/deadline (also a TimeoutError)
     │   └── ChecksumError            a shard's bytes do not match the manifest's sha256
     ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
-    └── SampleError                  a sample that cannot be decoded (names URL, key and field)
+    ├── SampleError                  a sample that cannot be decoded (names URL, key and field)
+    └── TooManyErrors                on_error="skip" gave up: failures ran past the tolerance,
+                                     or a worker could read no sample at all
 
 Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
-act on it without a traceback.
+act on it without a traceback. Callers catch the classes, never match message text.
+
+Every class can be rebuilt from its message alone (``cls(str(exc))``): that is how pickling
+and PyTorch's DataLoader hand a worker's exception to the training loop, so the loop sees the
+same type the worker raised. Structured fields (``url``, ``offset``, ...) are then None.
 """
 
 from __future__ import annotations
@@ -29,10 +41,10 @@ class ConfigError(ShardstreamError, ValueError):
 class SourceError(ShardstreamError):
     """A pack source item cannot be turned into a sample."""
 
-    def __init__(self, where: str, what: str):
+    def __init__(self, where: str, what: str | None = None):
         self.where = where
-        self.what = what
-        super().__init__(f"{where}: {what}")
+        self.what = what if what is not None else where
+        super().__init__(where if what is None else f"{where}: {what}")
 
 
 class DestinationError(ShardstreamError):
@@ -48,35 +60,71 @@ class StateError(ShardstreamError, ValueError):
 
 
 class StorageError(ShardstreamError):
-    """A shard or manifest that cannot be opened or read."""
+    """An object (shard or manifest) that cannot be opened or read; ``url`` names it."""
+
+    def __init__(self, message: str, *, url: str | None = None):
+        super().__init__(message)
+        self.url = url
+
+
+class StorageNotFound(StorageError, FileNotFoundError):
+    """No such object or bucket."""
+
+
+class AccessDenied(StorageError, PermissionError):
+    """The store refused the request with these credentials."""
+
+
+class NoCredentials(StorageError):
+    """No credentials were found (environment, profile files, instance metadata)."""
+
+
+class StorageUnavailable(StorageError):
+    """A transient failure that lasted through every retry."""
+
+    def __init__(self, message: str, *, url: str | None = None, attempts: int = 0, waited: float = 0.0):
+        super().__init__(message, url=url)
+        self.attempts = attempts
+        self.waited = waited
+
+
+class StorageTimeout(StorageUnavailable, TimeoutError):
+    """The store did not answer within the connect/read timeouts or the deadline."""
 
 
 class ChecksumError(StorageError):
     """A shard whose bytes do not hash to the sha256 the manifest recorded."""
 
-    def __init__(self, url: str, actual: str, expected: str):
-        self.url = url
+    def __init__(self, url: str, actual: str | None = None, expected: str | None = None):
         self.actual = actual
         self.expected = expected
+        if actual is None:  # rebuilt from its message
+            super().__init__(url)
+            return
         super().__init__(f"{url}: sha256 {actual} does not match the manifest's {expected} "
-                         "(the shard changed after it was packed, or is corrupt)")
+                         "(the shard changed after it was packed, or is corrupt)", url=url)
 
 
 class ShardFormatError(ShardstreamError):
     """Bytes that are not a valid tar shard."""
 
-    def __init__(self, url: str, offset: int, what: str):
-        self.url = url
+    def __init__(self, url: str, offset: int | None = None, what: str | None = None):
+        self.url: str | None = url if what is not None else None
         self.offset = offset
         self.what = what
-        super().__init__(f"{url} at byte {offset}: {what}")
+        super().__init__(url if what is None else f"{url} at byte {offset}: {what}")
 
 
 class SampleError(ShardstreamError):
     """A sample that cannot be decoded or lacks a required field (names the shard URL and key)."""
 
-    def __init__(self, url: str, key: str, what: str):
-        self.url = url
+    def __init__(self, url: str, key: str | None = None, what: str | None = None):
+        self.url: str | None = url if what is not None else None
         self.key = key
         self.what = what
-        super().__init__(f"{url}, sample {key!r}: {what}")
+        super().__init__(url if what is None else f"{url}, sample {key!r}: {what}")
+
+
+class TooManyErrors(ShardstreamError):
+    """Skipping gave up: the data or the decoders are likely broken, not a sample here and there."""
+

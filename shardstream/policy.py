@@ -2,15 +2,16 @@
 
 ``"raise"`` (default) stops at the first failure with its error (naming the shard URL and the
 byte offset or key). ``"skip"`` drops the sample (or the rest of a broken range), counts and
-logs it, and still raises after ``tolerance`` consecutive failures: a dataset that silently
-yields nothing is worse than a crash. Counts are reported when a worker's epoch ends.
+logs it, and still raises TooManyErrors after ``tolerance`` consecutive failures (None: no limit):
+a dataset that silently yields nothing is worse than a crash. Counts are reported when a
+worker's epoch ends. ``pack`` follows the same policy for bad source items.
 """
 
 from __future__ import annotations
 
 import logging
 
-from shardstream.errors import SampleError
+from shardstream.errors import ConfigError, TooManyErrors
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +21,17 @@ ON_ERROR = ("raise", "skip")
 class ErrorPolicy:
     """Counts skipped samples; raises when skipping is off or failures run too long."""
 
-    def __init__(self, on_error: str = "raise", tolerance: int = 16, counters=None):
+    def __init__(self, on_error: str = "raise", tolerance: int | None = 16, counters=None, *, log: bool = True):
         if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+            raise ConfigError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if tolerance is not None and (not isinstance(tolerance, int) or tolerance < 0):
+            raise ConfigError(f"error_tolerance must be an integer >= 0, got {tolerance!r}")
         self.on_error = on_error
         self.tolerance = tolerance
         self.skipped = 0
         self._consecutive = 0
         self._counters = counters
+        self._log = log
 
     def ok(self) -> None:
         self._consecutive = 0
@@ -40,7 +44,9 @@ class ErrorPolicy:
         if self._counters is not None:
             self._counters.add("samples_skipped", lost)
         self._consecutive += 1
-        logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
-        if self._consecutive > self.tolerance:
-            raise SampleError("(several shards)", "(several)", f"{self._consecutive} consecutive samples failed "
-                              f"(last: {exc}); the dataset or the decoders are likely broken") from exc
+        if self._log:
+            logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
+        if self.tolerance is not None and self._consecutive > self.tolerance:
+            raise TooManyErrors(f"{self._consecutive} consecutive samples failed under on_error='skip' (tolerance "
+                                f"{self.tolerance}; last: {exc}): the dataset or the decoders are likely broken, "
+                                "fix them or raise the tolerance") from exc

@@ -2,7 +2,9 @@
 
 Forwards every request to the upstream server and, for GET requests only (uploads and listings
 stay clean), can: drop the connection after N bytes of a response body, answer 503 SlowDown to
-every k-th request, add latency before answering, and cap bandwidth. Counts what it did.
+every k-th request, add latency before answering, cap bandwidth, and stall: accept the request and
+then send nothing (``stall="accept"``) or send the status line and headers and then nothing of the
+body (``stall="headers"``), until the proxy shuts down. Counts what it did.
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Cod
 
 class FaultProxy:
     def __init__(self, upstream: str, *, reset_after: int | None = None, slowdown_every: int = 0,
-                 latency: float = 0.0, bandwidth: float | None = None, faulty_methods=("GET",)):
+                 latency: float = 0.0, bandwidth: float | None = None, faulty_methods=("GET",),
+                 stall: str | None = None):
+        if stall not in (None, "accept", "headers"):
+            raise ValueError(f"stall must be None, 'accept' or 'headers', got {stall!r}")
+        self.stall = stall
+        self._closing = threading.Event()
         self.upstream = urlsplit(upstream)
         self.reset_after = reset_after
         self.slowdown_every = slowdown_every
         self.latency = latency
         self.bandwidth = bandwidth
         self.faulty_methods = set(faulty_methods)
-        self.counts = {"requests": 0, "resets": 0, "slowdowns": 0}
+        self.counts = {"requests": 0, "resets": 0, "slowdowns": 0, "stalls": 0}
         self._lock = threading.Lock()
         proxy = self
 
@@ -45,6 +52,9 @@ class FaultProxy:
                     n = proxy.counts["requests"]
                 if faulty and proxy.latency:
                     time.sleep(proxy.latency)
+                if faulty and proxy.stall == "accept":
+                    self._stall()
+                    return
                 if faulty and proxy.slowdown_every and n % proxy.slowdown_every == 0:
                     with proxy._lock:
                         proxy.counts["slowdowns"] += 1
@@ -64,9 +74,15 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's answer has no body: its Content-Length is the object's size, kept as sent.
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
                 self.end_headers()
                 if self.command == "HEAD":
+                    return
+                if faulty and proxy.stall == "headers":
+                    self.wfile.flush()
+                    self._stall()
                     return
                 limit = proxy.reset_after if faulty and proxy.reset_after is not None and len(data) > proxy.reset_after else None
                 payload = data if limit is None else data[:limit]
@@ -77,6 +93,12 @@ class FaultProxy:
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)  # the body stops short: a reset mid-object
                     self.close_connection = True
+
+            def _stall(self):
+                with proxy._lock:
+                    proxy.counts["stalls"] += 1
+                proxy._closing.wait()  # hold the connection open, silent, until the proxy closes
+                self.close_connection = True
 
             def _send(self, payload: bytes):
                 if not proxy.bandwidth:
@@ -99,5 +121,6 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
         self.server.shutdown()
         self.server.server_close()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardstream.errors import TooManyErrors
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 
 
@@ -35,7 +36,7 @@ def test_missing_samples_are_refilled_from_recent_ones_and_counted():
 
 
 def test_nothing_to_refill_from_is_an_error():
-    with pytest.raises(RuntimeError, match="no sample could be read"):
+    with pytest.raises(TooManyErrors, match="no sample could be read"):
         list(batch_samples([], batch_size=2, num_batches=1))
 
 

@@ -72,19 +72,20 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
     assert time.monotonic() - started < 60
 
 
-def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3, monkeypatch):
-    import shardstream.storage.retry as remote
+def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3):
+    from shardstream.errors import StorageUnavailable
+    from shardstream.storage.config import StorageConfig
 
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options)
-    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options,
+                     storage=StorageConfig(backoff_cap=0.05))
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     ds.storage_options = {"endpoint_url": dead}  # the store goes away after planning
-    monkeypatch.setattr(remote, "BACKOFF_CAP", 0.05)
-    with pytest.raises(StorageError, match=r"failed 8 times.*check the endpoint and the network"):
+    with pytest.raises(StorageUnavailable, match=r"connection refused .* after 8 tries in .*check the endpoint URL and the network"):
         list(ds)
     assert ds.stats()["retries"] == 7  # bounded: 8 tries, then the error

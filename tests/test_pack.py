@@ -290,6 +290,39 @@ def test_interrupted_pack_leaves_nothing_complete_and_rerun_completes(tmp_path, 
     assert sorted(p.name for p in dest.iterdir() if not p.name.startswith("shard-")) == ["index.json"]
 
 
+def test_ctrl_c_with_a_process_pool_prints_one_line(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    _slow_source(src)
+    dest = tmp_path / "dest"
+    cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress",
+           "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 90
+    while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "pack finished before it could be interrupted"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    assert proc.returncode == 130 and len(lines) == 1 and "no manifest was written" in lines[0], err.decode()
+    assert not (dest / "index.json").exists()
+
+
+def test_upload_staging_files_of_a_dead_pack_are_reclaimed(tmp_path):
+    from shardstream.write.writer import reclaim_temp_partials
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"shardstream-{dead.pid}-shard-000003.tar.partial-abcd1234"
+    live = tmp_path / f"shardstream-{os.getpid()}-shard-000001.tar.partial-abcd1234"
+    other = tmp_path / "unrelated.partial-x"
+    for path in (left, live, other):
+        path.write_bytes(b"x" * 100)
+    assert reclaim_temp_partials(str(tmp_path)) == 1
+    assert not left.exists() and live.exists() and other.exists()
+
+
 def test_pack_returns_the_manifest_it_wrote_with_its_location(tmp_path):
     """One manifest per pack: the returned one is the written one, and its shard URLs resolve."""
     src = tmp_path / "src.jsonl"

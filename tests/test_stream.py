@@ -14,7 +14,7 @@ from conftest import write_dataset
 from PIL import Image
 
 from shardstream import Decode, ShardStream, Shuffle, World, make_loader, to_device
-from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError
+from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError, TooManyErrors
 
 
 def keys_of(batches):
@@ -94,7 +94,7 @@ def test_corrupt_image_follows_error_policy(tmp_path):
     assert "k005" not in keys and len(set(keys)) == 39
     broken = [{"__key__": f"k{i:03d}", "png": b"junk", "cls": i} for i in range(40)]
     root2 = write_dataset(tmp_path / "e", samples=broken, max_count=23)
-    with pytest.raises(SampleError, match="consecutive samples failed"):
+    with pytest.raises(TooManyErrors, match=r"17 consecutive samples failed under on_error='skip' \(tolerance 16; last: .*k\d+"):
         list(ShardStream(root2, batch_size=4, on_error="skip", world=World(0, 1)))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .options import add_storage_arguments, human_bytes, storage_options_from
+from .options import add_storage_arguments, human_bytes, storage_config_from, storage_options_from
 
 NAME = "ls"
 HELP = "summarize a dataset from its manifest: shards, samples, bytes, fields, labels"
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         mix = open_mix(args.url, storage_options_from(args), load_manifest)
         if mix is not None:
             return show_mix(args, mix)
-    manifest = load_manifest(args.url, storage_options_from(args))
+    manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
     summary = {
         "manifest": manifest_url(args.url),
         "shards": len(manifest.shards),

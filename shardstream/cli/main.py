@@ -1,5 +1,8 @@
 """Entry point of the ``shardstream`` command: parse, dispatch, turn errors into one clear line.
 
+Only shardstream's own errors (``errors.ShardstreamError``, each naming what is wrong and what to
+do) become one line; anything else is a bug and shows its traceback.
+
 Each command is a module with ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args)``;
 ``run`` returns the exit code. Tests call ``main([...])`` in-process.
 """
@@ -54,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:
-        print("shardstream: interrupted", file=sys.stderr)
+        print(f"shardstream {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ShardstreamError, ValueError, OSError) as exc:
+    except ShardstreamError as exc:
         if args.debug:
             raise
         print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)

@@ -26,10 +26,25 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("storage (S3 and other fsspec URLs)")
     group.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
     group.add_argument("--profile", help="AWS profile from ~/.aws/config")
+    group.add_argument("--allow-root", action="append", default=[], metavar="URL",
+                       help="a location outside the dataset's root that its manifest may list shards in (repeatable)")
+    group.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                       help="give up on a storage request after this long across its retries (default 60)")
 
 
 def storage_options_from(args: argparse.Namespace) -> dict:
     return make_storage_options(endpoint_url=args.endpoint_url, profile=args.profile)
+
+
+def storage_config_from(args: argparse.Namespace):
+    """The StorageConfig the flags ask for (defaults where a command has no such flag)."""
+    from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+
+    roots = tuple(getattr(args, "allow_root", None) or ())
+    deadline = getattr(args, "deadline", None)
+    if not roots and deadline is None:
+        return DEFAULT_STORAGE
+    return StorageConfig(allow_roots=roots, **({"deadline": deadline} if deadline is not None else {}))
 
 
 def human_bytes(n: float) -> str:

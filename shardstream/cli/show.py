@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from .options import add_storage_arguments, storage_options_from
+from .options import add_storage_arguments, storage_config_from, storage_options_from
 
 NAME = "show"
 HELP = "print samples with a preview of every field; --extract writes their files out"
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
-    manifest = load_manifest(args.url, options)
+    manifest = load_manifest(args.url, options, config=storage_config_from(args))
     if args.key is not None:
         sample = find_key(manifest, args.key, options)
         if sample is None:

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from .options import add_storage_arguments, human_bytes, storage_options_from
+from .options import add_storage_arguments, human_bytes, storage_config_from, storage_options_from
 
 NAME = "verify"
 HELP = "check every shard: exists, size, sha256, sample count, offsets (--deep: decode every field)"
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from shardstream.format.manifest import load_manifest
     from shardstream.tools.verify import verify_dataset
 
-    manifest = load_manifest(args.url, storage_options_from(args))
+    manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
     bar = None
     lock = threading.Lock()
     if not args.no_progress and sys.stderr.isatty():
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         problems = verify_dataset(manifest, deep=args.deep, storage_options=storage_options_from(args),
-                                  progress=progress, threads=args.threads)
+                                  progress=progress, threads=args.threads, config=storage_config_from(args))
     finally:
         if bar is not None:
             bar.close()

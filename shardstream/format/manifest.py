@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import array
 import json
+import os
+import posixpath
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,9 +19,11 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from shardstream.errors import ManifestError, StorageError
+from shardstream.errors import ManifestError, StorageError, StorageNotFound
 from shardstream.format.compression import shard_compression
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.ranges import read_object
 
 FORMAT_NAME = "shardstream-index"
 FORMAT_VERSION = 1
@@ -174,18 +178,69 @@ def manifest_url(source: str) -> str:
     return source if source.rstrip("/").endswith(".json") else storage.join(source, MANIFEST_NAME)
 
 
-def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None) -> Manifest:
-    """Read and validate a manifest; shard paths resolve against its directory."""
+def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None, *,
+                  config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+    """Read and validate a manifest; shard paths resolve against its directory and may not leave
+    it (see ``confine``). The read follows ``config``: timeouts, retries, resume mid-body."""
     url = manifest_url(source)
-    fs, path = storage.get_fs(url, storage_options)
     try:
-        raw = storage.read_bytes(fs, path)
+        raw = read_object(url, storage_options, config=config)
+    except StorageNotFound as exc:
+        root = url.rsplit("/", 1)[0] if "/" in url else "."
+        raise ManifestError(
+            f"{url}: cannot read the manifest (not found). Is this a packed dataset root? For tar shards written by other "
+            f"tools, run `shardstream index '{root}/*.tar' {root}` once, or pass the shards themselves as a glob "
+            f"('{root}/*.tar')"
+        ) from exc
     except StorageError as exc:
-        raise ManifestError(f"{url}: cannot read the manifest ({exc}); is this a packed dataset root?") from exc
+        raise ManifestError(f"cannot read the manifest: {exc}") from exc
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{url}: not valid JSON ({exc})") from exc
     manifest = Manifest.from_json(doc, url)
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
+    confine(manifest, url, config.allow_roots)
     return manifest
+
+
+def _normal(url: str) -> str:
+    """A URL or path with '.'/'..' segments resolved (``file://`` and local paths made absolute)."""
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    return os.path.abspath(url)
+
+
+def _under(url: str, root: str) -> bool:
+    root = root.rstrip("/")
+    return url == root or url.startswith(root + "/")
+
+
+def confine(manifest: Manifest, where: str, allow_roots: tuple[str, ...] = ()) -> None:
+    """Refuse shard entries that leave the manifest's directory: absolute paths, other schemes or
+    buckets, and '..' that climbs out. A dataset on a bucket is data from whoever can write that
+    bucket; it must not make a reader open ``/etc/passwd``. ``allow_roots`` names further URL
+    prefixes the user trusts (datasets that span buckets).
+
+    One exception: a manifest on local disk may name other local files by absolute path (what
+    ``shardstream index`` writes for shards outside its destination); whoever can write that
+    manifest can write local files anyway. A remote manifest never reaches local files."""
+    base = _normal(manifest.base_url)
+    local_manifest = "://" not in base
+    roots = [base] + [_normal(r) for r in allow_roots]
+    for i, shard in enumerate(manifest.shards):
+        entry = shard.path
+        absolute = "://" in entry or entry.startswith(("/", "~", "\\"))
+        target = _normal(entry if absolute else storage.join(manifest.base_url, entry))
+        if local_manifest and absolute and "://" not in target and not entry.startswith("~"):
+            continue
+        if not any(_under(target, root) for root in roots):
+            raise ManifestError(
+                f"{where}: shard #{i} {entry!r} points outside the dataset's root {base}/ "
+                f"({'an absolute path or URL' if absolute else 'a path that climbs out with ..'}); shard entries "
+                "must be relative paths under the manifest's directory. If the dataset really spans several "
+                "locations, pass StorageConfig(allow_roots=(...)) (CLI: --allow-root) naming them"
+            )

@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.errors import ConfigError, SampleError
+from shardstream.errors import ConfigError, SampleError, TooManyErrors
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,8 @@ def batch_samples(
     if made < num_batches:
         pool = recent + pending
         if not pool:
-            raise RuntimeError("no sample could be read for this worker; cannot fill its batches")
+            raise TooManyErrors(f"no sample could be read for this worker: all of its samples failed and were skipped, "
+                                f"so its {num_batches} batches cannot be filled (see the warnings above for why)")
         missing = (num_batches - made) * batch_size - len(pending)
         if stats is not None:
             stats.refilled += missing

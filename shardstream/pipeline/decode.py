@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from shardstream.errors import SampleError
+from shardstream.errors import ConfigError, SampleError
 from shardstream.format.extensions import IMAGE, INT, JSON, MSGPACK, NPY, NPZ, PICKLE, TENBIN, TEXT, TORCH, split_compression
 from shardstream.policy import ErrorPolicy
 
@@ -74,7 +74,7 @@ class ImageDecoder:
 
     def __init__(self, image: str = "tensor", draft_size: tuple[int, int] | None = None):
         if image not in IMAGE_MODES:
-            raise ValueError(f"image must be one of {IMAGE_MODES}, got {image!r}")
+            raise ConfigError(f"image must be one of {IMAGE_MODES}, got {image!r}")
         self.image = image
         self.draft_size = draft_size
 
@@ -250,7 +250,7 @@ class WebDatasetImage:
         from webdataset.autodecode import imagespecs
 
         if spec not in imagespecs:
-            raise ValueError(f"unknown webdataset image spec {spec!r}; one of {sorted(imagespecs)}")
+            raise ConfigError(f"unknown webdataset image spec {spec!r}; one of {sorted(imagespecs)}")
         self.spec = spec
         self._handler: Any = None
 

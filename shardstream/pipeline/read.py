@@ -18,23 +18,20 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import fsspec
-
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
-from shardstream.stats import NullCounters
-from shardstream.storage import fs as storage
 from shardstream.storage.cache import ShardCache
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.ranges import open_range as open_object_range
 from shardstream.storage.readahead import Prefetcher
-from shardstream.storage.retry import make_range_reader, reader_storage_options, s3_fetcher
+from shardstream.storage.scan import hashed, skip_exactly
 
 logger = logging.getLogger(__name__)
 
-DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 # A range's first read is this small and the next ones double up to read_size, so the first
 # samples (and the first batch) are parsed out of a few hundred KiB rather than a full block.
 FIRST_READ = 256 << 10
@@ -47,78 +44,28 @@ def open_range(
     storage_options: Mapping[str, Any] | None = None,
     counters: Any = None,
     *,
+    config: StorageConfig = DEFAULT_STORAGE,
     cache: ShardCache | None = None,
     shard_size: int | None = None,
     sha256: str | None = None,
 ) -> tuple[Callable[[int], bytes], Callable[[], None]]:
-    """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
-
-    Local files are read directly; remote objects through the cache when one is given (the
-    whole shard is fetched once), else with ``remote.make_range_reader`` (ranged reads with
-    retry and exact resume). For a compressed shard, [start, end) are offsets in its
-    decompressed stream: the object is read from its first byte (``shard_size`` bytes) and
-    decompressed, and the bytes before ``start`` are dropped.
-    """
+    """Return ``(read, close)`` for bytes [start, end) of a shard (``storage.ranges.open_range``:
+    retry, resume, cache). For a compressed shard, [start, end) are offsets in its decompressed
+    stream: the object is read from its first byte (``shard_size`` bytes) and decompressed, and
+    the bytes before ``start`` are dropped."""
     compression = shard_compression(url)
-    if compression:
-        raw_read, close = _open_object_range(url, 0, shard_size if shard_size is not None else end, storage_options, counters,
-                                             cache=cache, shard_size=shard_size, sha256=sha256, need_size=True)
-        try:
-            return decompressing(raw_read, url, compression, skip=start), close
-        except BaseException:
-            close()
-            raise
-    return _open_object_range(url, start, end, storage_options, counters, cache=cache, shard_size=shard_size, sha256=sha256)
-
-
-def _open_object_range(url: str, start: int, end: int, storage_options: Mapping[str, Any] | None, counters: Any, *,
-                       cache: ShardCache | None, shard_size: int | None, sha256: str | None,
-                       need_size: bool = False) -> tuple[Callable[[int], bytes], Callable[[], None]]:
-    counters = counters or NullCounters()
-    counters.add("ranges_opened")
-    protocol = fsspec.utils.get_protocol(url)
-    fs, path = storage.get_fs(url, reader_storage_options(storage_options, protocol))
-    if storage.is_local(fs):
-        try:
-            f = open(path, "rb", buffering=0)
-        except FileNotFoundError as exc:
-            raise StorageError(f"{url}: shard not found") from exc
-        except PermissionError as exc:
-            raise StorageError(f"{url}: permission denied") from exc
-        f.seek(start)
-        return _counting(f.read, counters), f.close
-    if need_size and shard_size is None:
+    if not compression:
+        return open_object_range(url, start, end, storage_options, counters, config=config, cache=cache,
+                                 shard_size=shard_size, sha256=sha256)
+    if shard_size is None and "://" in url and not url.startswith("file://"):
         raise ValueError(f"{url}: reading a compressed remote shard needs its size (shard_size)")
-
-    if protocol in ("s3", "s3a"):
-        # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in remote.py.
-        fs.retries = 1
-        fetch = s3_fetcher(fs, path)
-    else:
-        def fetch(a: int, b: int) -> bytes:
-            return fs.cat_file(path, start=a, end=b)
-
-    if cache is not None and shard_size is not None:
-        def download(write: Callable[[bytes], None]) -> None:
-            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters)
-            while chunk := read_all(DOWNLOAD_BLOCK):
-                write(chunk)
-
-        handle = cache.open(url, sha256, shard_size, download, counters)
-        if handle is not None:
-            f, lock = handle
-            f.seek(start)
-            return f.read, lambda: ShardCache.release(f, lock)
-    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters), lambda: None
-
-
-def _counting(read: Callable[[int], bytes], counters: Any) -> Callable[[int], bytes]:
-    def read_counted(n: int) -> bytes:
-        data = read(n)
-        counters.add("bytes_read", len(data))
-        return data
-
-    return read_counted
+    raw_read, close = open_object_range(url, 0, shard_size if shard_size is not None else end, storage_options, counters,
+                                        config=config, cache=cache, shard_size=shard_size, sha256=sha256)
+    try:
+        return decompressing(raw_read, url, compression, skip=start), close
+    except BaseException:
+        close()
+        raise
 
 
 class RangeSource:
@@ -127,8 +74,9 @@ class RangeSource:
 
     def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
                  read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
-                 readahead_bytes: int = 0, verify_stream: bool = False):
+                 readahead_bytes: int = 0, verify_stream: bool = False, config: StorageConfig = DEFAULT_STORAGE):
         self.manifest = manifest
+        self.config = config
         self.storage_options = storage_options
         self.read_size = read_size
         self.counters = counters
@@ -150,8 +98,8 @@ class RangeSource:
             start, end = 0, shard.bytes
         else:
             start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
-        return lambda: open_range(url, start, end, self.storage_options, self.counters, cache=self.cache,
-                                  shard_size=shard.bytes, sha256=shard.sha256)
+        return lambda: open_range(url, start, end, self.storage_options, self.counters, config=self.config,
+                                  cache=self.cache, shard_size=shard.bytes, sha256=shard.sha256)
 
 
 def read_range(
@@ -188,8 +136,8 @@ def read_range(
     digest = None
     if verify:
         digest = hashlib.sha256()
-        read = _hashing(read, digest)
-        _skip(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
+        read = hashed(read, digest)
+        skip_exactly(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
     try:
@@ -211,7 +159,7 @@ def read_range(
             url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there"
         )
     if digest is not None:
-        _skip(read, shard.bytes - end, url, end)  # the end-of-archive blocks and padding
+        skip_exactly(read, shard.bytes - end, url, end)  # the end-of-archive blocks and padding
         if digest.hexdigest() != shard.sha256:
             if counters is not None:
                 counters.add("checksum_failures")
@@ -232,25 +180,6 @@ def _first_reads_small(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
         return read(cap // 2)
 
     return read_growing
-
-
-def _hashing(read: Callable[[int], bytes], digest) -> Callable[[int], bytes]:
-    def read_hashed(n: int) -> bytes:
-        data = read(n)
-        digest.update(data)
-        return data
-
-    return read_hashed
-
-
-def _skip(read: Callable[[int], bytes], n: int, url: str, at: int) -> None:
-    """Read and drop exactly n bytes from offset ``at`` (they still pass through the hash)."""
-    while n > 0:
-        chunk = read(min(n, DEFAULT_READ_SIZE))
-        if not chunk:
-            raise ShardFormatError(url, at, f"stream ended with {n} bytes of the object still to come (truncated shard)")
-        n -= len(chunk)
-        at += len(chunk)
 
 
 def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:

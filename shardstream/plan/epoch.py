@@ -76,7 +76,7 @@ class EpochPlan:
     def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
         """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
         if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
-            raise ValueError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
         base, extra = divmod(self.batches_per_rank, self.num_workers)
         before = worker * base + min(worker, extra)
         begin = rank * self.samples_per_rank + before * self.batch_size

@@ -215,7 +215,7 @@ class MixPlan:
     def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
         """[begin, end) positions of the mixed sequence that worker ``worker`` of rank ``rank`` reads."""
         if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
-            raise ValueError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
         base, extra = divmod(self.batches_per_rank, self.num_workers)
         before = worker * base + min(worker, extra)
         begin = rank * self.samples_per_rank + before * self.batch_size

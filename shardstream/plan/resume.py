@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from shardstream.errors import StateError
+from shardstream.errors import ConfigError, StateError
 from shardstream.pipeline.shuffle import BufferShuffler, shuffle_samples, worker_rng
 from shardstream.plan.epoch import MODES, Range, plan_epoch
 
@@ -371,7 +371,7 @@ class ResumePlan:
     def worker(self, rank: int, worker: int) -> WorkerResume:
         seg = self.layout.segment
         if not 0 <= rank < seg.world_size or not 0 <= worker < seg.num_workers:
-            raise ValueError(f"(rank {rank}, worker {worker}) outside {seg.world_size} ranks x {seg.num_workers} workers")
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {seg.world_size} ranks x {seg.num_workers} workers")
         plan_worker = (worker + self.start) % seg.num_workers
         stream, cut = self.layout.cut(self.state.seed, self.state.epoch, rank, plan_worker, self.start)
         left = self.layout.worker_batches(plan_worker) - consumed_batches(

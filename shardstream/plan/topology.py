@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from shardstream.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class World:
@@ -17,14 +19,14 @@ class World:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of size {self.world_size}")
+            raise ConfigError(f"rank {self.rank} is not in a world of size {self.world_size}")
 
     @classmethod
     def detect(cls, rank: int | None = None, world_size: int | None = None) -> World:
         """Explicit values, else an initialized torch.distributed, else torchrun's RANK/WORLD_SIZE, else (0, 1)."""
         if rank is not None or world_size is not None:
             if rank is None or world_size is None:
-                raise ValueError("give both rank and world_size, or neither")
+                raise ConfigError("give both rank and world_size, or neither")
             return cls(rank, world_size)
         import torch.distributed as dist
 

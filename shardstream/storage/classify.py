@@ -1,19 +1,69 @@
-"""What a storage failure means: permanent (fail at once, saying what to check), transient
-(retry with backoff), or throttling; and words for a refused request.
+"""What a storage failure means, decided in one place: ``classify`` names its kind from the S3
+error code or the exception type, and ``storage_error`` turns it into the error tree
+(``errors.StorageError`` and its subclasses) with a message naming the URL and the real cause.
 
-The one place that reads storage exceptions: s3fs and botocore errors are classified by their
-error code or exception type where they carry one, by their text only as a last resort.
+Kinds are permanent (not found, access denied, no credentials, an invalid request: fail at
+once) or transient (throttling, timeouts, refused/reset connections, 5xx: retried by
+``retry.py`` with backoff until the attempts or the deadline run out). An exception that is no
+storage failure at all (a bug) gets no kind and passes through untouched.
+
+Decisions are made from codes and types only: the S3 error code carried by botocore's
+``ClientError`` (s3fs keeps it as the ``__cause__`` of the OSError it raises), the HTTP status,
+and the exception classes of botocore, aiohttp and the standard library (matched by class in
+the exception's MRO, so botocore need not be imported to classify).
 """
 
 from __future__ import annotations
 
-from shardstream.errors import StorageError
+import enum
+import socket
+import ssl
+from collections.abc import Iterator
 
-_PERMANENT_TYPES = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-_PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "ParamValidationError", "NoRegionError"}
-_PERMANENT_WORDS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "NoSuchBucket", "NoSuchKey", "InvalidBucketName")
-_THROTTLE_WORDS = ("SlowDown", "reduce your request rate", "Throttl", "TooManyRequests", "429", "503")
+from shardstream.errors import (
+    AccessDenied,
+    NoCredentials,
+    StorageError,
+    StorageNotFound,
+    StorageTimeout,
+    StorageUnavailable,
+)
 
+
+class Kind(enum.Enum):
+    NOT_FOUND = "not found"
+    DENIED = "access denied"
+    NO_CREDENTIALS = "no credentials"
+    INVALID = "invalid request"
+    THROTTLED = "throttled"
+    TIMEOUT = "timeout"
+    UNAVAILABLE = "unavailable"
+
+
+TRANSIENT = frozenset({Kind.THROTTLED, Kind.TIMEOUT, Kind.UNAVAILABLE})
+
+_CODES = {
+    Kind.NOT_FOUND: {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion", "404"},
+    Kind.DENIED: {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+                  "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "Forbidden", "403"},
+    Kind.THROTTLED: {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+                     "RequestThrottled", "ServiceUnavailable", "503", "429"},
+    Kind.UNAVAILABLE: {"InternalError", "RequestTimeout", "BadGateway", "GatewayTimeout", "500", "502", "504"},
+}
+_BY_CODE = {code: kind for kind, codes in _CODES.items() for code in codes}
+
+# Exception classes by (module prefix, class name): found anywhere in an exception's MRO.
+_TYPES = (
+    (Kind.NO_CREDENTIALS, "botocore", {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                                       "NoAuthTokenError", "TokenRetrievalError", "UnauthorizedSSOTokenError"}),
+    (Kind.TIMEOUT, "botocore", {"ReadTimeoutError", "ConnectTimeoutError"}),
+    (Kind.INVALID, "botocore", {"ParamValidationError", "NoRegionError", "InvalidRegionError",
+                                "InvalidS3AddressingStyleError", "UnknownEndpointError", "InvalidEndpointConfigurationError"}),
+    (Kind.UNAVAILABLE, "botocore", {"EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError",
+                                    "SSLError", "HTTPClientError", "ResponseStreamingError", "IncompleteReadError"}),
+    (Kind.UNAVAILABLE, "aiohttp", {"ClientError"}),
+    (Kind.UNAVAILABLE, "urllib3", {"HTTPError"}),
+)
 
 _DENIED = (
     ("InvalidAccessKeyId", "the access key ID is not known to this endpoint (check AWS_ACCESS_KEY_ID, --profile and --endpoint-url)"),
@@ -22,31 +72,98 @@ _DENIED = (
     ("InvalidToken", "the session token is not valid (check AWS_SESSION_TOKEN or the profile)"),
 )
 _DENIED_DEFAULT = "access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
+_NO_CREDENTIALS = ("no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the AWS_PROFILE or --profile "
+                   "entry of ~/.aws/credentials and ~/.aws/config, and instance metadata): set them or pass --profile")
 
 
-def error_code(exc: BaseException) -> str:
-    """The S3 error code behind an exception (s3fs wraps botocore's ClientError), or its text."""
-    seen = set()
-    texts = []
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, its causes/contexts, and the OS error aiohttp keeps on a connector error."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        cur = todo.pop(0)
+        if id(cur) in seen:
+            continue
         seen.add(id(cur))
+        yield cur
+        for nxt in (getattr(cur, "cause", None), getattr(cur, "os_error", None), cur.__cause__, cur.__context__):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+
+
+def _response(exc: BaseException) -> tuple[str | None, int | None]:
+    """The S3 error code and HTTP status behind an exception, if any link of its chain carries them."""
+    for cur in _chain(exc):
         response = getattr(cur, "response", None)
         if isinstance(response, dict):
             code = (response.get("Error") or {}).get("Code")
-            if code:
-                return str(code)
-        texts.append(str(cur))
-        cur = cur.__cause__ or cur.__context__
-    return " ".join(texts)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code or status:
+                return (str(code) if code else None), (int(status) if status else None)
+    return None, None
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The S3 error code behind an exception (s3fs wraps botocore's ClientError), or None."""
+    return _response(exc)[0]
+
+
+def _has_type(exc: BaseException, module: str, names: set[str]) -> bool:
+    return any(c.__name__ in names and c.__module__.startswith(module) for c in type(exc).__mro__)
+
+
+def _kind_of_type(exc: BaseException) -> Kind | None:
+    for kind, module, names in _TYPES:
+        if _has_type(exc, module, names):
+            return kind
+    if isinstance(exc, TimeoutError):  # asyncio's and aiohttp's timeouts are TimeoutErrors too
+        return Kind.TIMEOUT
+    if isinstance(exc, FileNotFoundError):
+        return Kind.NOT_FOUND
+    if isinstance(exc, PermissionError):
+        return Kind.DENIED
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+        return Kind.INVALID
+    if isinstance(exc, (OSError, EOFError)):  # connection refused/reset, DNS, TLS, a short body
+        return Kind.UNAVAILABLE
+    return None
+
+
+def classify(exc: BaseException) -> Kind | None:
+    """The kind of storage failure ``exc`` is, or None when it is no storage failure (a bug)."""
+    if isinstance(exc, StorageError):
+        return _KIND_OF_ERROR.get(type(exc), Kind.INVALID)
+    code, status = _response(exc)
+    if code in _BY_CODE:
+        return _BY_CODE[code]
+    if status is not None:
+        if status in (429, 503):
+            return Kind.THROTTLED
+        return Kind.UNAVAILABLE if status >= 500 else Kind.INVALID
+    if code:  # an S3 code we do not list, without a status: the request itself was refused
+        return Kind.INVALID
+    for cur in _chain(exc):
+        kind = _kind_of_type(cur)
+        if kind is not None:
+            return kind
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: throttling, timeouts, refused or broken connections, 5xx answers."""
+    return classify(exc) in TRANSIENT
+
+
+def is_throttle(exc: BaseException) -> bool:
+    return classify(exc) is Kind.THROTTLED
 
 
 def denied_message(exc: BaseException) -> str:
     """What a 403 means, in words that say what to check: unknown key, wrong secret, expired token
     or missing permission."""
-    code = error_code(exc)
+    code = error_code(exc) or ""
     for word, message in _DENIED:
-        if word in code:
+        if word == code:
             return message
     return _DENIED_DEFAULT
 
@@ -54,8 +171,7 @@ def denied_message(exc: BaseException) -> str:
 def explain_denied(fs, path: str, exc: BaseException) -> str:
     """``denied_message`` for a refused request on ``path``; a HEAD's 403 has no body to say why,
     so ask again with a one-byte ranged GET, whose error carries the code."""
-    code = error_code(exc)
-    if code == "403" or "Forbidden" in code:
+    if error_code(exc) in (None, "403", "Forbidden") and fs is not None and "Local" not in type(fs).__name__:
         try:
             fs.cat_file(path, start=0, end=1)
         except PermissionError as detailed:
@@ -65,33 +181,63 @@ def explain_denied(fs, path: str, exc: BaseException) -> str:
     return denied_message(exc)
 
 
-def is_permanent(exc: BaseException) -> bool:
-    if isinstance(exc, _PERMANENT_TYPES) or type(exc).__name__ in _PERMANENT_NAMES:
-        return True
-    text = str(exc)
-    return any(word in text for word in _PERMANENT_WORDS)
+def cause(exc: BaseException) -> str:
+    """The real cause in a few words: timeout (connect or read), refused, DNS, TLS, reset, HTTP status and code."""
+    code, status = _response(exc)
+    if code or status:
+        return f"HTTP {status or '?'} {code or ''}".rstrip()
+    for cur in _chain(exc):
+        if _has_type(cur, "botocore", {"ConnectTimeoutError"}):
+            return "connect timeout (no connection within the connect timeout)"
+        if _has_type(cur, "botocore", {"ReadTimeoutError"}) or _has_type(cur, "aiohttp", {"SocketTimeoutError",
+                                                                                        "ServerTimeoutError"}):
+            return "read timeout (the server sent nothing within the read timeout)"
+        if isinstance(cur, socket.gaierror) or _has_type(cur, "aiohttp", {"ClientConnectorDNSError"}):
+            return "host name not found (DNS)"
+        if isinstance(cur, ssl.SSLError) or _has_type(cur, "aiohttp", {"ClientSSLError"}):
+            return f"TLS error ({cur})"
+        if isinstance(cur, ConnectionRefusedError):
+            return "connection refused (nothing listens at the endpoint)"
+        if isinstance(cur, ConnectionResetError):
+            return "connection reset"
+    if isinstance(exc, TimeoutError):
+        return f"timeout ({exc})" if str(exc) else "timeout"
+    return f"{type(exc).__name__}: {exc}"
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Network and server trouble worth retrying; programming errors are not."""
-    if isinstance(exc, (OSError, EOFError, TimeoutError)):
-        return True
-    module = type(exc).__module__.split(".", 1)[0]
-    return module in ("aiohttp", "botocore", "aiobotocore", "urllib3", "asyncio", "s3fs")
+def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: float = 0.0, fs=None,
+                  path: str | None = None, hint: str = "") -> StorageError:
+    """The one translation of a storage failure into the error tree, naming ``url`` and the cause.
+
+    ``attempts``/``waited`` say how long a transient cause lasted; ``fs``/``path`` let a bare 403
+    be asked again for its reason; ``hint`` is added to a not-found message (what the object is)."""
+    if isinstance(exc, StorageError):
+        return exc
+    kind = classify(exc)
+    if kind is Kind.NOT_FOUND:
+        code = error_code(exc)
+        if code == "NoSuchBucket":
+            return StorageNotFound(f"{url}: the bucket does not exist (check the URL and --endpoint-url)", url=url)
+        return StorageNotFound(f"{url}: not found{hint}", url=url)
+    if kind is Kind.DENIED:
+        return AccessDenied(f"{url}: {explain_denied(fs, path, exc) if path else denied_message(exc)}", url=url)
+    if kind is Kind.NO_CREDENTIALS:
+        if _has_type(exc, "botocore", {"NoCredentialsError"}):
+            return NoCredentials(f"{url}: {_NO_CREDENTIALS}", url=url)
+        return NoCredentials(f"{url}: credentials incomplete or unusable ({exc}); check the AWS_* variables and --profile",
+                             url=url)
+    if kind is Kind.INVALID:
+        return StorageError(f"{url}: the store refused the request as invalid ({cause(exc)}); check the URL, "
+                            "--endpoint-url and the region", url=url)
+    tries = f" after {attempts} {'try' if attempts == 1 else 'tries'} in {waited:.1f} s"
+    what = "check the endpoint URL and the network" if kind is not Kind.THROTTLED else "the store is overloaded: retry later"
+    if kind is Kind.TIMEOUT:
+        return StorageTimeout(f"{url}: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
+    return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts,
+                              waited=waited)
 
 
-def is_throttle(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return any(word in text for word in _THROTTLE_WORDS)
-
-
-def permanent_error(url: str, exc: BaseException) -> StorageError:
-    if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc):
-        return StorageError(f"{url}: not found (it is listed in the manifest: was it deleted or moved?)")
-    if "NoSuchBucket" in str(exc):
-        return StorageError(f"{url}: the bucket does not exist (check the URL and --endpoint-url)")
-    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
-        return StorageError(f"{url}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile)")
-    return StorageError(f"{url}: {denied_message(exc)}")
-
-
+_KIND_OF_ERROR: dict[type, Kind] = {
+    StorageNotFound: Kind.NOT_FOUND, AccessDenied: Kind.DENIED, NoCredentials: Kind.NO_CREDENTIALS,
+    StorageTimeout: Kind.TIMEOUT, StorageUnavailable: Kind.UNAVAILABLE,
+}

@@ -4,6 +4,10 @@ Resolves a URL (local path, ``s3://``, ``memory://``, anything fsspec knows) to 
 the user's options (``storage_options``, ``--endpoint-url``, ``--profile``; the ``AWS_*``
 environment variables are honoured by botocore itself), and adds what fsspec lacks: atomic publish
 of a finished file and clear errors for a destination that is missing or refuses access.
+
+Every filesystem made here follows ``StorageConfig`` (timeouts; for S3 botocore's standard retry
+mode, which retries transient causes only, with ``max_attempts`` tries and s3fs's own retry loop
+off so tries do not multiply). Reads go through ``ranges.py``, which retries itself.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from shardstream.errors import DestinationError, StorageError
-from shardstream.storage.classify import denied_message, explain_denied, is_transient
+from shardstream.errors import DestinationError, StorageNotFound
+from shardstream.storage.classify import classify, storage_error
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +45,20 @@ def make_storage_options(
     return options
 
 
-def get_fs(url: str, storage_options: Mapping[str, Any] | None = None):
+def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE):
     """Return ``(filesystem, path)`` for a URL; options only apply to remote protocols."""
     protocol = fsspec.utils.get_protocol(url)
-    options = dict(storage_options or {}) if protocol not in ("file", "local") else {}
-    return url_to_fs(url, **options)
+    if protocol in ("file", "local"):
+        return url_to_fs(url)
+    options = dict(storage_options or {})
+    if protocol in ("s3", "s3a") and "retries" not in (options.get("config_kwargs") or {}):
+        config_kwargs = dict(options.get("config_kwargs") or {})
+        config_kwargs["retries"] = {"max_attempts": config.max_attempts, "mode": "standard"}
+        options["config_kwargs"] = config_kwargs
+        fs, path = url_to_fs(url, **config.fs_options(options, protocol))
+        fs.retries = 1  # botocore retries (transient causes only); s3fs's loop would multiply them
+        return fs, path
+    return url_to_fs(url, **config.fs_options(options, protocol))
 
 
 def is_local(fs) -> bool:
@@ -75,12 +89,8 @@ def publish_file(fs, local_tmp: str, dest_path: str) -> None:
         return
     try:
         fs.put_file(local_tmp, dest_path)
-    except FileNotFoundError as exc:
-        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: bucket or path does not exist") from exc
-    except PermissionError as exc:
-        raise DestinationError(
-            f"cannot write {full_url(fs, dest_path)}: {denied_message(exc)}"
-        ) from exc
+    except Exception as exc:
+        raise destination_error(full_url(fs, dest_path), exc) from exc
     finally:
         try:
             os.unlink(local_tmp)
@@ -100,10 +110,8 @@ def write_bytes_atomic(fs, dest_path: str, data: bytes) -> None:
         return
     try:
         fs.pipe_file(dest_path, data)
-    except FileNotFoundError as exc:
-        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: bucket or path does not exist") from exc
-    except PermissionError as exc:
-        raise DestinationError(f"cannot write {full_url(fs, dest_path)}: {denied_message(exc)}") from exc
+    except Exception as exc:
+        raise destination_error(full_url(fs, dest_path), exc) from exc
 
 
 def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -112,14 +120,20 @@ def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) 
         if start is None and end is None:
             return fs.cat_file(path)
         return fs.cat_file(path, start=start, end=end)
-    except FileNotFoundError as exc:
-        raise StorageError(f"{full_url(fs, path)}: not found") from exc
-    except PermissionError as exc:
-        raise StorageError(f"{full_url(fs, path)}: {explain_denied(fs, path, exc)}") from exc
     except Exception as exc:  # network trouble from any fsspec backend; programming errors pass through
-        if not is_transient(exc):
+        if classify(exc) is None:
             raise
-        raise StorageError(f"{full_url(fs, path)}: cannot reach storage ({exc}); check the endpoint URL and the network") from exc
+        raise storage_error(full_url(fs, path), exc, fs=fs, path=path) from exc
+
+
+def destination_error(url: str, exc: BaseException) -> BaseException:
+    """A storage failure while writing ``url`` as a DestinationError (a bug stays itself)."""
+    if classify(exc) is None:
+        return exc
+    err = storage_error(url, exc)
+    if isinstance(err, StorageNotFound) and "bucket" not in str(err):
+        return DestinationError(f"cannot write {url}: bucket or path does not exist")
+    return DestinationError(f"cannot write {err}")
 
 
 def check_destination_writable(fs, path: str) -> None:
@@ -133,9 +147,5 @@ def check_destination_writable(fs, path: str) -> None:
     url = full_url(fs, bucket)
     try:
         fs.ls(bucket, refresh=True)
-    except FileNotFoundError as exc:
-        raise DestinationError(f"{url}: bucket does not exist") from exc
-    except PermissionError as exc:
-        raise DestinationError(f"{url}: {denied_message(exc)}") from exc
-    except OSError as exc:
-        raise DestinationError(f"{url}: cannot reach storage ({exc})") from exc
+    except Exception as exc:
+        raise destination_error(url, exc) from exc

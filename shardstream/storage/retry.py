@@ -3,47 +3,48 @@
 Each read asks for the next block of a range (a ranged GET on S3, its body streamed). A
 connection that breaks midway keeps the bytes that arrived and the next request starts at the
 exact byte where it broke; a failed request (reset before any data, timeout, throttling answer) is
-retried with exponential backoff and jitter, a bounded number of times. The bytes that come out
-are those of an undisturbed read, none lost, none repeated. Permanent failures (missing object, access
-denied, missing credentials) fail at once with what to check.
+retried with exponential backoff and jitter, while ``StorageConfig.max_attempts`` and its
+``deadline`` allow. The bytes that come out are those of an undisturbed read, none lost, none
+repeated. Permanent failures (missing object, access denied, missing credentials, an invalid
+request) fail at once with what to check; ``classify.storage_error`` words every failure.
 
-For S3, shardstream's reader turns off botocore's own retries unless the user set them and makes
-s3fs try once (on the filesystem instance made for reading), so every retry is counted here
-(``stats.py``).
+For S3, shardstream's reader turns off botocore's and s3fs's own retries (``StorageConfig.fs_options``,
+``fs.retries = 1``), so every retry is counted here (``stats.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
-from shardstream.errors import StorageError
 from shardstream.stats import NullCounters
-from shardstream.storage.classify import is_permanent, is_throttle, is_transient, permanent_error
+from shardstream.storage.classify import TRANSIENT, Kind, classify, storage_error
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 8
-BACKOFF_BASE = 0.05
-BACKOFF_CAP = 5.0
-def reader_storage_options(options: Mapping[str, Any] | None, protocol: str) -> dict[str, Any]:
-    """Storage options for reading: s3fs/botocore retries off (ours count them), bounded timeouts."""
-    merged = dict(options or {})
-    if protocol in ("s3", "s3a"):
-        config = dict(merged.get("config_kwargs") or {})
-        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # one try: ours count
-        config.setdefault("connect_timeout", 10)
-        config.setdefault("read_timeout", 60)
-        merged["config_kwargs"] = config
-    return merged
+T = TypeVar("T")
 
 
-def backoff(attempt: int, rng: random.Random) -> float:
+class Fetch(Protocol):
+    """Bytes [a, b) of one object, or fewer (a short body); at most ``timeout`` seconds (None: no bound)."""
+
+    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes: ...
+
+
+def reader_storage_options(options: Mapping[str, Any] | None, protocol: str,
+                           config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
+    """Storage options for reading under ``config`` (kept for callers of the old name)."""
+    return config.fs_options(options, protocol)
+
+
+def backoff(attempt: int, rng: random.Random, config: StorageConfig = DEFAULT_STORAGE) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
-    return rng.uniform(0, min(BACKOFF_CAP, BACKOFF_BASE * 2**attempt))
+    return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2**attempt))
 
 
 class PartialRead(Exception):
@@ -55,10 +56,11 @@ class PartialRead(Exception):
         self.cause = cause
 
 
-def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Callable[[int, int], bytes]:
+def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     """``fetch(a, b)`` for S3 through s3fs's client, streaming the body in ``chunk_size`` pieces so
     that a connection that breaks midway still hands over the pieces that arrived (as PartialRead).
-    (64 KiB pieces cost two thirds of the throughput against 1 MiB ones.)"""
+    (64 KiB pieces cost two thirds of the throughput against 1 MiB ones.) A try that outlives
+    ``timeout`` is cancelled on the event loop (its connection is closed, not leaked)."""
     import fsspec.asyn
 
     bucket, key, version = fs.split_path(path)
@@ -76,12 +78,23 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Callable[[int, 
         finally:
             body.close()
 
-    def fetch(a: int, b: int) -> bytes:
+    async def get_bounded(a: int, b: int, out: bytearray, timeout: float | None) -> None:
+        if timeout is None:
+            await get(a, b, out)
+            return
+        try:
+            await asyncio.wait_for(get(a, b, out), timeout)
+        except TimeoutError as exc:
+            if exc.args:  # botocore/aiohttp's own read or connect timeout
+                raise
+            raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
+
+    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
         out = bytearray()
         try:
-            fsspec.asyn.sync(fs.loop, get, a, b, out)
+            fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, timeout)
         except Exception as exc:  # classified by the caller; the bytes that arrived are kept
-            if out and not is_permanent(exc):
+            if out and classify(exc) in TRANSIENT:
                 raise PartialRead(bytes(out[: b - a]), exc) from exc
             raise
         if len(out) > b - a:
@@ -91,16 +104,73 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Callable[[int, 
     return fetch
 
 
+def fs_fetcher(fs: Any, path: str) -> Fetch:
+    """``fetch(a, b)`` for any other fsspec filesystem (its own timeouts apply)."""
+
+    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
+        return fs.cat_file(path, start=a, end=b)
+
+    return fetch
+
+
+class _Attempts:
+    """One request's tries: counts them, sleeps the backoff, and decides when to give up."""
+
+    def __init__(self, url: str, config: StorageConfig, rng: random.Random, counters: Any, sleep, hint: str,
+                 fs: Any = None, path: str | None = None):
+        self.url, self.config, self.rng, self.counters, self.sleep, self.hint = url, config, rng, counters, sleep, hint
+        self.fs, self.path = fs, path
+        self.began = time.monotonic()
+        self.attempt = 0
+
+    def remaining(self) -> float:
+        return max(0.001, self.config.deadline - (time.monotonic() - self.began))
+
+    def failed(self, exc: Exception, *, resumed: bool = False) -> None:
+        """Sleep before the next try, or raise the error the failure means."""
+        kind = classify(exc)
+        if kind is None:
+            raise exc  # not a storage failure: a bug, shown with its own traceback
+        self.attempt += 1
+        waited = time.monotonic() - self.began
+        if kind not in TRANSIENT:
+            raise storage_error(self.url, exc, attempts=self.attempt, waited=waited, hint=self.hint, fs=self.fs,
+                                path=self.path) from exc
+        delay = backoff(self.attempt, self.rng, self.config)
+        if self.attempt >= self.config.max_attempts or waited + delay >= self.config.deadline:
+            raise storage_error(self.url, exc, attempts=self.attempt, waited=waited, hint=self.hint) from exc
+        self.counters.add("retries")
+        if resumed:
+            self.counters.add("resumes")
+        if kind is Kind.THROTTLED:
+            self.counters.add("throttles")
+        logger.debug("%s: try %d failed (%s), retrying in %.2fs", self.url, self.attempt, exc, delay)
+        self.sleep(delay)
+
+
+def call(url: str, fn: Callable[[], T], *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None,
+         sleep: Callable[[float], None] = time.sleep, hint: str = "", fs: Any = None, path: str | None = None) -> T:
+    """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
+    let a bare 403 be asked again for its reason."""
+    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path)
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified: bugs are re-raised untouched
+            attempts.failed(exc)
+
+
 def make_range_reader(
-    fetch: Callable[[int, int], bytes],
+    fetch: Fetch,
     *,
     url: str,
     start: int,
     end: int,
     counters: Any = None,
-    max_attempts: int = MAX_ATTEMPTS,
+    config: StorageConfig = DEFAULT_STORAGE,
     sleep: Callable[[float], None] = time.sleep,
     seed: int = 0,
+    hint: str = "",
 ) -> Callable[[int], bytes]:
     """``read(n)`` over bytes [start, end) given ``fetch(a, b)`` -> bytes [a, b) (maybe fewer)."""
     counters = counters or NullCounters()
@@ -112,40 +182,23 @@ def make_range_reader(
         stop = min(end, pos + n)
         if stop <= pos:
             return b""
-        attempt = 0
+        attempts = _Attempts(url, config, rng, counters, sleep, hint)
         while True:
             began = time.perf_counter()
             try:
-                data = fetch(pos, stop)
+                data = fetch(pos, stop, attempts.remaining())
                 if not data:
                     raise EOFError(f"empty body for bytes {pos}-{stop}")
             except PartialRead as partial:  # keep what arrived; the next read resumes right after it
                 data = partial.data
                 counters.add("retries")
                 counters.add("resumes")
-                if is_throttle(partial.cause):
+                if classify(partial.cause) is Kind.THROTTLED:
                     counters.add("throttles")
                 logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
-            except Exception as exc:  # classified below: permanent ones re-raised at once
+            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if is_permanent(exc):
-                    raise permanent_error(url, exc) from exc
-                if not is_transient(exc):
-                    raise
-                attempt += 1
-                if attempt >= max_attempts:
-                    raise StorageError(
-                        f"{url}: reading bytes from {pos} failed {attempt} times, last: {type(exc).__name__}: {exc} "
-                        "(check the endpoint and the network)"
-                    ) from exc
-                counters.add("retries")
-                if pos > start:
-                    counters.add("resumes")
-                if is_throttle(exc):
-                    counters.add("throttles")
-                delay = backoff(attempt, rng)
-                logger.debug("%s: retrying bytes %d-%d in %.2fs after %s", url, pos, stop, delay, exc)
-                sleep(delay)
+                attempts.failed(exc, resumed=pos > start)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             counters.add("bytes_read", len(data))

@@ -3,20 +3,17 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from shardstream.errors import SampleError, ShardstreamError
-from shardstream.format.compression import UNKNOWN_END, decompressing, shard_compression
+from shardstream.errors import SampleError, ShardstreamError, StorageError, StorageNotFound
 from shardstream.format.manifest import Manifest
-from shardstream.format.tar import iter_sample_batches
 from shardstream.pipeline.decode import Decoder, default_decoders
-from shardstream.storage import fs as storage
-
-READ_SIZE = 8 << 20
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.ranges import object_size, open_range
+from shardstream.storage.scan import scan_stream
 
 
 @dataclass(frozen=True)
@@ -30,67 +27,55 @@ class Problem:
 
 
 def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 progress: Callable[[int], None] | None = None, max_problems: int = 100) -> list[Problem]:
+                 progress: Callable[[int], None] | None = None, max_problems: int = 100,
+                 config: StorageConfig = DEFAULT_STORAGE) -> list[Problem]:
     info = manifest.shards[index]
     url = manifest.shard_url(index)
-    fs, path = storage.get_fs(url, storage_options)
     problems: list[Problem] = []
     try:
-        size = fs.size(path)
-    except FileNotFoundError:
+        size = object_size(url, storage_options, config=config)
+    except StorageNotFound:
         return [Problem(url, "missing (listed in the manifest, not found in storage)")]
-    except PermissionError as exc:
-        return [Problem(url, storage.explain_denied(fs, path, exc))]
+    except StorageError as exc:
+        return [Problem(url, str(exc).removeprefix(f"{url}: "))]
     if size != info.bytes:
         problems.append(Problem(url, f"size is {size} bytes, the manifest says {info.bytes}"))
-    digest = hashlib.sha256()
-    f = fs.open(path, "rb", block_size=READ_SIZE)
-
-    def read(n: int) -> bytes:
-        chunk = f.read(n)
-        digest.update(chunk)
-        if progress is not None:
-            progress(len(chunk))
-        return chunk
-
     decoder = Decoder(default_decoders()) if deep else None
-    offsets: list[int] = []
-    data_end = 0
-    with f:
+
+    def decode(key: str, _start: int, _end: int, fields: dict[str, Any]) -> None:
+        if decoder is not None and len(problems) < max_problems:
+            fields["__key__"], fields["__url__"] = key, url
+            try:
+                decoder(fields)
+            except SampleError as exc:
+                problems.append(Problem(url, exc.what or str(exc), key))
+
+    try:
+        read, close = open_range(url, 0, size, storage_options, config=config)
         try:
-            compression = shard_compression(url)  # a compressed shard's offsets are in its decompressed stream
-            tar_read = decompressing(read, url, compression) if compression else read
-            for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size,
-                                             require_end_marker=True):
-                for key, offset, end, fields in batch:
-                    offsets.append(offset)
-                    data_end = end
-                    if decoder is not None and len(problems) < max_problems:
-                        fields["__key__"], fields["__url__"] = key, url
-                        try:
-                            decoder(fields)
-                        except SampleError as exc:
-                            problems.append(Problem(url, exc.what, key))
-        except ShardstreamError as exc:
-            problems.append(Problem(url, f"unreadable after {len(offsets)} samples: {exc}"))
-            return problems
-        while read(READ_SIZE):
-            pass
-    offsets.append(data_end)
-    if len(offsets) - 1 != info.samples:
-        problems.append(Problem(url, f"holds {len(offsets) - 1} samples, the manifest says {info.samples}"))
-    elif tuple(offsets) != tuple(info.offsets):
-        bad = next(i for i, (a, b) in enumerate(zip(offsets, info.offsets)) if a != b)
-        problems.append(Problem(url, f"offset of sample #{bad} is {offsets[bad]}, the manifest says {info.offsets[bad]}"))
-    if info.sha256 and digest.hexdigest() != info.sha256:
-        problems.append(Problem(url, f"sha256 is {digest.hexdigest()}, the manifest says {info.sha256}"))
+            scan = scan_stream(read, url=url, size=size, on_sample=decode, progress=progress)
+        finally:
+            close()
+    except ShardstreamError as exc:
+        done = getattr(exc, "partial", None)
+        problems.append(Problem(url, f"unreadable after {done.samples if done else 0} samples: {exc}"))
+        return problems
+    if scan.samples != info.samples:
+        problems.append(Problem(url, f"holds {scan.samples} samples, the manifest says {info.samples}"))
+    elif tuple(scan.offsets) != tuple(info.offsets):
+        bad = next(i for i, (a, b) in enumerate(zip(scan.offsets, info.offsets)) if a != b)
+        problems.append(Problem(url, f"offset of sample #{bad} is {scan.offsets[bad]}, the manifest says {info.offsets[bad]}"))
+    if info.sha256 and scan.sha256 != info.sha256:
+        problems.append(Problem(url, f"sha256 is {scan.sha256}, the manifest says {info.sha256}"))
     return problems
 
 
 def verify_dataset(manifest: Manifest, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
-                   progress: Callable[[int], None] | None = None, threads: int = 4) -> list[Problem]:
+                   progress: Callable[[int], None] | None = None, threads: int = 4,
+                   config: StorageConfig = DEFAULT_STORAGE) -> list[Problem]:
     """Every problem found in every shard, in manifest order."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = pool.map(lambda i: verify_shard(manifest, i, deep=deep, storage_options=storage_options, progress=progress),
+        results = pool.map(lambda i: verify_shard(manifest, i, deep=deep, storage_options=storage_options, progress=progress,
+                                                  config=config),
                            range(len(manifest.shards)))
         return [p for problems in results for p in problems]

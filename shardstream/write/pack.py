@@ -10,19 +10,20 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import random
+import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import SourceError
+from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest
+from shardstream.policy import ErrorPolicy
 from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
 
 logger = logging.getLogger(__name__)
-
-ON_ERROR = ("raise", "skip")
 
 
 @dataclass
@@ -58,6 +59,7 @@ def pack(
     label_from_dir: bool = False,
     overwrite: bool = False,
     on_error: str = "raise",
+    error_tolerance: int | None = None,
     prefix: str = "shard",
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -65,16 +67,17 @@ def pack(
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
 
     ``on_error="raise"`` stops at the first bad sample with a SourceError naming it (and leaves
-    no manifest); ``"skip"`` leaves bad samples out, counts them and lists them in the manifest.
+    no manifest); ``"skip"`` leaves bad samples out, counts them and lists them in the manifest
+    (the reader's ``ErrorPolicy``: ``error_tolerance`` consecutive bad samples, None = no limit,
+    raise TooManyErrors).
     ``progress(samples, bytes)`` is called after each written sample.
     """
-    if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    policy = ErrorPolicy(on_error, error_tolerance, log=False)  # raises ConfigError on a bad on_error
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
     listing = list_source(src, kind, label_from_dir=label_from_dir, storage_options=storage_options)
-    if listing.errors and on_error == "raise":
+    if listing.errors and policy.on_error == "raise":
         where, what = listing.errors[0]
         more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
         raise SourceError(where, what + more)
@@ -90,19 +93,18 @@ def pack(
         for where, what in listing.errors:
             writer.skip(where, what)
         for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options)):
-            if not ok:
-                if on_error == "raise":
-                    raise SourceError(a, b)
-                writer.skip(a, b)
-                continue
             try:
-                writer.write_encoded(a, b)
-            except SourceError as exc:  # the writer knows the key; the listing knows the file or line
-                exc = SourceError(f"{where} ({exc.where})", exc.what)
-                if on_error == "raise":
-                    raise exc from None
+                if not ok:
+                    raise SourceError(a, b)
+                try:
+                    writer.write_encoded(a, b)
+                except SourceError as exc:  # the writer knows the key; the listing knows the file or line
+                    raise SourceError(f"{where} ({exc.where})", exc.what) from None
+            except SourceError as exc:
+                policy.failed(exc)  # raises under "raise" (and past the tolerance)
                 writer.skip(exc.where, exc.what)
                 continue
+            policy.ok()
             if progress is not None:
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
@@ -115,6 +117,13 @@ def pack(
     )
 
 
+def _init_worker(storage_options) -> None:
+    """Pool workers leave Ctrl-C to the main process, which stops the pool and says what was
+    committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_worker_storage_options(storage_options)
+
+
 def _load_all(items: list[Item], workers: int, storage_options):
     """Yield load results in item order; with workers > 1 a process pool loads a bounded window."""
     set_worker_storage_options(storage_options)
@@ -124,7 +133,13 @@ def _load_all(items: list[Item], workers: int, storage_options):
         return
     window = workers * 256
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
-    pool = ctx.Pool(workers, initializer=set_worker_storage_options, initargs=(dict(storage_options or {}),))
+    # Children start with SIGINT ignored (inherited through exec, before they import anything).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() else None
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}),))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     try:
         for start in range(0, len(items), window):
             yield from pool.imap(_load_safe, items[start : start + window], chunksize=16)

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
-from shardstream.errors import DestinationError, SourceError
+from shardstream.errors import ConfigError, DestinationError, SourceError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
 from shardstream.storage import fs as storage
@@ -58,11 +58,11 @@ class ShardWriter:
         check_unique_keys: bool = True,
     ):
         if max_count < 1:
-            raise ValueError(f"max_count must be >= 1, got {max_count}")
+            raise ConfigError(f"max_count must be >= 1, got {max_count}")
         if max_size < 1024:
-            raise ValueError(f"max_size must be at least 1 KB, got {max_size}")
+            raise ConfigError(f"max_size must be at least 1 KB, got {max_size}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
-            raise ValueError(f"prefix {prefix!r} must be a plain file-name stem")
+            raise ConfigError(f"prefix {prefix!r} must be a plain file-name stem")
         self.dest = dest.rstrip("/") or dest
         self.max_count = max_count
         self.max_size = max_size
@@ -72,6 +72,8 @@ class ShardWriter:
         self._local = storage.is_local(self.fs)
         self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar")
         self._stale = self._prepare_destination(overwrite)
+        if not self._local:
+            reclaim_temp_partials()
         self.shards: list[ShardInfo] = []
         self.extensions: dict[str, int] = {}
         self.skipped: list[dict[str, str]] = []
@@ -172,7 +174,8 @@ class ShardWriter:
         if self._local:
             self._tmp_path = os.path.join(self.root, f".{name}{_PARTIAL_MARK}{uuid.uuid4().hex[:8]}")
         else:
-            fd, self._tmp_path = tempfile.mkstemp(prefix=f"shardstream-{name}{_PARTIAL_MARK}")
+            # The pid in the name lets a later run reclaim the file if this process dies (kill -9).
+            fd, self._tmp_path = tempfile.mkstemp(prefix=f"shardstream-{os.getpid()}-{name}{_PARTIAL_MARK}")
             os.close(fd)
         self._file = open(self._tmp_path, "wb")
         self._name = name
@@ -262,6 +265,32 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def reclaim_temp_partials(tmpdir: str | None = None) -> int:
+    """Remove upload staging files (``shardstream-PID-*.partial-*``) left in the temp directory by a
+    pack whose process is gone; returns how many were removed."""
+    tmpdir = tmpdir or tempfile.gettempdir()
+    removed = 0
+    for name in os.listdir(tmpdir):
+        match = re.fullmatch(r"shardstream-(\d+)-.*" + re.escape(_PARTIAL_MARK) + r".*", name)
+        if not match:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # its writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, someone else's
+        try:
+            os.unlink(os.path.join(tmpdir, name))
+            removed += 1
+        except FileNotFoundError:
+            pass
+    if removed:
+        logger.info("removed %d upload staging files left in %s by an interrupted pack", removed, tmpdir)
+    return removed
 
 
 __all__ = ["ShardWriter", "check_key", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]

@@ -1,0 +1,69 @@
+"""StorageConfig: the one storage policy every request shardstream makes follows (manifest,
+shards, scan/index, verify, pack uploads), as one frozen option group.
+
+Timeouts bound each try; ``deadline`` bounds one request across its retries (a read that makes
+progress, i.e. receives bytes, starts afresh), so a dead or stalled endpoint fails within about
+``deadline`` seconds (60 by default) with a message naming the URL, the cause and the time waited.
+Only transient causes are retried (throttling, timeouts, refused or reset connections, 5xx);
+a missing object, a refusal (403), missing credentials or a malformed request fail at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardstream.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How shardstream talks to storage.
+
+    connect_timeout  seconds to open a connection (per try)
+    read_timeout     seconds the server may stay silent while answering (per try)
+    deadline         seconds one request may take across all its tries before it fails
+    max_attempts     tries per request (1 = no retry)
+    backoff_base     first backoff in seconds; doubles per try, full jitter
+    backoff_cap      longest backoff in seconds
+    allow_roots      URL prefixes a manifest's shard entries may point into besides the
+                     manifest's own directory (datasets that span buckets); empty = only its root
+    """
+
+    connect_timeout: float = 10.0
+    read_timeout: float = 20.0
+    deadline: float = 60.0
+    max_attempts: int = 8
+    backoff_base: float = 0.05
+    backoff_cap: float = 5.0
+    allow_roots: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "read_timeout", "deadline"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ConfigError(f"StorageConfig.{name} must be a positive number of seconds, got {value!r}")
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise ConfigError(f"StorageConfig.max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if self.backoff_base < 0 or self.backoff_cap < 0:
+            raise ConfigError("StorageConfig.backoff_base and backoff_cap must be >= 0")
+        if isinstance(self.allow_roots, str):
+            raise ConfigError("StorageConfig.allow_roots is a sequence of URL prefixes, not one string")
+        object.__setattr__(self, "allow_roots", tuple(self.allow_roots))
+
+    def fs_options(self, storage_options: Mapping[str, Any] | None, protocol: str) -> dict[str, Any]:
+        """fsspec options carrying this policy: for S3, botocore's timeouts and one try per call
+        (retries happen in ``retry.py``, where they are counted and bounded by the deadline).
+        Options the user set explicitly win."""
+        merged = dict(storage_options or {})
+        if protocol in ("s3", "s3a"):
+            config = dict(merged.get("config_kwargs") or {})
+            config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", self.connect_timeout)
+            config.setdefault("read_timeout", self.read_timeout)
+            merged["config_kwargs"] = config
+        return merged
+
+
+DEFAULT_STORAGE = StorageConfig()

@@ -1,0 +1,149 @@
+"""The one way shardstream reads an object: "bytes [a, b) of this URL", as ``read(n)`` calls.
+
+Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
+
+    fetch(a, b, timeout)          one try: a ranged GET (``retry.s3_fetcher``) or fsspec's cat_file
+    make_range_reader             retry with backoff, exact resume after a broken body, deadline
+    ShardCache                    optional: whole shards kept on local disk across epochs
+    Prefetcher (readahead.py)     optional: the next blocks fetched in a background thread
+
+Local files skip the network layers: ``read`` is the file's own ``read`` (no per-read overhead),
+and opening them goes through the same error translation (``classify.storage_error``).
+Whole-object reads (the manifest, scans, verify) use the same layers via ``open_object``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import fsspec
+
+from shardstream.stats import NullCounters
+from shardstream.storage import fs as storage
+from shardstream.storage.cache import ShardCache
+from shardstream.storage.classify import storage_error
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.retry import Fetch, call, fs_fetcher, make_range_reader, s3_fetcher
+
+DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
+SHARD_HINT = " (it is listed in the manifest: was it deleted or moved?)"
+
+Read = Callable[[int], bytes]
+
+
+def resolve(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> tuple[Any, str, Fetch | None]:
+    """``(fs, path, fetch)`` for a URL under ``config``; ``fetch`` is None for local files."""
+    protocol = fsspec.utils.get_protocol(url)
+    fs, path = storage.get_fs(url, config.fs_options(storage_options, protocol))
+    if storage.is_local(fs):
+        return fs, path, None
+    if protocol in ("s3", "s3a"):
+        # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in retry.py.
+        fs.retries = 1
+        return fs, path, s3_fetcher(fs, path)
+    return fs, path, fs_fetcher(fs, path)
+
+
+def _open_local(url: str, path: str, start: int, hint: str):
+    try:
+        f = open(path, "rb", buffering=0)
+    except OSError as exc:
+        raise storage_error(url, exc, hint=hint) from exc
+    f.seek(start)
+    return f
+
+
+def open_range(
+    url: str,
+    start: int,
+    end: int,
+    storage_options: Mapping[str, Any] | None = None,
+    counters: Any = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    cache: ShardCache | None = None,
+    shard_size: int | None = None,
+    sha256: str | None = None,
+    hint: str = SHARD_HINT,
+) -> tuple[Read, Callable[[], None]]:
+    """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
+
+    Local files are read directly; remote objects through the cache when one is given (the
+    whole shard is fetched once), else with ``make_range_reader`` (ranged reads with retry and
+    exact resume)."""
+    counters = counters or NullCounters()
+    counters.add("ranges_opened")
+    fs, path, fetch = resolve(url, storage_options, config)
+    if fetch is None:
+        f = _open_local(url, path, start, hint)
+        # A raw read(n) allocates n bytes before reading: cap n at the file's real size, so a manifest
+        # and a header that lie about sizes end in the parser's ShardFormatError, not a MemoryError.
+        return _counting(f.read, counters, os.fstat(f.fileno()).st_size), f.close
+
+    if cache is not None and shard_size is not None:
+        def download(write: Callable[[bytes], None]) -> None:
+            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config,
+                                         hint=hint)
+            while chunk := read_all(DOWNLOAD_BLOCK):
+                write(chunk)
+
+        handle = cache.open(url, sha256, shard_size, download, counters)
+        if handle is not None:
+            f, lock = handle
+            f.seek(start)
+            return f.read, lambda: ShardCache.release(f, lock)
+    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint), _noop
+
+
+def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
+                counters: Any = None, hint: str = "") -> int:
+    """The object's size in bytes (a HEAD on S3), under the retry policy."""
+    fs, path, fetch = resolve(url, storage_options, config)
+    if fetch is None:
+        try:
+            return fs.size(path)
+        except OSError as exc:
+            raise storage_error(url, exc, hint=hint) from exc
+    return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path)
+
+
+def open_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
+                counters: Any = None, hint: str = "") -> tuple[int, Read, Callable[[], None]]:
+    """``(size, read, close)`` over a whole object, read front to back with retry and resume."""
+    size = object_size(url, storage_options, config=config, counters=counters, hint=hint)
+    read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
+    return size, read, close
+
+
+def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
+                counters: Any = None, hint: str = "") -> bytes:
+    """A whole (small) object's bytes, e.g. the manifest: one read that resumes mid-body if the
+    connection breaks."""
+    size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint)
+    try:
+        parts = []
+        left = size
+        while left > 0:
+            chunk = read(min(left, DOWNLOAD_BLOCK))
+            if not chunk:
+                break
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+    finally:
+        close()
+
+
+def _counting(read: Read, counters: Any, cap: int) -> Read:
+    def read_counted(n: int) -> bytes:
+        data = read(n if n <= cap else cap)
+        counters.add("bytes_read", len(data))
+        return data
+
+    return read_counted
+
+
+def _noop() -> None:
+    pass

@@ -1,0 +1,204 @@
+"""The storage error classifier and the error tree, against real exceptions: s3fs/botocore
+errors produced by the moto server on 127.0.0.1, a port with nothing listening, a socket that
+accepts and never answers, the fault proxy's 503 SlowDown, and missing local files. Also the
+CLI's rule: shardstream's errors become one line, anything else shows its traceback."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+
+import pytest
+import s3fs
+from conftest import make_samples
+from faultproxy import FaultProxy
+
+from shardstream import Decode, ShardStream, ShardWriter, World, make_loader
+from shardstream import errors as E
+from shardstream.cli.main import main
+from shardstream.storage.classify import Kind, classify, storage_error
+from shardstream.storage.config import StorageConfig
+from shardstream.storage.retry import make_range_reader, s3_fetcher
+
+
+def fresh_fs(endpoint, **config):
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True,
+                           config_kwargs={"retries": {"total_max_attempts": 1}, **config})
+    fs.retries = 1
+    return fs
+
+
+def raised(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    raise AssertionError("no exception")
+
+
+@pytest.fixture
+def dead_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s  # bound, not listening: connections are refused; call s.listen() to make it stall
+
+
+def test_not_found_and_missing_bucket(s3):
+    bucket, options, _ = s3
+    fs = fresh_fs(options["endpoint_url"])
+    exc = raised(lambda: fs.cat_file(f"{bucket}/nokey", start=0, end=4))
+    assert classify(exc) is Kind.NOT_FOUND
+    err = storage_error(f"s3://{bucket}/nokey", exc)
+    assert isinstance(err, E.StorageNotFound) and isinstance(err, FileNotFoundError) and isinstance(err, E.StorageError)
+    assert err.url == f"s3://{bucket}/nokey" and str(err) == f"s3://{bucket}/nokey: not found"
+    exc = raised(lambda: fs.cat_file("no-such-bucket-zz/x"))
+    err = storage_error("s3://no-such-bucket-zz/x", exc)
+    assert isinstance(err, E.StorageNotFound) and "the bucket does not exist" in str(err)
+
+
+def test_refused_dns_and_stall_are_transient_with_their_cause(dead_port):
+    port = dead_port.getsockname()[1]
+    exc = raised(lambda: fresh_fs(f"http://127.0.0.1:{port}").cat_file("bkt/x"))
+    assert classify(exc) is Kind.UNAVAILABLE
+    err = storage_error("s3://bkt/x", exc, attempts=3, waited=1.5)
+    assert type(err) is E.StorageUnavailable and err.attempts == 3
+    assert "connection refused" in str(err) and "after 3 tries in 1.5 s" in str(err)
+    exc = raised(lambda: fresh_fs("http://no-such-host.invalid:9").cat_file("bkt/x"))
+    assert classify(exc) is Kind.UNAVAILABLE and "DNS" in str(storage_error("s3://bkt/x", exc))
+    dead_port.listen(8)  # accepts (in the kernel's backlog) and never answers
+    exc = raised(lambda: fresh_fs(f"http://127.0.0.1:{port}", read_timeout=0.5, connect_timeout=0.5).cat_file("bkt/x"))
+    assert classify(exc) is Kind.TIMEOUT
+    err = storage_error("s3://bkt/x", exc)
+    assert isinstance(err, E.StorageTimeout) and isinstance(err, TimeoutError) and "read timeout" in str(err)
+
+
+def test_no_credentials(s3_endpoint, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    exc = raised(lambda: fresh_fs(s3_endpoint).cat_file("bkt/x"))
+    assert classify(exc) is Kind.NO_CREDENTIALS
+    err = storage_error("s3://bkt/x", exc)
+    assert type(err) is E.NoCredentials and "no credentials found" in str(err) and "~/.aws/credentials" in str(err)
+    assert "cannot reach" not in str(err)
+
+
+def test_throttle_is_retried_and_an_invalid_range_is_not(s3):
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"x" * 100)
+    with FaultProxy(options["endpoint_url"], slowdown_every=1) as proxy:
+        exc = raised(lambda: fresh_fs(proxy.url).cat_file(f"{bucket}/k", start=0, end=10))
+    assert classify(exc) is Kind.THROTTLED
+    fs = fresh_fs(options["endpoint_url"])
+    exc = raised(lambda: fs.cat_file(f"{bucket}/k", start=500, end=600))  # 416 InvalidRange: the request is wrong
+    assert classify(exc) is Kind.INVALID
+    sleeps: list[float] = []
+    read = make_range_reader(s3_fetcher(fs, f"{bucket}/k"), url=f"s3://{bucket}/k", start=500, end=600,
+                             sleep=sleeps.append)
+    with pytest.raises(E.StorageError, match="refused the request as invalid"):
+        read(100)
+    assert sleeps == []  # not retried
+
+
+def test_a_bug_is_not_a_storage_error():
+    assert classify(ValueError("bug")) is None and classify(KeyError("bug")) is None
+
+    def fetch(a, b, timeout=None):
+        raise ZeroDivisionError("bug in a fetcher")
+
+    with pytest.raises(ZeroDivisionError):
+        make_range_reader(fetch, url="s3://b/k", start=0, end=10)(10)
+
+
+def test_every_error_survives_pickling_and_the_dataloader_rebuild():
+    examples = [
+        E.ConfigError("c"), E.SourceError("where", "what"), E.DestinationError("d"), E.ManifestError("m"),
+        E.StorageError("s", url="u"), E.StorageNotFound("u: not found", url="u"), E.AccessDenied("a", url="u"),
+        E.NoCredentials("n", url="u"), E.StorageUnavailable("x", url="u", attempts=2, waited=1.0),
+        E.StorageTimeout("t", url="u", attempts=2, waited=1.0), E.ChecksumError("u", "a" * 64, "b" * 64),
+        E.ShardFormatError("u", 512, "bad"), E.SampleError("u", "k", "bad"), E.TooManyErrors("t"),
+    ]
+    for exc in examples:
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc)
+        assert type(type(exc)(str(exc))) is type(exc)  # how torch's DataLoader re-raises a worker's error
+    assert isinstance(E.StorageNotFound("x"), OSError) and isinstance(E.AccessDenied("x"), PermissionError)
+
+
+def _local_dataset(root, n=40):
+    with ShardWriter(str(root), max_count=10) as w:
+        for s in make_samples(n):
+            w.write(s)
+    return str(root)
+
+
+def test_missing_local_shard_is_a_file_not_found_error_also_through_workers(tmp_path):
+    root = _local_dataset(tmp_path / "d")
+    (tmp_path / "d" / "shard-000002.tar").unlink()
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
+    with pytest.raises(FileNotFoundError, match=r"shard-000002.tar: not found \(it is listed in the manifest") as info:
+        list(ds)
+    assert isinstance(info.value, E.StorageNotFound) and info.value.url.endswith("shard-000002.tar")
+    with pytest.raises(E.StorageNotFound, match="shard-000002.tar: not found"):
+        list(make_loader(ds, num_workers=2, pin_memory=False))
+
+
+def test_cli_one_line_for_our_errors_traceback_for_bugs(tmp_path, capsys, monkeypatch):
+    from shardstream.cli import ls
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(ls, "run", broken)
+    with pytest.raises(KeyError):
+        main(["ls", str(tmp_path)])
+
+
+def test_folder_of_tars_without_manifest_says_run_index(tmp_path, capsys):
+    root = _local_dataset(tmp_path / "d")
+    (tmp_path / "d" / "index.json").unlink()
+    for command in (["ls", root], ["show", root], ["verify", root]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "shardstream index" in err and "glob" in err
+    with pytest.raises(E.ManifestError, match=r"run `shardstream index .*\*\.tar"):
+        ShardStream(root, batch_size=4, world=World(0, 1))
+
+
+def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3_endpoint, capsys, monkeypatch,
+                                                                 tmp_path, dead_port):
+    root, _ = image_folder
+    port = dead_port.getsockname()[1]
+    assert main(["pack", str(root), "s3://bkt/x", "--endpoint-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3://bkt" in err and "connection refused" in err, err
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    endpoint = s3_endpoint.replace("127.0.0.1", "localhost")  # a new s3fs instance: none cached with credentials
+    assert main(["pack", str(root), "s3://bkt/y", "--endpoint-url", endpoint, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3://bkt" in err and "no credentials found" in err and "cannot reach" not in err
+
+
+def test_bad_options_are_config_errors(tmp_path):
+    from shardstream.policy import ErrorPolicy
+    from shardstream.write.pack import pack
+
+    root = _local_dataset(tmp_path / "d")
+    with pytest.raises(E.ConfigError, match="on_error"):
+        ErrorPolicy("ignore")
+    with pytest.raises(E.ConfigError, match="on_error"):
+        pack(root, str(tmp_path / "p"), on_error="ignore")
+    with pytest.raises(E.ConfigError, match="max_count"):
+        ShardWriter(str(tmp_path / "w"), max_count=0)
+    with pytest.raises(E.ConfigError, match=r"image=...\) must be one of"):
+        ShardStream(root, batch_size=4, world=World(0, 1), decode=Decode(image="bogus"))
+    with pytest.raises(E.ConfigError, match="rank 3 is not in a world of size 2"):
+        ShardStream(root, batch_size=4, world=World(3, 2))
+    with pytest.raises(E.ConfigError, match="deadline"):
+        StorageConfig(deadline=0)
