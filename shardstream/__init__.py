@@ -53,6 +53,7 @@ _EXPORTS = {
 }
 
 __all__ = [  # literal, so linters and type checkers see it; tests check it matches _EXPORTS
+    "AccessDenied",
     "Cache",
     "ChecksumError",
     "ConfigError",
@@ -60,28 +61,34 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "DestinationError",
     "DevicePrefetcher",
     "EpochPlan",
+    "load_manifest",
+    "make_loader",
     "Manifest",
     "ManifestError",
     "MixPlan",
+    "NoCredentials",
     "OnError",
+    "pack",
+    "plan_epoch",
+    "plan_mix",
     "RandomResizedCrop",
     "Read",
     "SampleError",
     "ShardFormatError",
     "ShardStream",
-    "ShardWriter",
     "ShardstreamError",
+    "ShardWriter",
     "Shuffle",
     "Source",
     "SourceError",
+    "StorageConfig",
     "StorageError",
-    "World",
-    "load_manifest",
-    "make_loader",
-    "pack",
-    "plan_epoch",
-    "plan_mix",
+    "StorageNotFound",
+    "StorageTimeout",
+    "StorageUnavailable",
     "to_device",
+    "TooManyErrors",
+    "World",
     "__version__",
 ]
 
@@ -89,15 +96,21 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.dataset import ShardStream
     from shardstream.device import DevicePrefetcher, to_device
     from shardstream.errors import (
+        AccessDenied,
         ChecksumError,
         ConfigError,
         DestinationError,
         ManifestError,
+        NoCredentials,
         SampleError,
         ShardFormatError,
         ShardstreamError,
         SourceError,
         StorageError,
+        StorageNotFound,
+        StorageTimeout,
+        StorageUnavailable,
+        TooManyErrors,
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.loader import make_loader
@@ -107,6 +120,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.plan.epoch import EpochPlan, plan_epoch
     from shardstream.plan.mix import MixPlan, plan_mix
     from shardstream.plan.topology import World
+    from shardstream.storage.config import StorageConfig
     from shardstream.write.pack import pack
     from shardstream.write.writer import ShardWriter
 
