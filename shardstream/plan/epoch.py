@@ -41,8 +41,35 @@ class Range:
         return self.stop - self.start
 
 
+class RankSlices:
+    """Steps 4-5 of the module docstring, shared by every plan (one dataset, a mix): rank r takes a
+    contiguous slice of R batches of the laid-out sequence, its workers split it in whole batches."""
+
+    world_size: int
+    num_workers: int
+    batch_size: int
+    batches_per_rank: int
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.batches_per_rank * self.batch_size
+
+    def worker_batches(self, worker: int) -> int:
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        return base + (1 if worker < extra else 0)
+
+    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
+        """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
+        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        before = worker * base + min(worker, extra)
+        begin = rank * self.samples_per_rank + before * self.batch_size
+        return begin, begin + self.worker_batches(worker) * self.batch_size
+
+
 @dataclass(frozen=True)
-class EpochPlan:
+class EpochPlan(RankSlices):
     epoch: int
     seed: int
     shuffle: bool
@@ -58,29 +85,12 @@ class EpochPlan:
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/resume.py)
 
     @property
-    def samples_per_rank(self) -> int:
-        return self.batches_per_rank * self.batch_size
-
-    @property
     def dropped(self) -> int:
         return max(0, self.total_samples - self.world_size * self.samples_per_rank)
 
     @property
     def repeated(self) -> int:
         return max(0, self.world_size * self.samples_per_rank - self.total_samples)
-
-    def worker_batches(self, worker: int) -> int:
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        return base + (1 if worker < extra else 0)
-
-    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
-        """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
-        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
-            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        before = worker * base + min(worker, extra)
-        begin = rank * self.samples_per_rank + before * self.batch_size
-        return begin, begin + self.worker_batches(worker) * self.batch_size
 
     def ranges(self, rank: int, worker: int, counts: Sequence[int]) -> list[Range]:
         """The shard ranges worker ``worker`` of rank ``rank`` reads, in order."""

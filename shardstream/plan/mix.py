@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardstream.errors import ConfigError
-from shardstream.plan.epoch import Range
+from shardstream.plan.epoch import Range, RankSlices
 
 PER_BATCH = ("spread", "exact")
 PHASES = 1 << 16  # phases are multiples of 1/PHASES, so keys are exact rationals
@@ -161,7 +161,7 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class MixPlan:
+class MixPlan(RankSlices):
     epoch: int
     seed: int
     shuffle: bool
@@ -191,10 +191,6 @@ class MixPlan:
         return sum(self.quotas)
 
     @property
-    def samples_per_rank(self) -> int:
-        return self.batches_per_rank * self.batch_size
-
-    @property
     def used_samples(self) -> int:
         return self.world_size * self.samples_per_rank
 
@@ -206,20 +202,6 @@ class MixPlan:
     def repeated(self) -> int:
         used = self.used_before(self.used_samples)
         return sum(max(0, u - n) for u, n in zip(used, self.sizes))
-
-    # -- topology (the same arithmetic as EpochPlan) ---------------------------------------------
-    def worker_batches(self, worker: int) -> int:
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        return base + (1 if worker < extra else 0)
-
-    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
-        """[begin, end) positions of the mixed sequence that worker ``worker`` of rank ``rank`` reads."""
-        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
-            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        before = worker * base + min(worker, extra)
-        begin = rank * self.samples_per_rank + before * self.batch_size
-        return begin, begin + self.worker_batches(worker) * self.batch_size
 
     # -- the mixed sequence ----------------------------------------------------------------------
     def _key_scale(self) -> tuple[int, list[int]]:
