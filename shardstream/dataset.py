@@ -97,7 +97,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         super().__init__()
         self.storage_options = dict(storage_options or {})
         self.manifest = resolve_manifest(source, self.storage_options)
-        self.counts = [s.samples for s in self.manifest.shards]
+        self.counts = self.manifest.counts  # int64 array, one entry per shard: all that planning needs
         self.world = World.detect(rank, world_size)
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -120,9 +120,9 @@ class ShardStream(torch.utils.data.IterableDataset):
             if cache_limit is None:
                 raise ConfigError("cache_dir needs cache_limit (bytes of local disk the cache may use)")
             self.cache = ShardCache(cache_dir, cache_limit, verify=verify_checksums)
-            largest = max(range(len(self.manifest.shards)), key=lambda i: self.manifest.shards[i].bytes, default=None)
-            if largest is not None:
-                self.cache.check_fits(self.manifest.shards[largest].bytes, self.manifest.shard_url(largest))
+            if len(self.manifest.sizes):
+                largest = int(self.manifest.sizes.argmax())
+                self.cache.check_fits(int(self.manifest.sizes[largest]), self.manifest.shard_url(largest))
         if decode is False:
             decoders: dict = {}
         else:

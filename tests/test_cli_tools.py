@@ -4,6 +4,7 @@ and on the moto S3 server."""
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 import webdataset as wds
@@ -12,6 +13,7 @@ from PIL import Image
 
 from shardstream import ShardStream, ShardWriter
 from shardstream.cli.main import build_parser, main
+from shardstream.format.offsets import encode_offsets
 from shardstream.write.pack import pack
 
 
@@ -113,7 +115,9 @@ def test_verify_on_s3_finds_a_count_that_lies(s3, capsys):
             w.write(s)
     doc = json.loads(client.get_object(Bucket=bucket, Key="v/index.json")["Body"].read())
     doc["shards"][1]["samples"] = 9
-    doc["shards"][1]["offsets"] = doc["shards"][1]["offsets"][:9] + doc["shards"][1]["offsets"][-1:]
+    sidecar = client.get_object(Bucket=bucket, Key="v/shard-000001.tar.idx")["Body"].read()
+    offsets = list(struct.unpack("<11Q", sidecar[16:]))
+    client.put_object(Bucket=bucket, Key="v/shard-000001.tar.idx", Body=encode_offsets(offsets[:9] + offsets[-1:]))
     doc["total_samples"] = 19
     client.put_object(Bucket=bucket, Key="v/index.json", Body=json.dumps(doc).encode())
     assert main(["verify", f"s3://{bucket}/v", "--endpoint-url", options["endpoint_url"]]) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import tarfile
 import tracemalloc
 
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 
 from shardstream import ShardStream, ShardWriter
 from shardstream.errors import ManifestError, SampleError, ShardFormatError, StorageError
-from shardstream.format.manifest import Manifest
+from shardstream.format.manifest import Manifest, load_manifest
+from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
 from shardstream.storage.scan import scan_shard
 
@@ -74,9 +76,11 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["format", "version", "shards", "total_samples", "path", "samples", "bytes", "offsets", "sha256"]),
                        json_values, max_size=6),
-       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3))
-def test_fuzz_manifest_reader(doc, shards):
-    doc = {"format": "shardstream-index", "version": 1, **doc}
+       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256", "span", "index"]), json_values, max_size=6),
+                max_size=3),
+       st.sampled_from([1, 2]))
+def test_fuzz_manifest_reader(doc, shards, version):
+    doc = {"format": "shardstream-index", "version": version, **doc}
     if "shards" not in doc:
         doc["shards"] = shards
     try:
@@ -84,8 +88,11 @@ def test_fuzz_manifest_reader(doc, shards):
     except ManifestError as exc:
         assert str(exc).startswith("fuzz/index.json")
     else:
-        for shard in manifest.shards:
-            assert len(shard.offsets) == shard.samples + 1 and shard.offsets[-1] <= shard.bytes
+        for i, shard in enumerate(manifest.shards):
+            assert shard.span is not None and 0 <= shard.span[0] <= shard.span[1] <= shard.bytes
+            if manifest.version == 1:
+                offsets = manifest.offsets(i)
+                assert len(offsets) == shard.samples + 1 and offsets[-1] <= shard.bytes
 
 
 def test_zero_length_object_and_non_utf8_name(tmp_path):
@@ -114,7 +121,7 @@ def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog):
     root = write(tmp_path / "d")
     shard = tmp_path / "d" / "shard-000002.tar"
     data = bytearray(shard.read_bytes())
-    offset = json.loads((tmp_path / "d" / "index.json").read_text())["shards"][2]["offsets"][3]
+    offset = int(load_manifest(root).offsets(2)[3])
     data[offset + 10] ^= 0xFF  # the header of the shard's 4th sample
     shard.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError, match=r"shard-000002.tar at byte \d+: tar header checksum mismatch"):
@@ -141,13 +148,21 @@ def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
     root = write(tmp_path / "d")
     path = tmp_path / "d" / "index.json"
     doc = json.loads(path.read_text())
-    doc["shards"][0]["offsets"][-1] = doc["shards"][0]["bytes"] + 512
+    doc["shards"][0]["span"][-1] = doc["shards"][0]["bytes"] + 512
     path.write_text(json.dumps(doc))
-    with pytest.raises(ManifestError, match="past the shard's"):
+    with pytest.raises(ManifestError, match="within the shard's"):
         ShardStream(root, batch_size=4, rank=0, world_size=1)
-    doc["shards"][0]["offsets"][-1] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
-    doc["shards"][0]["offsets"][5] += 512  # into the middle of a sample
+    doc["shards"][0]["span"][-1] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
     path.write_text(json.dumps(doc))
+    sidecar = tmp_path / "d" / "shard-000000.tar.idx"
+    offsets = list(struct.unpack("<11Q", sidecar.read_bytes()[16:]))
+    offsets[-1] = doc["shards"][0]["bytes"] + 512
+    sidecar.write_bytes(encode_offsets(offsets))
+    with pytest.raises(ManifestError, match="past the shard's"):  # the sidecar is read for a range inside the shard
+        list(ShardStream(root, batch_size=5, shuffle=False, rank=0, world_size=12))
+    offsets[-1] -= 512 + 1024
+    offsets[5] += 512  # into the middle of a sample
+    sidecar.write_bytes(encode_offsets(offsets))
     for rank in (0, 1):  # 12 ranks x 5 samples: rank 0 ends, rank 1 starts at the bad offset
         with pytest.raises(ShardFormatError, match=r"shard-000000.tar at byte \d+"):
             list(ShardStream(root, batch_size=5, shuffle=False, rank=rank, world_size=12))

@@ -54,7 +54,8 @@ def _scan_shard(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Sh
         while read(READ_SIZE):  # hash the end-of-archive blocks and anything after them
             pass
     offsets.append(data_end)
-    info = ShardInfo(path=url, samples=len(offsets) - 1, bytes=size, sha256=digest.hexdigest(), offsets=tuple(offsets))
+    # Offsets stay in memory (a list of ints) until the manifest's writer puts them in a sidecar.
+    info = ShardInfo(path=url, samples=len(offsets) - 1, bytes=size, sha256=digest.hexdigest(), offsets=offsets)
     return info, extensions
 
 

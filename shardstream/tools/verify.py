@@ -1,5 +1,6 @@
-"""Check every shard against its manifest: exists, size, sha256, sample count, offsets, and
-(deep) that every field decodes. Collects every problem instead of stopping at the first."""
+"""Check every shard against its manifest: exists, size, sha256, sample count, offsets (the
+offset sidecar of a version-2 manifest: size, count, increasing, each offset at a sample's first
+tar header), and (deep) that every field decodes. Collects every problem instead of stopping at the first."""
 
 from __future__ import annotations
 
@@ -75,12 +76,29 @@ def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_
     offsets.append(data_end)
     if len(offsets) - 1 != info.samples:
         problems.append(Problem(url, f"holds {len(offsets) - 1} samples, the manifest says {info.samples}"))
-    elif tuple(offsets) != tuple(info.offsets):
-        bad = next(i for i, (a, b) in enumerate(zip(offsets, info.offsets)) if a != b)
-        problems.append(Problem(url, f"offset of sample #{bad} is {offsets[bad]}, the manifest says {info.offsets[bad]}"))
+    else:
+        problems += _check_offsets(manifest, index, offsets, storage_options)
     if info.sha256 and digest.hexdigest() != info.sha256:
         problems.append(Problem(url, f"sha256 is {digest.hexdigest()}, the manifest says {info.sha256}"))
     return problems
+
+
+def _check_offsets(manifest: Manifest, index: int, found: list[int], storage_options) -> list[Problem]:
+    """The manifest's span and the shard's offsets (its sidecar: size, count, increasing) against
+    the sample starts the scan found, so every offset points at a sample's first tar header."""
+    url = manifest.shard_url(index)
+    span = (int(manifest.spans[index, 0]), int(manifest.spans[index, 1]))
+    if found and span != (found[0], found[-1]):
+        return [Problem(url, f"the manifest's span is {list(span)}, the samples run over {[found[0], found[-1]]}")]
+    where = "the manifest" if manifest.version == 1 else f"the offset sidecar {manifest.sidecar_url(index)}"
+    try:
+        listed = manifest.offsets(index, storage_options).tolist()
+    except ShardstreamError as exc:
+        return [Problem(url, f"offset sidecar: {exc}")]
+    if listed != found:
+        bad = next(i for i, (a, b) in enumerate(zip(found, listed)) if a != b)
+        return [Problem(url, f"offset of sample #{bad} is {found[bad]}, {where} says {listed[bad]}")]
+    return []
 
 
 def verify_dataset(manifest: Manifest, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,

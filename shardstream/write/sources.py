@@ -154,18 +154,19 @@ def _list_shards(src: str, storage_options) -> Listing:
     items: list[Item] = []
     if not is_shard_pattern(src):
         manifest = load_manifest(src, storage_options)
-        for i, shard in enumerate(manifest.shards):
+        for i in range(len(manifest.paths)):
             url = manifest.shard_url(i)
-            for j in range(shard.samples):
-                items.append((f"{url} sample #{j}", ("tar", url, shard.offsets[j], shard.offsets[j + 1])))
+            offsets = manifest.offsets(i).tolist()
+            for j in range(len(offsets) - 1):
+                items.append((f"{url} sample #{j}", ("tar", url, offsets[j], offsets[j + 1])))
         return Listing(items, manifest.label_map)
     urls = expand_urls(src, storage_options)
     if not urls:
         raise SourceError(src, "no shards match")
     for url in urls:
-        info = scan_shard(url, storage_options)
-        for j in range(info.samples):
-            items.append((f"{url} sample #{j}", ("tar", url, info.offsets[j], info.offsets[j + 1])))
+        offsets = list(scan_shard(url, storage_options).offsets or ())
+        for j in range(len(offsets) - 1):
+            items.append((f"{url} sample #{j}", ("tar", url, offsets[j], offsets[j + 1])))
     return Listing(items)
 
 
