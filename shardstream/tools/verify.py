@@ -94,7 +94,7 @@ def _check_offsets(manifest: Manifest, index: int, found: list[int], storage_opt
     try:
         listed = manifest.offsets(index, storage_options).tolist()
     except ShardstreamError as exc:
-        return [Problem(url, f"offset sidecar: {exc}")]
+        return [Problem(url, str(exc))]
     if listed != found:
         bad = next(i for i, (a, b) in enumerate(zip(found, listed)) if a != b)
         return [Problem(url, f"offset of sample #{bad} is {found[bad]}, {where} says {listed[bad]}")]
