@@ -20,7 +20,7 @@ from shardstream import ShardStream, ShardWriter
 from shardstream.cli.main import main
 from shardstream.errors import ManifestError, SourceError
 from shardstream.format.manifest import Manifest, ShardInfo, load_manifest
-from shardstream.format.offsets import OFFSET_CACHE, OffsetCache, encode_offsets, sidecar_size
+from shardstream.format.offsets import OFFSET_CACHE, OffsetCache, sidecar_size
 from shardstream.tools.merge import merge_datasets
 from shardstream.tools.verify import verify_dataset
 from shardstream.write.pack import pack
