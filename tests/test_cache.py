@@ -120,7 +120,7 @@ def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
     bucket, options, client = s3
     url = write(bucket, options, n=20)
     doc = json.loads(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
-    doc["shards"][0]["sha256"] = "0" * 64
+    doc["shards"]["sha256"][0] = "0" * 64
     client.put_object(Bucket=bucket, Key="c/index.json", Body=json.dumps(doc).encode())
     ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
                      cache_dir=str(tmp_path / "cache"), cache_limit=10**9)

@@ -114,7 +114,7 @@ def test_verify_on_s3_finds_a_count_that_lies(s3, capsys):
         for s in make_samples(20):
             w.write(s)
     doc = json.loads(client.get_object(Bucket=bucket, Key="v/index.json")["Body"].read())
-    doc["shards"][1]["samples"] = 9
+    doc["shards"]["samples"][1] = 9
     sidecar = client.get_object(Bucket=bucket, Key="v/shard-000001.tar.idx")["Body"].read()
     offsets = list(struct.unpack("<11Q", sidecar[16:]))
     client.put_object(Bucket=bucket, Key="v/shard-000001.tar.idx", Body=encode_offsets(offsets[:9] + offsets[-1:]))
@@ -132,7 +132,7 @@ def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
     assert main(["index", str(tmp_path / "w-{00..02}.tar"), str(tmp_path)]) == 0
     assert "indexed 3 shards, 45 samples" in capsys.readouterr().out
     doc = json.loads((tmp_path / "index.json").read_text())
-    assert [s["path"] for s in doc["shards"]] == ["w-00.tar", "w-01.tar", "w-02.tar"]
+    assert doc["shards"]["path"] == ["w-00.tar", "w-01.tar", "w-02.tar"]
     ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, rank=0, world_size=1)
     assert [k for b in ds for k in b["__key__"]] == [s["__key__"] for s in samples]
     assert main(["verify", str(tmp_path)]) == 0

@@ -76,13 +76,14 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["format", "version", "shards", "total_samples", "path", "samples", "bytes", "offsets", "sha256"]),
                        json_values, max_size=6),
-       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256", "span", "index"]), json_values, max_size=6),
-                max_size=3),
+       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3),
+       st.dictionaries(st.sampled_from(["path", "samples", "bytes", "sha256", "data_start", "data_end", "index"]),
+                       st.lists(json_values, max_size=3), max_size=7),
        st.sampled_from([1, 2]))
-def test_fuzz_manifest_reader(doc, shards, version):
+def test_fuzz_manifest_reader(doc, shards, columns, version):
     doc = {"format": "shardstream-index", "version": version, **doc}
     if "shards" not in doc:
-        doc["shards"] = shards
+        doc["shards"] = shards if version == 1 else columns
     try:
         manifest = Manifest.from_json(json.loads(json.dumps(doc)), "fuzz/index.json")
     except ManifestError as exc:
@@ -148,15 +149,15 @@ def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
     root = write(tmp_path / "d")
     path = tmp_path / "d" / "index.json"
     doc = json.loads(path.read_text())
-    doc["shards"][0]["span"][-1] = doc["shards"][0]["bytes"] + 512
+    doc["shards"]["data_end"][0] = doc["shards"]["bytes"][0] + 512
     path.write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="within the shard's"):
         ShardStream(root, batch_size=4, rank=0, world_size=1)
-    doc["shards"][0]["span"][-1] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
+    doc["shards"]["data_end"][0] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
     path.write_text(json.dumps(doc))
     sidecar = tmp_path / "d" / "shard-000000.tar.idx"
     offsets = list(struct.unpack("<11Q", sidecar.read_bytes()[16:]))
-    offsets[-1] = doc["shards"][0]["bytes"] + 512
+    offsets[-1] = doc["shards"]["bytes"][0] + 512
     sidecar.write_bytes(encode_offsets(offsets))
     with pytest.raises(ManifestError, match="past the shard's"):  # the sidecar is read for a range inside the shard
         list(ShardStream(root, batch_size=5, shuffle=False, rank=0, world_size=12))

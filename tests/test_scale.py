@@ -69,10 +69,10 @@ def to_version_1(root):
     manifest = load_manifest(root)
     doc = json.loads(open(os.path.join(root, "index.json")).read())
     doc["version"] = 1
-    for i, shard in enumerate(doc["shards"]):
-        shard["offsets"] = manifest.offsets(i).tolist()
-        del shard["span"], shard["index"]
-        os.unlink(os.path.join(root, shard["path"] + ".idx"))
+    doc["shards"] = [{"path": manifest.paths[i], "samples": int(manifest.counts[i]), "bytes": int(manifest.sizes[i]),
+                      "sha256": manifest.sha256(i), "offsets": manifest.offsets(i).tolist()} for i in range(len(manifest.paths))]
+    for path in manifest.paths:
+        os.unlink(os.path.join(root, path + ".idx"))
     with open(os.path.join(root, "index.json"), "w") as f:
         json.dump(doc, f)
 
@@ -288,7 +288,8 @@ def test_merge_reads_as_one_dataset_with_exact_epochs(tmp_path, capsys):
     assert main(["merge", str(dest), str(dest / "day-01"), str(dest / "day-02")]) == 0
     assert "7 shards, 42 samples" in capsys.readouterr().out
     doc = json.loads((dest / "index.json").read_text())
-    assert doc["shards"][0]["path"] == "day-01/shard-000000.tar" and doc["shards"][-1]["index"] == "day-02/shard-000001.tar.idx"
+    assert doc["shards"]["path"][0] == "day-01/shard-000000.tar" and doc["shards"]["path"][-1] == "day-02/shard-000001.tar"
+    assert (dest / "day-02" / "shard-000001.tar.idx").exists()
     for epoch in (0, 1):
         seen = []
         for rank in range(3):

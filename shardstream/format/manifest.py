@@ -102,29 +102,33 @@ class Manifest:
 
     # -- columns -------------------------------------------------------------------------------
     def _set_columns(self, shards: list[ShardInfo]) -> None:
-        n = len(shards)
-        self.paths: list[str] = [s.path for s in shards]
-        self.counts = np.fromiter((s.samples for s in shards), dtype=np.int64, count=n)
-        self.sizes = np.fromiter((s.bytes for s in shards), dtype=np.int64, count=n)
-        self._sha = np.zeros((n, 32), dtype=np.uint8)
-        self._has_sha = np.zeros(n, dtype=bool)
-        self.spans = np.zeros((n, 2), dtype=np.int64)
-        self._inline: dict[int, np.ndarray] = {}
-        sidecars: list[str | None] = []
+        inline: dict[int, np.ndarray] = {}
+        spans = np.zeros((len(shards), 2), dtype=np.int64)
         for i, s in enumerate(shards):
-            if s.sha256:
-                self._sha[i] = np.frombuffer(bytes.fromhex(s.sha256), dtype=np.uint8)
-                self._has_sha[i] = True
             if s.offsets is not None:
                 arr = np.asarray(s.offsets, dtype=np.int64)
-                self._inline[i] = arr
-                self.spans[i] = (arr[0], arr[-1])
+                inline[i] = arr
+                spans[i] = (arr[0], arr[-1])
             elif s.span is not None:
-                self.spans[i] = s.span
-            sidecars.append(s.index)
+                spans[i] = s.span
+        self._set_arrays([s.path for s in shards], [s.samples for s in shards], [s.bytes for s in shards],
+                         [s.sha256 for s in shards], spans, [s.index for s in shards], inline)
+
+    def _set_arrays(self, paths: list[str], counts: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
+                    shas: list[str | None], spans: np.ndarray, sidecars: list[str | None] | None,
+                    inline: dict[int, np.ndarray]) -> None:
+        n = len(paths)
+        self.paths = paths
+        self.counts = np.asarray(counts, dtype=np.int64).reshape(n)
+        self.sizes = np.asarray(sizes, dtype=np.int64).reshape(n)
+        self._has_sha = np.fromiter((h is not None for h in shas), dtype=bool, count=n)
+        zero = "0" * 64
+        self._sha = np.frombuffer(bytes.fromhex("".join(h or zero for h in shas)), dtype=np.uint8).reshape(n, 32).copy()
+        self.spans = np.asarray(spans, dtype=np.int64).reshape(n, 2)
+        self._inline = inline
         # The usual sidecar is the shard's path plus ".idx": stored once, not per shard.
         self._sidecars: list[str | None] | None = (
-            None if all(x is None or x == default_sidecar(p) for x, p in zip(sidecars, self.paths)) else sidecars
+            None if sidecars is None or all(x is None or x == default_sidecar(p) for x, p in zip(sidecars, paths)) else sidecars
         )
 
     @property
@@ -194,11 +198,6 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         from shardstream import __version__
 
-        shards = []
-        for i, path in enumerate(self.paths):
-            shards.append({"path": path, "samples": int(self.counts[i]), "bytes": int(self.sizes[i]),
-                           "sha256": self.sha256(i), "span": [int(self.spans[i, 0]), int(self.spans[i, 1])],
-                           "index": self.sidecar_path(i)})
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -210,17 +209,24 @@ class Manifest:
             "label_map": self.label_map,
             "label_counts": self.label_counts,
             "skipped": self.skipped,
-            "shards": shards,
+            "shards": {  # columns: one list per field, shard i at position i in each
+                "path": list(self.paths),
+                "samples": self.counts.tolist(),
+                "bytes": self.sizes.tolist(),
+                "sha256": [self.sha256(i) for i in range(len(self.paths))],
+                "data_start": self.spans[:, 0].tolist(),
+                "data_end": self.spans[:, 1].tolist(),
+                "index": None if self._sidecars is None else [self.sidecar_path(i) for i in range(len(self.paths))],
+            },
         }
 
     def dumps(self) -> bytes:
-        # One line per shard: readable, and still O(shards).
+        # One line per field and per column: readable at the top, compact below.
         doc = self.to_json()
-        shards = doc.pop("shards")
+        columns = doc.pop("shards")
         head = json.dumps(doc, indent=1)[:-2]
-        lines = ",\n  ".join(json.dumps(s) for s in shards)
-        return (head + ',\n "shards": [\n  ' + lines + "\n ]\n}\n").encode("utf-8") if shards else \
-            (head + ',\n "shards": []\n}\n').encode("utf-8")
+        body = ",\n  ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in columns.items())
+        return (head + ',\n "shards": {\n  ' + body + "\n }\n}\n").encode("utf-8")
 
     # -- reading ---------------------------------------------------------------------------------
     @classmethod
@@ -231,20 +237,7 @@ class Manifest:
         if version not in READ_VERSIONS or isinstance(version, bool):
             raise ManifestError(f"{where}: unknown manifest format version {version!r} (this shardstream reads "
                                 f"versions {', '.join(map(str, READ_VERSIONS))}; upgrade shardstream)")
-        raw_shards = doc.get("shards")
-        if not isinstance(raw_shards, list):
-            raise ManifestError(f"{where}: 'shards' must be a list")
-        parse = _shard_from_json_v1 if version == 1 else _shard_from_json_v2
-        shards = []
-        seen: set[str] = set()
-        for i, raw in enumerate(raw_shards):
-            shard = parse(raw, f"{where}: shard #{i}")
-            if shard.path in seen:
-                raise ManifestError(f"{where}: shard {shard.path!r} is listed twice")
-            seen.add(shard.path)
-            shards.append(shard)
         manifest = cls(
-            shards=shards,
             extensions=dict(doc.get("extensions") or {}),
             label_map=doc.get("label_map"),
             label_counts=doc.get("label_counts"),
@@ -253,6 +246,16 @@ class Manifest:
             shardstream_version=doc.get("shardstream_version", ""),
         )
         manifest.version = version
+        if version == 1:
+            _read_shards_v1(manifest, doc.get("shards"), where)
+        else:
+            _read_shards_v2(manifest, doc.get("shards"), where)
+        if len(set(manifest.paths)) != len(manifest.paths):
+            seen: set[str] = set()
+            for path in manifest.paths:
+                if path in seen:
+                    raise ManifestError(f"{where}: shard {path!r} is listed twice")
+                seen.add(path)
         total = doc.get("total_samples")
         if total is not None and total != manifest.total_samples:
             raise ManifestError(
@@ -261,42 +264,83 @@ class Manifest:
         return manifest
 
 
-def _common_fields(raw: Any, where: str) -> tuple[str, int, int, str | None, str]:
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{where}: not an object")
-    path, samples, size = raw.get("path"), raw.get("samples"), raw.get("bytes")
-    if not isinstance(path, str) or not path:
-        raise ManifestError(f"{where}: missing 'path'")
-    where = f"{where} ({path})"
-    if not _is_count(samples) or not _is_count(size):
-        raise ManifestError(f"{where}: 'samples' and 'bytes' must be non-negative integers")
-    sha = raw.get("sha256")
-    if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and _is_hex(sha)):
-        raise ManifestError(f"{where}: 'sha256' must be 64 hex digits")
-    return path, samples, size, sha, where
+def _read_shards_v1(manifest: Manifest, raw_shards: Any, where: str) -> None:
+    """Version 1: a list of shard objects, each with its offsets inline."""
+    if not isinstance(raw_shards, list):
+        raise ManifestError(f"{where}: 'shards' must be a list")
+    shards = []
+    for i, raw in enumerate(raw_shards):
+        w = f"{where}: shard #{i}"
+        if not isinstance(raw, dict):
+            raise ManifestError(f"{w}: not an object")
+        path, samples, size = raw.get("path"), raw.get("samples"), raw.get("bytes")
+        if not isinstance(path, str) or not path:
+            raise ManifestError(f"{w}: missing 'path'")
+        w = f"{w} ({path})"
+        if not _is_count(samples) or not _is_count(size):
+            raise ManifestError(f"{w}: 'samples' and 'bytes' must be non-negative integers")
+        sha = raw.get("sha256")
+        if sha is not None and not _is_sha(sha):
+            raise ManifestError(f"{w}: 'sha256' must be 64 hex digits")
+        offsets = raw.get("offsets")
+        if not isinstance(offsets, list) or len(offsets) != samples + 1 or not all(_is_count(o) for o in offsets):
+            raise ManifestError(f"{w}: 'offsets' must list samples + 1 = {samples + 1} byte offsets")
+        problem = check_offsets(np.asarray(offsets, dtype=np.int64), samples, size)
+        if problem is not None:
+            raise ManifestError(f"{w}: {problem}")
+        shards.append(ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=offsets))
+    manifest._set_columns(shards)
 
 
-def _shard_from_json_v1(raw: Any, where: str) -> ShardInfo:
-    path, samples, size, sha, where = _common_fields(raw, where)
-    offsets = raw.get("offsets")
-    if not isinstance(offsets, list) or len(offsets) != samples + 1 or not all(_is_count(o) for o in offsets):
-        raise ManifestError(f"{where}: 'offsets' must list samples + 1 = {samples + 1} byte offsets")
-    problem = check_offsets(np.asarray(offsets, dtype=np.int64), samples, size)
-    if problem is not None:
-        raise ManifestError(f"{where}: {problem}")
-    return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, offsets=offsets)
+def _read_shards_v2(manifest: Manifest, cols: Any, where: str) -> None:
+    """Version 2: columns, checked a whole column at a time (100,000 shards in milliseconds)."""
+    if not isinstance(cols, dict):
+        raise ManifestError(f"{where}: 'shards' must be an object of columns (path, samples, bytes, ...)")
+    paths = cols.get("path")
+    if not isinstance(paths, list):
+        raise ManifestError(f"{where}: 'shards.path' must be a list")
+    n = len(paths)
+    names = ("samples", "bytes", "sha256", "data_start", "data_end")
+    for name in names:
+        if not isinstance(cols.get(name), list) or len(cols[name]) != n:
+            raise ManifestError(f"{where}: 'shards.{name}' must be a list of {n} entries, one per shard")
+
+    def bad(i: int, what: str) -> ManifestError:
+        return ManifestError(f"{where}: shard #{i} ({paths[i]!r}): {what}")
+
+    for i, p in enumerate(paths):
+        if not isinstance(p, str) or not p:
+            raise ManifestError(f"{where}: shard #{i}: missing 'path'")
+    ints = {}
+    for name in ("samples", "bytes", "data_start", "data_end"):
+        column = cols[name]
+        if not all(type(x) is int and x >= 0 for x in column):
+            i = next(i for i, x in enumerate(column) if not _is_count(x))
+            raise bad(i, f"'{name}' must be a non-negative integer")
+        try:
+            ints[name] = np.array(column, dtype=np.int64)
+        except OverflowError:
+            raise ManifestError(f"{where}: 'shards.{name}' holds a number beyond 64 bits") from None
+    counts, sizes, first, end = ints["samples"], ints["bytes"], ints["data_start"], ints["data_end"]
+    wrong = (first > end) | (end > sizes) | ((first == end) & (counts > 0))
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        raise bad(i, f"data span [{first[i]}, {end[i]}) must be increasing and within the shard's {sizes[i]} bytes")
+    shas = cols["sha256"]
+    if not (all(h is None or (isinstance(h, str) and len(h) == 64) for h in shas)
+            and _is_hex("".join(h for h in shas if h is not None))):
+        i = next(i for i, h in enumerate(shas) if not (h is None or _is_sha(h)))
+        raise bad(i, "'sha256' must be 64 hex digits")
+    sidecars = cols.get("index")
+    if sidecars is not None and not (isinstance(sidecars, list) and len(sidecars) == n
+                                     and all(isinstance(x, str) and x for x in sidecars)):
+        raise ManifestError(f"{where}: 'shards.index' must be null (each shard's sidecar is its path + "
+                            f"'{SUFFIX}') or a list of {n} sidecar paths")
+    manifest._set_arrays(paths, counts, sizes, shas, np.stack([first, end], axis=1), sidecars, {})
 
 
-def _shard_from_json_v2(raw: Any, where: str) -> ShardInfo:
-    path, samples, size, sha, where = _common_fields(raw, where)
-    span, index = raw.get("span"), raw.get("index")
-    if not (isinstance(span, list) and len(span) == 2 and _is_count(span[0]) and _is_count(span[1])
-            and (span[0] < span[1] or (samples == 0 and span[0] <= span[1])) and span[1] <= size):
-        raise ManifestError(f"{where}: 'span' must be [first sample's offset, end of the last sample], "
-                            f"increasing and within the shard's {size} bytes")
-    if not isinstance(index, str) or not index:
-        raise ManifestError(f"{where}: 'index' must name the shard's offset sidecar")
-    return ShardInfo(path=path, samples=samples, bytes=size, sha256=sha, index=index, span=(span[0], span[1]))
+def _is_sha(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and _is_hex(value)
 
 
 def _is_count(value: Any) -> TypeGuard[int]:
