@@ -308,27 +308,30 @@ def _read_shards_v2(manifest: Manifest, cols: Any, where: str) -> None:
     def bad(i: int, what: str) -> ManifestError:
         return ManifestError(f"{where}: shard #{i} ({paths[i]!r}): {what}")
 
-    for i, p in enumerate(paths):
-        if not isinstance(p, str) or not p:
-            raise ManifestError(f"{where}: shard #{i}: missing 'path'")
+    # Type checks as set(map(type, column)): C loops, not a Python frame per shard.
+    if n and (set(map(type, paths)) != {str} or not all(paths)):
+        i = next(i for i, p in enumerate(paths) if not (isinstance(p, str) and p))
+        raise ManifestError(f"{where}: shard #{i}: missing 'path'")
     ints = {}
     for name in ("samples", "bytes", "data_start", "data_end"):
         column = cols[name]
-        if not all(type(x) is int and x >= 0 for x in column):
-            i = next(i for i, x in enumerate(column) if not _is_count(x))
+        if n and set(map(type, column)) != {int}:  # bool is not int here: type(True) is bool
+            i = next(i for i, x in enumerate(column) if type(x) is not int)
             raise bad(i, f"'{name}' must be a non-negative integer")
         try:
             ints[name] = np.array(column, dtype=np.int64)
         except OverflowError:
             raise ManifestError(f"{where}: 'shards.{name}' holds a number beyond 64 bits") from None
+        if n and ints[name].min() < 0:
+            raise bad(int(ints[name].argmin()), f"'{name}' must be a non-negative integer")
     counts, sizes, first, end = ints["samples"], ints["bytes"], ints["data_start"], ints["data_end"]
     wrong = (first > end) | (end > sizes) | ((first == end) & (counts > 0))
     if wrong.any():
         i = int(np.argmax(wrong))
         raise bad(i, f"data span [{first[i]}, {end[i]}) must be increasing and within the shard's {sizes[i]} bytes")
     shas = cols["sha256"]
-    if not (all(h is None or (isinstance(h, str) and len(h) == 64) for h in shas)
-            and _is_hex("".join(h for h in shas if h is not None))):
+    present = [h for h in shas if h is not None]
+    if not (set(map(type, present)) <= {str} and set(map(len, present)) <= {64} and _is_hex("".join(present))):
         i = next(i for i, h in enumerate(shas) if not (h is None or _is_sha(h)))
         raise bad(i, "'sha256' must be 64 hex digits")
     sidecars = cols.get("index")
