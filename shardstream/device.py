@@ -41,9 +41,24 @@ class DevicePrefetcher:
     def __init__(self, loader: Iterable[Any], device: str | torch.device):
         self.loader = loader
         self.device = torch.device(device)
+        self._held = 0  # batches taken from the loader but not yet yielded
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state, less the batch copied ahead and not yet handed to the loop (it is
+        delivered again after a resume)."""
+        state = self.loader.state_dict()  # type: ignore[attr-defined]
+        if self._held:
+            from shardstream.plan.resume import ResumeState
+
+            loaded = ResumeState.from_json(state)
+            state = loaded.advanced(loaded.batches - self._held).to_json()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:
         if self.device.type != "cuda":
@@ -68,7 +83,9 @@ class DevicePrefetcher:
             batch = nxt
             _record(batch, compute)
             nxt, more = preload()  # the next copy overlaps the caller's work on this batch
+            self._held = int(more)
             yield batch
+        self._held = 0
 
 
 def to_device(loader: Iterable[Any], device: str | torch.device) -> DevicePrefetcher:

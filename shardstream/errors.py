@@ -5,6 +5,7 @@
     ├── SourceError                  bad pack input: unreadable file, malformed line, key clash
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, or inconsistent
+    ├── StateError                   a resume state from another dataset, seed, mode or version
     ├── StorageError                 a shard cannot be opened or read (names the URL)
     │   └── ChecksumError            a shard's bytes do not match the manifest's sha256
     ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
@@ -40,6 +41,10 @@ class DestinationError(ShardstreamError):
 
 class ManifestError(ShardstreamError):
     """A manifest that cannot be trusted."""
+
+
+class StateError(ShardstreamError, ValueError):
+    """A resume state that does not fit this dataset or this shardstream (says which field differs)."""
 
 
 class StorageError(ShardstreamError):

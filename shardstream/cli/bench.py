@@ -15,11 +15,12 @@ EPILOG = """examples:
   shardstream bench ./shards --workers 2 --batch-size 64 --seconds 20
   shardstream bench s3://bucket/train --workers 8 --decode raw --endpoint-url http://127.0.0.1:9000
   shardstream bench ./shards --workers 4 --plot workers.png     # throughput for 0..4 workers
+  shardstream bench mix.yaml --workers 4                         # a mix of datasets
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="dataset root or index.json URL (or shard pattern)")
+    p.add_argument("url", help="dataset root, index.json URL, shard pattern or mix file (.yaml/.json)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--decode", choices=["auto", "raw"], default="auto", help="decode by extension (auto) or not (raw)")
@@ -38,7 +39,8 @@ def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: f
     started = time.perf_counter()
     dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle_buffer=shuffle_buffer,
                           rank=0, world_size=1, storage_options=storage_options)
-    bytes_per_sample = dataset.manifest.total_bytes / max(1, dataset.manifest.total_samples)
+    manifests = [dataset.manifest] if dataset.mix is None else dataset.mix.manifests
+    bytes_per_sample = sum(m.total_bytes for m in manifests) / max(1, sum(m.total_samples for m in manifests))
     loader = make_loader(dataset, num_workers=workers, pin_memory=False)
     samples = batches = epoch = 0
     first = None

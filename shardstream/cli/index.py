@@ -1,4 +1,4 @@
-"""``shardstream index URL_OR_PATTERN DEST``: a manifest for shards written by others;
+"""``shardstream index SHARDS... DEST``: a manifest for shards written by others;
 ``shardstream index --upgrade DATASET``: a version-1 manifest to version 2."""
 
 from __future__ import annotations
@@ -12,19 +12,23 @@ HELP = "write a shardstream manifest for existing tar shards without rewriting t
 EPILOG = """examples:
   shardstream index './wds/train-{000000..000099}.tar' ./wds
   shardstream index 's3://bucket/laion/*.tar' s3://bucket/laion/index.json --threads 16
-  shardstream index --upgrade s3://bucket/old-dataset
+  shardstream index ./downloads ./downloads           (a directory: its *.tar, *.tar.gz, ... shards)
+  shardstream index 'a/*.tar' 'b/*.tgz' shards.txt ./all   (several inputs; shards.txt lists URLs)
 DEST is a directory (index.json is written there) or a .json path. Shard paths are stored
-relative to DEST's directory when they are under it, else as full URLs. Each shard's offsets go
-to a sidecar (SHARD.idx next to it, or offsets/NNNNNN.idx under DEST for shards elsewhere),
-written before the manifest. --upgrade turns a version-1 manifest (offsets inline) into
-version 2 in place, without reading the shards.
+relative to DEST's directory when they are under it (however either is spelled: relative, ./,
+absolute or file://), else as absolute paths or full URLs. Each shard's offsets go to a sidecar
+(SHARD.idx beside it, or offsets/NNNNNN.idx under DEST for shards elsewhere), written before the
+manifest.
+  shardstream index --upgrade s3://bucket/old-dataset
+turns a version-1 manifest (offsets inline) into version 2 in place, without reading the shards.
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("shards", help="a .tar URL, a brace pattern, or a glob (with --upgrade: a dataset root or index.json)")
+    p.add_argument("shards", nargs="+", help="shard URLs (.tar, .tar.gz, .tgz, .tar.zst, ...), brace patterns, globs, "
+                   "directories, or text files listing shard URLs")
     p.add_argument("dest", nargs="?", help="directory or .json path for the manifest")
-    p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest as version 2 (offset sidecars)")
+    p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest (the one input) as version 2")
     p.add_argument("--threads", type=int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing manifest at DEST")
     add_storage_arguments(p)
@@ -35,12 +39,16 @@ def run(args: argparse.Namespace) -> int:
 
     options = storage_options_from(args)
     if args.upgrade:
-        manifest, url, upgraded = upgrade_manifest(args.shards, storage_options=options)
+        if len(args.shards) + (args.dest is not None) != 1:
+            raise ValueError("index --upgrade takes one dataset root or index.json")
+        manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options)
         state = "upgraded to version 2" if upgraded else "already version 2, left as it is"
         print(f"{url}: {state} ({len(manifest.paths)} shards, {manifest.total_samples} samples)")
         return 0
-    if args.dest is None:
-        raise ValueError("index needs DEST (or --upgrade DATASET)")
+    if args.dest is None:  # argparse gives every positional to SHARDS...; the last one is DEST
+        if len(args.shards) < 2:
+            raise ValueError("index needs SHARDS... DEST")
+        args.dest = args.shards.pop()
     manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite)
     print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
     return 0

@@ -1,4 +1,4 @@
-"""``shardstream ls URL``: a dataset at a glance from its manifest."""
+"""``shardstream ls URL``: a dataset (or a mix file's datasets) at a glance from the manifests."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ HELP = "summarize a dataset from its manifest: shards, samples, bytes, fields, l
 EPILOG = """examples:
   shardstream ls ./shards
   shardstream ls s3://bucket/train --endpoint-url http://127.0.0.1:9000 --json
+  shardstream ls mix.yaml                       # every source of a mix file
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="dataset root or index.json URL")
+    p.add_argument("url", help="dataset root, index.json URL or mix file (.yaml/.json)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--shards", action="store_true", help="also list every shard")
     add_storage_arguments(p)
@@ -24,7 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardstream.format.manifest import load_manifest, manifest_url
+    from shardstream.mixing import is_mix_url, open_mix
 
+    if is_mix_url(args.url):
+        mix = open_mix(args.url, storage_options_from(args), load_manifest)
+        if mix is not None:
+            return show_mix(args, mix)
     manifest = load_manifest(args.url, storage_options_from(args))
     summary = {
         "manifest": manifest_url(args.url),
@@ -59,4 +65,22 @@ def run(args: argparse.Namespace) -> int:
     if args.shards:
         for s in manifest.shards:
             print(f"  {s.path}  {s.samples} samples  {human_bytes(s.bytes)}")
+    return 0
+
+
+def show_mix(args: argparse.Namespace, mix) -> int:
+    """Each source of a mix: its name, what it asks, and its manifest's size."""
+    sources = [{"name": name, "url": source.url if isinstance(source.url, str) else source.label,
+                "ask": source.ask().describe(), "shards": len(m.shards), "samples": m.total_samples,
+                "bytes": m.total_bytes}
+               for name, source, m in zip(mix.names, mix.sources, mix.manifests)]
+    summary = {"mix": args.url, "sources": sources, "samples": sum(s["samples"] for s in sources),
+               "bytes": sum(s["bytes"] for s in sources)}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"{args.url}: mix of {len(sources)} sources, {summary['samples']} samples, {human_bytes(summary['bytes'])}")
+    for s in sources:
+        print(f"  {s['name']}  ({s['ask']})  {s['shards']} shards, {s['samples']} samples, {human_bytes(s['bytes'])}"
+              + (f"  {s['url']}" if s["url"] != s["name"] else ""))
     return 0

@@ -18,6 +18,7 @@ Record shapes:
 
 from __future__ import annotations
 
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,17 +83,29 @@ def padding(size: int) -> bytes:
 END_OF_ARCHIVE = bytes(2 * BLOCK)
 
 
+# webdataset's split (tariterators.base_plus_ext). The fast path below gives the same answer
+# for every name whose last component has a dot after its first character; the regex decides
+# the rest (a last component starting with a dot: ``dir/.hidden.txt`` is key ``dir/``).
+_WDS_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
 def split_name(name: str) -> tuple[str | None, str | None]:
     """Split a member name into (key, extension) the way webdataset does.
 
     The key is everything up to the first dot of the last path component; the extension is the
-    rest, lower-cased. Names without such a dot (or starting with one) have no key.
+    rest, lower-cased. A last component that starts with a dot follows webdataset's regex
+    (``dir/.x.txt`` -> ``("dir/", "x.txt")``, ``.x.txt`` -> no key); names without a dot in
+    their last component have no key. ``is_meta_name`` members are not samples either.
     """
     slash = name.rfind("/")
     dot = name.find(".", slash + 1)
-    if dot <= slash + 1:
-        return None, None
-    return name[:dot], name[dot + 1 :].lower()
+    if dot > slash + 1:
+        return name[:dot], name[dot + 1 :].lower()
+    if dot == slash + 1:
+        match = _WDS_NAME.match(name)
+        if match is not None:
+            return match.group(1), match.group(2).lower()
+    return None, None
 
 
 def _parse_size(field: bytes, url: str, offset: int) -> int:
@@ -108,6 +121,9 @@ def _parse_size(field: bytes, url: str, offset: int) -> int:
 
 
 def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, str]:
+    """Records of a pax extended header. GNU sparse 0.0 repeats ``GNU.sparse.offset`` and
+    ``GNU.sparse.numbytes`` once per chunk: those are folded, in order, into ``GNU.sparse.map``
+    (the 0.1 spelling: "offset,numbytes,offset,numbytes...")."""
     records: dict[str, str] = {}
     pos = 0
     while pos < len(data):
@@ -126,9 +142,121 @@ def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, str]:
         key, sep, value = record.partition(b"=")
         if not sep:
             raise ShardFormatError(url, offset, "pax record without '='")
-        records[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
+        name = key.decode("utf-8", "replace")
+        text = value.decode("utf-8", "surrogateescape")
+        if name in ("GNU.sparse.offset", "GNU.sparse.numbytes"):
+            previous = records.get("GNU.sparse.map")
+            records["GNU.sparse.map"] = text if previous is None else previous + "," + text
+        else:
+            records[name] = text
         pos += length
     return records
+
+
+def _pax_int(pax: dict[str, str], key: str, url: str, offset: int) -> int:
+    try:
+        value = int(pax[key])
+    except ValueError:
+        raise ShardFormatError(url, offset, f"pax record {key}={pax[key]!r} is not a number") from None
+    if value < 0:
+        raise ShardFormatError(url, offset, f"pax record {key}={value} is negative")
+    return value
+
+
+MAX_SPARSE_SIZE = 1 << 32  # a sparse member expanding past this is refused rather than allocated
+
+
+def _expand_sparse(data: bytes, chunks: list[int], real_size: int, url: str, offset: int, name: str) -> bytes:
+    """The full contents of a sparse member: ``chunks`` = [offset, length, ...] of the stored
+    ``data``, in order; the holes between them are zeros. Maps that do not fit are refused."""
+    if real_size > MAX_SPARSE_SIZE:
+        raise ShardFormatError(url, offset, f"sparse member {name!r} expands to {real_size} bytes; refusing more than {MAX_SPARSE_SIZE}")
+    if len(chunks) % 2:
+        raise ShardFormatError(url, offset, f"sparse member {name!r} has an odd-length sparse map")
+    out = bytearray(real_size)
+    stored = 0
+    previous_end = 0
+    for i in range(0, len(chunks), 2):
+        where, length = chunks[i], chunks[i + 1]
+        if where < previous_end or where + length > real_size or stored + length > len(data):
+            raise ShardFormatError(url, offset, f"sparse member {name!r}: map entry ({where}, {length}) does not fit its data")
+        out[where : where + length] = data[stored : stored + length]
+        stored += length
+        previous_end = where + length
+    if stored != len(data):
+        raise ShardFormatError(url, offset, f"sparse member {name!r}: map covers {stored} of {len(data)} stored bytes")
+    return bytes(out)
+
+
+def _sparse_numbers(text: str, url: str, offset: int, name: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v != ""]
+    except ValueError:
+        raise ShardFormatError(url, offset, f"sparse member {name!r}: malformed sparse map") from None
+
+
+def _pax_sparse(pax: dict[str, str], data: bytes, name: str, url: str, offset: int) -> tuple[str, bytes]:
+    """(name, contents) of a GNU tar pax sparse member: formats 0.0 and 0.1 (map in the pax
+    records) and 1.0 (map in decimal lines at the start of the data, padded to a block)."""
+    name = pax.get("GNU.sparse.name", name)
+    size_key = "GNU.sparse.realsize" if "GNU.sparse.realsize" in pax else "GNU.sparse.size"
+    if size_key not in pax:
+        raise ShardFormatError(url, offset, f"sparse member {name!r} has no real size record")
+    real_size = _pax_int(pax, size_key, url, offset)
+    if pax.get("GNU.sparse.major") == "1":
+        if pax.get("GNU.sparse.minor", "0") != "0":
+            raise ShardFormatError(url, offset, f"sparse member {name!r}: GNU sparse format 1.{pax['GNU.sparse.minor']} is not supported")
+        lines = data.split(b"\n")
+        try:
+            count = int(lines[0])
+            numbers = [int(v) for v in lines[1 : 1 + 2 * count]]
+        except ValueError:
+            raise ShardFormatError(url, offset, f"sparse member {name!r}: malformed sparse map") from None
+        if len(numbers) != 2 * count:
+            raise ShardFormatError(url, offset, f"sparse member {name!r}: sparse map shorter than its {count} entries")
+        map_len = sum(len(v) + 1 for v in lines[: 1 + 2 * count])
+        map_len += -map_len % BLOCK
+        return name, _expand_sparse(data[map_len:], numbers, real_size, url, offset, name)
+    if "GNU.sparse.map" not in pax:
+        raise ShardFormatError(url, offset, f"sparse member {name!r} has no sparse map")
+    return name, _expand_sparse(data, _sparse_numbers(pax["GNU.sparse.map"], url, offset, name), real_size, url, offset, name)
+
+
+def _old_gnu_sparse(header: bytes, data: bytes, name: str, url: str, offset: int) -> tuple[str, bytes]:
+    """Contents of an old GNU sparse ('S') member whose map fits in its header (4 entries)."""
+    if header[482]:
+        raise ShardFormatError(url, offset, f"old GNU sparse member {name!r} with more than 4 chunks is not supported; "
+                                            "repack it without --sparse or with --format=pax")
+    numbers = []
+    for i in range(4):
+        entry = header[386 + 24 * i : 386 + 24 * (i + 1)]
+        if entry[0] == 0:
+            break
+        numbers += [_parse_size(entry[:12], url, offset), _parse_size(entry[12:], url, offset)]
+    real_size = _parse_size(header[483:495], url, offset)
+    return name, _expand_sparse(data, numbers, real_size, url, offset, name)
+
+
+def _header_name(buf: bytes, pos: int) -> str:
+    """Name of the header at ``pos``: the POSIX prefix field, a slash, and the name field."""
+    nul = buf.find(0, pos, pos + 100)
+    name = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
+    if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\0":  # POSIX prefix (not in old GNU headers)
+        name = buf[pos + 345 : pos + 500].split(b"\0", 1)[0].decode() + "/" + name
+    return name
+
+
+_DATA_KINDS = b"0\x007S"  # regular file ('0', NUL), contiguous ('7'), old GNU sparse ('S')
+_META = re.compile(r"__[^/]*__($|/)")
+
+
+def is_meta_name(name: str) -> bool:
+    """Members webdataset does not treat as sample data, whatever their extension: a name whose
+    first path component is ``__something__`` (``__meta__/info.txt``, ``__index__.json`` is
+    not one: the ``__`` must end the component)."""
+    if name[:2] != "__":
+        return False
+    return ("/" not in name and name.endswith("__")) or _META.match(name) is not None
 
 
 def _check_name(name: str, url: str, offset: int) -> None:
@@ -180,14 +308,21 @@ def iter_sample_batches(
     the stream's known end (object size, or a range end from the manifest). One list per buffer
     fill, every header in it checksum-verified (vectorized). Members are grouped into samples by
     key, as webdataset does: the key is the name up to the first dot of its last component, the
-    extension the rest, lower-cased; members without one are skipped.
+    extension the rest, lower-cased; members without one, and ``__name__/...`` metadata members,
+    are skipped. A name is the header's prefix + "/" + name fields unless a GNU long-name or pax
+    ``path`` record replaces it; a pax ``size`` record replaces the size field. Sparse members
+    (GNU pax 0.0/0.1/1.0, old GNU 'S' with up to 4 chunks) are expanded to their full contents.
 
-    Errors (ShardFormatError, naming ``url`` and the byte offset): a size field larger than the
-    bytes left before ``end`` (checked before anything is allocated), a stream that ends early,
-    a bad checksum, a malformed header, an unsafe or non-UTF-8 name, a repeated field in one
-    sample, or a key that reappears later in the stream (two samples mixed up, one would be
-    lost). With ``require_end_marker`` (whole-file reads) a stream that stops at a member
-    boundary without the end-of-archive block is truncated, not complete.
+    A member larger than one read is assembled from the pieces ``read`` returns in one join
+    when all of it is there: every byte is copied a fixed number of times, whatever the number
+    of pieces (linear in the member size).
+
+    Errors (ShardFormatError, naming ``url`` and the byte offset): a size larger than the bytes
+    left before ``end`` (checked before anything is allocated), a stream that ends early, a bad
+    checksum, a malformed header, an unsafe or non-UTF-8 name, a sparse member that cannot be
+    expanded, a repeated field in one sample, or a key that reappears later in the stream (two
+    samples mixed up, one would be lost). With ``require_end_marker`` (whole-file reads) a stream
+    that stops at a member boundary without the end-of-archive block is truncated, not complete.
     """
     buf = b""
     base = start  # absolute offset of buf[0]
@@ -195,6 +330,7 @@ def iter_sample_batches(
     fetched = start  # absolute offset of the next byte read() returns
     long_name: str | None = None
     pax: dict[str, str] | None = None
+    pax_size: int | None = None  # a pax 'size' record: the next member's size
     member_start: int | None = None  # first header of a member preceded by long-name/pax headers
     key: str | None = None  # the sample being assembled
     key_offset = key_end = 0
@@ -226,6 +362,8 @@ def iter_sample_batches(
                         done = True
                         break
                     size = _parse_size(buf[pos + 124 : pos + 136], url, base + pos)
+                if pax_size is not None and buf[pos + 156] in _DATA_KINDS:  # a pax 'size' record: this member's size
+                    size = pax_size
                 data_start = pos + BLOCK
                 data_end = data_start + size
                 padded_end = data_end + (-size % BLOCK)
@@ -238,56 +376,66 @@ def iter_sample_batches(
                     break
                 headers.append(pos)
                 kind = buf[pos + 156]
-                if kind == 48 or kind == 0 or kind == 55:  # '0', NUL, '7': regular file
+                if kind == 48 or kind == 0 or kind == 55 or kind == 83:  # '0', NUL, '7': regular file; 'S': old GNU sparse
                     if long_name is None and pax is None:
                         nul = buf.find(0, pos, pos + 100)
                         name = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
                         if buf[pos + 345] and buf[pos + 257 : pos + 263] == b"ustar\0":  # POSIX prefix field
                             name = buf[pos + 345 : pos + 500].split(b"\0", 1)[0].decode() + "/" + name
                         here = base + pos
+                        if name[:1] == "/" or ".." in name or "\0" in name:
+                            _check_name(name, url, here)
+                        value = buf[data_start:data_end]
+                        if kind == 83:
+                            name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
                     else:
-                        override = pax["path"] if pax is not None and "path" in pax else long_name
-                        if override is None:  # a pax header without a path: the name is in this header
-                            nul = buf.find(0, pos, pos + 100)
-                            override = buf[pos : (pos + 100 if nul < 0 else nul)].decode()
-                        name = override
+                        override = pax.get("path") if pax is not None else None
+                        name = override or long_name or _header_name(buf, pos)
                         here = member_start if member_start is not None else base + pos
-                        long_name = pax = member_start = None
-                    if name[:1] == "/" or ".." in name or "\0" in name:
                         _check_name(name, url, base + pos)
+                        value = buf[data_start:data_end]
+                        if pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax):
+                            name, value = _pax_sparse(pax, value, name, url, here)
+                            _check_name(name, url, here)
+                        elif kind == 83:
+                            name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
+                        long_name = pax = pax_size = member_start = None
                     slash = name.rfind("/")
                     dot = name.find(".", slash + 1)
-                    if dot > slash + 1:  # else: no key, not sample data (as in webdataset)
-                        k = name[:dot]
+                    if dot > slash + 1:
+                        k: str | None = name[:dot]
                         ext = name[dot + 1 :]
                         if not ext.islower():
                             ext = ext.lower()
+                    else:  # a hidden last component or no extension: webdataset's regex decides
+                        k, ext = split_name(name)  # type: ignore[assignment]
+                    if k is not None and (name[:2] != "__" or not is_meta_name(name)):  # else not sample data (as in webdataset)
                         if k != key:
                             if key is not None:
                                 out.append((key, key_offset, key_end, fields))
                             if k in seen:
                                 raise ShardFormatError(url, here, f"duplicate key {k!r} (not adjacent to its first occurrence)")
                             seen.add(k)
-                            key, key_offset, fields = k, here, {ext: buf[data_start:data_end]}
+                            key, key_offset, fields = k, here, {ext: value}
                         elif ext in fields:
                             raise ShardFormatError(url, here, f"duplicate field {ext!r} in sample {k!r}")
                         else:
-                            fields[ext] = buf[data_start:data_end]
+                            fields[ext] = value
                         key_end = base + padded_end
                 elif kind == 76:  # 'L': GNU long name of the next member
                     if member_start is None:
                         member_start = base + pos
                     long_name = buf[data_start:data_end].split(b"\0", 1)[0].decode()
+                    pax_size = None
                 elif kind == 120:  # 'x': pax header of the next member
                     if member_start is None:
                         member_start = base + pos
                     pax = _parse_pax(buf[data_start:data_end], url, base + pos)
-                    if "size" in pax:
-                        raise ShardFormatError(url, base + pos, "pax size override is not supported")
-                elif kind == 83:  # 'S'
-                    raise ShardFormatError(url, base + pos, "GNU sparse members are not supported")
+                    pax_size = _pax_int(pax, "size", url, base + pos) if "size" in pax else None
                 elif kind != 103 and kind != 75:  # not 'g' (global pax) or 'K' (long link): dirs, links...
-                    long_name = pax = member_start = None
+                    long_name = pax = pax_size = member_start = None
+                else:
+                    pax_size = None
                 pos = padded_end
         except (UnicodeDecodeError, ShardFormatError) as exc:
             # Deliver the complete samples before the break, then report it; a corrupt header
@@ -317,11 +465,21 @@ def iter_sample_batches(
             yield out
         if fetched >= end:
             raise ShardFormatError(url, base + pos, f"shard ends early: expected {end - base - pos} more bytes")
-        chunk = read(min(max(read_size, need), end - fetched))
-        if not chunk:
-            raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
-        fetched += len(chunk)
-        buf = buf[pos:] + chunk
+        # Refill: keep the unparsed tail and read at least ``need`` more bytes (a whole pending
+        # member), collecting the pieces and joining once, so a member that arrives in many
+        # pieces is copied once, not once per piece.
+        missing = need - (buflen - pos)
+        parts = [buf[pos:]] if pos < buflen else []
+        while True:
+            chunk = read(min(max(read_size, missing), end - fetched))
+            if not chunk:
+                raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
+            fetched += len(chunk)
+            parts.append(chunk)
+            missing -= len(chunk)
+            if missing <= 0 or fetched >= end:
+                break
+        buf = parts[0] if len(parts) == 1 else b"".join(parts)
         base += pos
         pos = 0
 

@@ -7,7 +7,12 @@ scale, then resizes the crop with torch's uint8 antialiased bilinear kernel. Non
 through PIL. Output: a uint8 CHW tensor of size x size.
 
 Randomness is reproducible: ShardStream calls ``bind(epoch, rank, worker)`` on decoders and
-transforms that define it, at the start of each worker's epoch.
+transforms that define it, at the start of each worker's epoch, and ``bind_sample(name)`` before
+each sample when they define that too. RandomResizedCrop draws each crop from an RNG seeded by
+(seed, epoch, sample name): the crop of a sample does not depend on which rank or worker reads
+it or on what that worker read before, so a resumed epoch (exact or elastic) crops every sample
+as an uninterrupted run would. Called directly (no ``bind_sample``), it draws from the per-worker
+RNG that ``bind`` seeds.
 """
 
 from __future__ import annotations
@@ -29,9 +34,15 @@ class RandomResizedCrop:
         self.seed = seed
         self.reduced_decode = reduced_decode
         self.rng = random.Random(f"crop:{seed}")
+        self.epoch = 0
 
     def bind(self, epoch: int, rank: int, worker: int) -> None:
+        self.epoch = epoch
         self.rng = random.Random(f"crop:{self.seed}:{epoch}:{rank}:{worker}")
+
+    def bind_sample(self, name: str) -> None:
+        # One string-seeded RNG per sample (a SHA-512 of a short string: microseconds, next to a decode).
+        self.rng = random.Random(f"crop:{self.seed}:{self.epoch}:{name}")
 
     def crop_box(self, width: int, height: int) -> tuple[int, int, int, int]:
         area = width * height

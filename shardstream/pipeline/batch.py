@@ -28,7 +28,7 @@ def default_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         values = [s[name] for s in samples]
         v = values[0]
         if isinstance(v, torch.Tensor):
-            out[name] = torch.stack(values) if all(x.shape == v.shape for x in values) else values
+            out[name] = stack_tensors(values) if all(x.shape == v.shape for x in values) else values
         elif isinstance(v, bool):
             out[name] = torch.tensor(values, dtype=torch.bool)
         elif isinstance(v, numbers.Integral):
@@ -36,11 +36,66 @@ def default_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         elif isinstance(v, numbers.Real):
             out[name] = torch.tensor(values, dtype=torch.float64)
         elif type(v).__module__ == "numpy" and hasattr(v, "shape"):
-            import numpy as np
-
-            out[name] = torch.from_numpy(np.stack(values)) if all(x.shape == v.shape for x in values) else values
+            out[name] = stack_arrays(values) if all(x.shape == v.shape for x in values) else values
         else:
             out[name] = values
+    return out
+
+
+# Batches at least this large are assembled in shared memory when made in a DataLoader worker;
+# smaller ones cross the hand-off inline (see pack_for_transport), where shared memory only costs.
+SHARED_MIN_BYTES = 64 * 1024
+
+
+def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
+    """One uninitialised tensor for a whole batch field.
+
+    In a DataLoader worker it is in shared memory (as torch's own default_collate does), so the
+    hand-off to the main process sends a handle, not the bytes. Elsewhere it comes from numpy's
+    allocator, which asks the kernel for huge pages on large arrays (``madvise``): filling a fresh
+    256 MB batch then takes ~500 page faults instead of ~65,000, about half the CPU time.
+    """
+    import numpy as np
+    import torch
+    from torch.utils.data import get_worker_info
+
+    if nbytes >= SHARED_MIN_BYTES and get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+    if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
+        return torch.from_numpy(np.empty(nbytes, np.uint8)).view(dtype).view(shape)
+    return torch.empty(shape, dtype=dtype)
+
+
+def stack_tensors(values: list[Any]):
+    """``torch.stack`` of same-shape CPU tensors, written straight into one batch buffer
+    (shared memory in a worker): each sample's bytes are copied once, into their final place."""
+    import torch
+
+    v = values[0]
+    if v.device.type != "cpu" or any(x.dtype != v.dtype or x.requires_grad for x in values):
+        return torch.stack(values)  # promotion, devices, autograd: torch's own rules, unchanged
+    shape = (len(values), *v.shape)
+    out = _batch_buffer(shape, v.dtype, len(values) * v.nelement() * v.element_size())
+    return torch.stack(values, out=out)
+
+
+def stack_arrays(values: list[Any]):
+    """``torch.from_numpy(np.stack(values))`` of same-shape arrays, written straight into one batch
+    buffer (shared memory in a worker)."""
+    import numpy as np
+    import torch
+
+    v = values[0]
+    if any(x.dtype != v.dtype or not x.flags.c_contiguous for x in values) or v.dtype.hasobject or not v.dtype.isnative:
+        # numpy's promotion and layout rules (or torch's refusal), unchanged
+        return torch.from_numpy(np.stack(values))
+    try:
+        dtype = torch.from_numpy(np.empty(0, v.dtype)).dtype
+    except TypeError:
+        return torch.from_numpy(np.stack(values))
+    out = _batch_buffer((len(values), *v.shape), dtype, len(values) * v.nbytes)
+    np.stack(values, out=out.numpy())
     return out
 
 

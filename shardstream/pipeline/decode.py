@@ -1,9 +1,14 @@
 """Decode sample fields by extension, under the user's error policy.
 
-Defaults: jpg/jpeg/png/webp/bmp -> uint8 CHW tensor (or PIL image / HWC array on request),
-npy -> tensor, json -> object, txt -> str, cls/index -> int, pth -> ``torch.load(weights_only=True)``.
+Defaults (extensions from ``format/extensions.py``): images (jpg, png, webp, bmp, gif, ppm/pgm/pbm,
+tiff) -> uint8 CHW RGB tensor (or PIL image / HWC array on request), npy -> tensor (numpy array
+for strings and other dtypes torch lacks), npz -> {name: tensor}, json -> object, txt -> str,
+cls/index -> int, pth -> ``torch.load(weights_only=True)``, ten -> [tensor], mp/msgpack ->
+object when ``msgpack`` is installed; pyd/pickle only with ``allow_pickle=True`` (it runs code
+from the data). A ``.gz`` field is gunzipped, then decoded by its inner extension (``json.gz``).
 User decoders (by extension) override these; other extensions stay bytes. A multi-part extension
-such as ``seg.png`` is decoded by its last part.
+such as ``seg.png`` is decoded by its last part. ``webdataset_decoders(spec)`` gives
+webdataset's own types (``.decode(spec)``) for users who want identical samples.
 
 Failures go to the user's ErrorPolicy (``policy.py``): raise, or skip and count.
 """
@@ -17,11 +22,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from shardstream.errors import SampleError
+from shardstream.format.extensions import IMAGE, INT, JSON, MSGPACK, NPY, NPZ, PICKLE, TENBIN, TEXT, TORCH, split_compression
 from shardstream.policy import ErrorPolicy
 
 logger = logging.getLogger(__name__)
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+IMAGE_EXTS = IMAGE
 IMAGE_MODES = ("tensor", "numpy", "pil")
 Decoders = Mapping[str, Callable[[bytes], Any]]
 
@@ -41,9 +47,11 @@ def decode_jpeg_array(data: bytes, *, fast: bool = False, min_size: tuple[int, i
     if min_size is not None:
         options = {"min_width": min_size[0], "min_height": min_size[1]}
     try:
+        if simplejpeg.decode_jpeg_header(data)[2] in ("CMYK", "YCCK"):
+            return None  # libjpeg-turbo's CMYK->RGB differs from PIL's by one level: PIL decides
         return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=fast, fastupsample=fast, **options)
     except ValueError:
-        return None  # CMYK, lossless or otherwise unusual: PIL handles those
+        return None  # lossless or otherwise unusual: PIL handles those
 
 
 def decode_image_pil(data: bytes, draft_size: tuple[int, int] | None = None):
@@ -89,10 +97,114 @@ class ImageDecoder:
 
 
 def _decode_npy(data: bytes):
-    import numpy as np
+    return _as_tensor(load_npy(data))
+
+
+def _as_tensor(array):
+    """A tensor for numeric arrays (big-endian ones converted to native order first); arrays of
+    strings, datetimes and other dtypes torch has no type for stay numpy arrays."""
     import torch
 
-    return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
+    if array.dtype.kind not in "biufc":
+        return array
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return torch.from_numpy(array)
+
+
+def _decode_npz(data: bytes) -> dict[str, Any]:
+    import numpy as np
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        return {name: _as_tensor(archive[name]) for name in archive.files}
+
+
+def _decode_tenbin(data: bytes) -> list[Any]:
+    from webdataset import tenbin  # webdataset's tensor container format, read by its own reader
+
+    return [_as_tensor(a) for a in tenbin.decode_buffer(data)]
+
+
+def _decode_msgpack(data: bytes):
+    import msgpack
+
+    return msgpack.unpackb(data)
+
+
+def _decode_pickle(data: bytes):
+    import pickle
+
+    return pickle.loads(data)  # only reached when the user passed allow_pickle=True
+
+
+def load_npy(data: bytes):
+    """``.npy`` bytes -> numpy array: the same values, dtype, shape and strides as ``np.load``,
+    with at most one copy.
+
+    ``np.load`` over a ``BytesIO`` copies the data twice (out of the stream, into a new array)
+    and parses the header with ``ast`` every time. Here the header is parsed once per distinct
+    header (cached) and the data is taken at the header's offset with ``np.frombuffer``.
+
+    Ownership: the result is always writable and private to the caller. A writable buffer
+    (a bytearray, or a writable memoryview of a read block that gives each member its own region
+    and is never reused) is viewed in place: no copy. An immutable ``bytes`` is copied once,
+    because a view of it could be shared: the same ``bytes`` object decoded twice (or kept by
+    the caller) would otherwise see one sample's in-place change in another.
+    """
+    import numpy as np
+
+    header = _npy_header(data)
+    if header is None:  # a format version this fast path does not know: numpy's own reader
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    offset, shape, fortran_order, dtype, count = header
+    size = memoryview(data).nbytes - offset
+    if size < count * dtype.itemsize:
+        raise ValueError(f"EOF: .npy data holds {size} bytes, its header needs {count * dtype.itemsize}")
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    if not array.flags.writeable:
+        array = array.copy()  # one copy, into numpy's allocator (huge pages for large arrays)
+    return array.reshape(shape[::-1]).transpose() if fortran_order else array.reshape(shape)
+
+
+_NPY_HEADERS: dict[bytes, tuple] = {}
+_NPY_HEADERS_MAX = 1024
+
+
+def _npy_header(data: bytes):
+    """(data offset, shape, fortran_order, dtype, count) of a version 1 or 2 ``.npy``; None for
+    other versions. Parsed headers are cached by their bytes: a dataset has few distinct ones."""
+    prefix = bytes(data[:12])
+    if len(prefix) < 10 or prefix[:6] != b"\x93NUMPY":
+        raise ValueError("not a .npy file (no magic string)")
+    version = (prefix[6], prefix[7])
+    if version == (1, 0):
+        offset = 10 + int.from_bytes(prefix[8:10], "little")
+    elif version == (2, 0) and len(prefix) == 12:
+        offset = 12 + int.from_bytes(prefix[8:12], "little")
+    else:
+        return None
+    raw = bytes(data[:offset])
+    try:
+        return _NPY_HEADERS[raw]
+    except KeyError:
+        pass
+    import numpy as np
+    from numpy.lib import format as npy_format
+
+    stream = io.BytesIO(raw)
+    npy_format.read_magic(stream)
+    read_header = npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(stream)
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+    count = 1
+    for n in shape:
+        count *= n
+    header = (offset, shape, fortran_order, dtype, count)
+    if len(_NPY_HEADERS) < _NPY_HEADERS_MAX:
+        _NPY_HEADERS[raw] = header
+    return header
 
 
 def _decode_pth(data: bytes):
@@ -105,13 +217,88 @@ def _decode_text(data: bytes) -> str:
     return data.decode("utf-8")
 
 
-def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None = None) -> dict[str, Callable[[bytes], Any]]:
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None = None, *,
+                     allow_pickle: bool = False) -> dict[str, Callable[[bytes], Any]]:
+    """shardstream's decoders by extension (see the module docstring). ``allow_pickle`` adds
+    pyd/pickle/pkl: only for data you trust, unpickling runs code."""
     image_decoder = ImageDecoder(image, draft_size)
-    decoders: dict[str, Callable[[bytes], Any]] = {ext: image_decoder for ext in IMAGE_EXTS}
-    decoders.update({"npy": _decode_npy, "pth": _decode_pth, "pt": _decode_pth, "json": json.loads, "jsn": json.loads})
-    decoders.update({ext: _decode_text for ext in ("txt", "text", "transcript", "html", "htm", "csv", "xml")})
-    decoders.update({ext: int for ext in ("cls", "cls2", "class", "index", "inx", "id", "count")})
+    decoders: dict[str, Callable[[bytes], Any]] = {ext: image_decoder for ext in IMAGE}
+    decoders.update({ext: _decode_npy for ext in NPY})
+    decoders.update({ext: _decode_npz for ext in NPZ})
+    decoders.update({ext: _decode_pth for ext in TORCH})
+    decoders.update({ext: json.loads for ext in JSON})
+    decoders.update({ext: _decode_text for ext in TEXT})
+    decoders.update({ext: int for ext in INT})
+    decoders.update({ext: _decode_tenbin for ext in TENBIN})
+    if _has_module("msgpack"):
+        decoders.update({ext: _decode_msgpack for ext in MSGPACK})
+    if allow_pickle:
+        decoders.update({ext: _decode_pickle for ext in PICKLE})
     return decoders
+
+
+class WebDatasetImage:
+    """An image decoded by webdataset's own handler for ``spec`` ("pil", "rgb8", "torchrgb", ...)."""
+
+    def __init__(self, spec: str):
+        from webdataset.autodecode import imagespecs
+
+        if spec not in imagespecs:
+            raise ValueError(f"unknown webdataset image spec {spec!r}; one of {sorted(imagespecs)}")
+        self.spec = spec
+        self._handler: Any = None
+
+    def __call__(self, data: bytes):
+        if self._handler is None:
+            from webdataset.autodecode import ImageHandler
+
+            self._handler = ImageHandler(self.spec)
+        return self._handler("x.png", data)  # the handler checks the extension only; the bytes decide the format
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"spec": self.spec, "_handler": None}
+
+
+def webdataset_decoders(image: str | None = "pil") -> dict[str, Callable[[bytes], Any]]:
+    """Decoders that give exactly what ``webdataset.WebDataset(...).decode(image)`` gives: its
+    basic handlers (txt -> str, cls -> int, json, npy/npz -> numpy, pth, ten, mp, pickle as in
+    webdataset), ``.gz`` fields gunzipped first, and images by webdataset's ``ImageHandler(image)``
+    for the extensions it handles (``None``: images stay bytes, as ``.decode()`` leaves them).
+    Pass as ``ShardStream(..., decode=webdataset_decoders("rgb8"))``."""
+    from webdataset import autodecode
+
+    # ShardStream merges a decode= mapping over its defaults: every default extension webdataset
+    # does not decode is mapped to keep_bytes, so it stays bytes as in webdataset.
+    decoders: dict[str, Callable[[bytes], Any]] = {ext: keep_bytes for ext in default_decoders(allow_pickle=True)}
+    decoders.update(autodecode.decoders)
+    if image is not None:
+        handler = WebDatasetImage(image)
+        decoders.update({ext: handler for ext in autodecode.IMAGE_EXTENSIONS})
+    return decoders
+
+
+def keep_bytes(data: bytes) -> bytes:
+    """A decoder that leaves the field as it is (to switch off a default decoder by extension)."""
+    return data
+
+
+class _Gunzip:
+    """gunzip, then the inner extension's decoder (bytes when there is none)."""
+
+    def __init__(self, inner: Callable[[bytes], Any] | None):
+        self.inner = inner
+
+    def __call__(self, data: bytes):
+        import gzip
+
+        raw = gzip.decompress(data)
+        return raw if self.inner is None else self.inner(raw)
 
 
 class Decoder:
@@ -128,6 +315,9 @@ class Decoder:
             return self._cache[ext]
         except KeyError:
             fn = self.decoders.get(ext) or self.decoders.get(ext.rsplit(".", 1)[-1])
+            inner, compression = split_compression(ext)
+            if fn is None and compression == "gzip":  # json.gz: gunzip, then decode as json
+                fn = _Gunzip(self._lookup(inner))
             self._cache[ext] = fn
             return fn
 

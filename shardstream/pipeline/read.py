@@ -21,6 +21,7 @@ from typing import Any
 import fsspec
 
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
+from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
 from shardstream.plan.epoch import Range
@@ -34,6 +35,9 @@ from shardstream.storage.retry import make_range_reader, reader_storage_options,
 logger = logging.getLogger(__name__)
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
+# A range's first read is this small and the next ones double up to read_size, so the first
+# samples (and the first batch) are parsed out of a few hundred KiB rather than a full block.
+FIRST_READ = 256 << 10
 
 
 def open_range(
@@ -51,8 +55,25 @@ def open_range(
 
     Local files are read directly; remote objects through the cache when one is given (the
     whole shard is fetched once), else with ``remote.make_range_reader`` (ranged reads with
-    retry and exact resume).
+    retry and exact resume). For a compressed shard, [start, end) are offsets in its
+    decompressed stream: the object is read from its first byte (``shard_size`` bytes) and
+    decompressed, and the bytes before ``start`` are dropped.
     """
+    compression = shard_compression(url)
+    if compression:
+        raw_read, close = _open_object_range(url, 0, shard_size if shard_size is not None else end, storage_options, counters,
+                                             cache=cache, shard_size=shard_size, sha256=sha256, need_size=True)
+        try:
+            return decompressing(raw_read, url, compression, skip=start), close
+        except BaseException:
+            close()
+            raise
+    return _open_object_range(url, start, end, storage_options, counters, cache=cache, shard_size=shard_size, sha256=sha256)
+
+
+def _open_object_range(url: str, start: int, end: int, storage_options: Mapping[str, Any] | None, counters: Any, *,
+                       cache: ShardCache | None, shard_size: int | None, sha256: str | None,
+                       need_size: bool = False) -> tuple[Callable[[int], bytes], Callable[[], None]]:
     counters = counters or NullCounters()
     counters.add("ranges_opened")
     protocol = fsspec.utils.get_protocol(url)
@@ -66,6 +87,8 @@ def open_range(
             raise StorageError(f"{url}: permission denied") from exc
         f.seek(start)
         return _counting(f.read, counters), f.close
+    if need_size and shard_size is None:
+        raise ValueError(f"{url}: reading a compressed remote shard needs its size (shard_size)")
 
     if protocol in ("s3", "s3a"):
         # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in remote.py.
@@ -118,7 +141,7 @@ class RangeSource:
         sha256, and no cache is in the way (cache fills are checked on their own)."""
         m = self.manifest
         return (self.verify_stream and self.cache is None and bool(m._has_sha[rng.shard])
-                and rng.start == 0 and rng.stop == int(m.counts[rng.shard]))
+                and rng.start == 0 and rng.stop == int(m.counts[rng.shard]) and not shard_compression(m.paths[rng.shard]))
 
     def opener(self, rng: Range):
         """A function that opens the range; a range inside a shard fetches the shard's offset
@@ -161,11 +184,14 @@ def read_range(
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
     start, end = manifest.byte_range(rng.shard, rng.start, rng.stop, storage_options)
+    if verify and shard_compression(url):
+        raise ValueError(f"verify while streaming does not cover compressed shards ({url}): use `shardstream verify`")
     if verify and not (rng.start == 0 and rng.stop == shard.samples and shard.sha256):
         raise ValueError(f"verify needs a whole-shard range with a sha256 in the manifest, got {rng} of {url}")
     close = None
     if read is None:
-        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters)
+        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters,
+                                 shard_size=shard.bytes)
     digest = None
     if verify:
         digest = hashlib.sha256()
@@ -174,7 +200,7 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for batch in iter_sample_batches(read, url=url, start=start, end=end, read_size=read_size):
+        for batch in iter_sample_batches(_first_reads_small(read), url=url, start=start, end=end, read_size=read_size):
             got += len(batch)
             if got > expected:
                 break
@@ -199,6 +225,20 @@ def read_range(
             raise ChecksumError(url, digest.hexdigest(), str(shard.sha256))
         if counters is not None:
             counters.add("shards_verified")
+
+
+def _first_reads_small(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
+    """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for."""
+    cap = FIRST_READ
+
+    def read_growing(n: int) -> bytes:
+        nonlocal cap
+        if n <= cap:
+            return read(n)
+        cap *= 2
+        return read(cap // 2)
+
+    return read_growing
 
 
 def _hashing(read: Callable[[int], bytes], digest) -> Callable[[int], bytes]:

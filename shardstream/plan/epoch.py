@@ -10,6 +10,10 @@ exact samples every (rank, worker) reads.
 5. Within a rank, worker w takes R//K batches (+1 for the first R%K workers), contiguously.
 6. A slice becomes shard ranges (shard, start, stop): workers may share a shard at sample
    granularity, so none sits idle when shards are fewer than W*K.
+   Compressed shards (.tar.gz, .tar.zst, ...) are planned exactly like plain ones, so batches
+   stay equal per rank; a range that starts mid-shard costs more, not less data: its reader
+   decompresses the shard from the start and skips to the range (``compressed_shards`` counts
+   them, and ``summary()`` says so). Repack as plain tar for cheap splitting.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class EpochPlan:
     batches_per_rank: int
     shard_order: tuple[int, ...]
     starts: tuple[int, ...]  # start of each shard_order entry in the laid-out sequence
+    compressed_shards: int = 0  # shards read by decompressing from their start (no byte-offset entry)
 
     @property
     def samples_per_rank(self) -> int:
@@ -80,7 +85,10 @@ class EpochPlan:
 
     def ranges(self, rank: int, worker: int, counts: Counts) -> list[Range]:
         """The shard ranges worker ``worker`` of rank ``rank`` reads, in order."""
-        begin, end = self.worker_slice(rank, worker)
+        return self.ranges_between(*self.worker_slice(rank, worker), counts)
+
+    def ranges_between(self, begin: int, end: int, counts: Counts) -> list[Range]:
+        """The shard ranges of positions [begin, end) of the laid-out (possibly wrapped) sequence."""
         out: list[Range] = []
         n = self.total_samples
         pos = begin
@@ -100,6 +108,8 @@ class EpochPlan:
             f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "
             f"{self.world_size} ranks x {self.batches_per_rank} batches of {self.batch_size} "
             f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
+            + (f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
+               "shard's start and skips to it (repack as plain .tar to split cheaply)" if self.compressed_shards else "")
         )
 
 
@@ -117,6 +127,7 @@ def plan_epoch(
     epoch: int = 0,
     shuffle: bool = True,
     mode: str = "drop",
+    compressed_shards: int = 0,
 ) -> EpochPlan:
     """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
     if mode not in MODES:
@@ -148,5 +159,5 @@ def plan_epoch(
     return EpochPlan(
         epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers,
         batch_size=batch_size, mode=mode, total_samples=total, batches_per_rank=batches,
-        shard_order=tuple(order.tolist()), starts=tuple(starts.tolist()),
+        shard_order=tuple(order.tolist()), starts=tuple(starts.tolist()), compressed_shards=compressed_shards,
     )

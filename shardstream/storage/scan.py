@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardstream.errors import StorageError
+from shardstream.format.compression import UNKNOWN_END, decompressing, shard_compression
 from shardstream.format.manifest import Manifest, ShardInfo
 from shardstream.format.tar import iter_sample_batches
 from shardstream.storage import fs as storage
@@ -44,8 +45,11 @@ def _scan_shard(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Sh
     offsets: list[int] = []
     data_end = 0
     extensions: dict[str, int] = {}
+    compression = shard_compression(url)  # offsets of a compressed shard are in its decompressed stream
+    tar_read = decompressing(read, url, compression) if compression else read
     with f:
-        for batch in iter_sample_batches(read, url=url, start=0, end=size, require_end_marker=True):
+        for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size,
+                                         require_end_marker=True):
             for _key, offset, sample_end, fields in batch:
                 offsets.append(offset)
                 data_end = sample_end

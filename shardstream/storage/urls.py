@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from shardstream.format.compression import is_shard_name
 from shardstream.storage import fs as storage
 
 PATTERN_CHARS = "{*?["
 
 
 def is_shard_pattern(source: str) -> bool:
-    """True for a .tar URL, a brace pattern or a glob; False for a dataset root or manifest URL."""
-    return source.endswith(".tar") or any(c in source for c in PATTERN_CHARS)
+    """True for a .tar (or .tar.gz, .tgz, ...) URL, a brace pattern or a glob; False for a dataset
+    root or manifest URL."""
+    return is_shard_name(source) or any(c in source for c in PATTERN_CHARS)
 
 
 def expand_urls(pattern: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:

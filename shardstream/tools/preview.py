@@ -13,6 +13,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from shardstream.errors import ShardstreamError
+from shardstream.format.compression import shard_compression
+from shardstream.format.extensions import kind_of, split_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import BLOCK
 from shardstream.pipeline.read import read_range
@@ -67,6 +69,12 @@ def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | 
 
     for i, shard in enumerate(manifest.shards):
         url = manifest.shard_url(i)
+        if shard_compression(url):  # no ranged reads into a compressed stream: read it through
+            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options) if shard.samples else ():
+                for sample in chunk:
+                    if sample["__key__"] == key:
+                        return sample
+            continue
         fs, path = storage.get_fs(url, storage_options)
         offsets = manifest.offsets(i, storage_options).tolist() if shard.samples else [0]
         starts = offsets[:-1]
@@ -89,10 +97,19 @@ def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | 
 
 
 def describe_field(ext: str, data: bytes, width: int = 60) -> str:
-    """A short, safe preview of one field: text, JSON, array shape/dtype, image size, or hex."""
-    kind = ext.rsplit(".", 1)[-1]
+    """A short, safe preview of one field: text, JSON, array shape/dtype, image size, or hex.
+    The kind comes from the shared extension table; a ``.gz`` field is previewed decompressed."""
+    inner, compression = split_compression(ext)
+    if compression == "gzip":
+        try:
+            import gzip
+
+            return "gzip, " + describe_field(inner, gzip.decompress(data), width)
+        except Exception as exc:  # noqa: BLE001 - a preview must never fail the listing
+            return f"unreadable as .{ext}: {type(exc).__name__}: {_clip(str(exc), width)}"
+    kind = kind_of(ext)
     try:
-        if kind in ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif"):
+        if kind == "image":
             from PIL import Image
 
             with Image.open(io.BytesIO(data)) as img:
@@ -104,15 +121,20 @@ def describe_field(ext: str, data: bytes, width: int = 60) -> str:
             version = np.lib.format.read_magic(buf)
             shape, _, dtype = np.lib.format._read_array_header(buf, version)  # type: ignore[attr-defined]  # header only
             return f"array shape={tuple(shape)} dtype={dtype}"
-        if kind in ("json", "jsn"):
+        if kind == "npz":
+            import numpy as np
+
+            with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+                return "arrays " + _clip(", ".join(archive.files), width)
+        if kind == "json":
             text = json.dumps(json.loads(data), ensure_ascii=False)
             return "json " + _clip(text, width)
-        if kind in ("cls", "cls2", "class", "index", "inx", "id", "count"):
+        if kind == "int":
             return f"int {int(data)}"
-        if kind in ("txt", "text", "html", "csv", "xml"):
+        if kind == "text":
             return "text " + _clip(repr(data.decode("utf-8"))[1:-1], width)
     except Exception as exc:  # noqa: BLE001 - a preview must never fail the listing
-        return f"unreadable as .{kind}: {type(exc).__name__}: {_clip(str(exc), width)}"
+        return f"unreadable as .{ext}: {type(exc).__name__}: {_clip(str(exc), width)}"
     try:
         text = data.decode("utf-8")
         if text.isprintable():

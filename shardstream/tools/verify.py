@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardstream.errors import SampleError, ShardstreamError
+from shardstream.format.compression import UNKNOWN_END, decompressing, shard_compression
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import iter_sample_batches
 from shardstream.pipeline.decode import Decoder, default_decoders
@@ -58,7 +59,10 @@ def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_
     data_end = 0
     with f:
         try:
-            for batch in iter_sample_batches(read, url=url, start=0, end=size, require_end_marker=True):
+            compression = shard_compression(url)  # a compressed shard's offsets are in its decompressed stream
+            tar_read = decompressing(read, url, compression) if compression else read
+            for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size,
+                                             require_end_marker=True):
                 for key, offset, end, fields in batch:
                     offsets.append(offset)
                     data_end = end

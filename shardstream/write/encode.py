@@ -12,27 +12,29 @@ import json
 from typing import Any
 
 from shardstream.errors import SourceError
+from shardstream.format.extensions import IMAGE_FORMATS, kind_of, split_compression
 
-TEXT_EXTS = {"txt", "text", "transcript", "html", "htm", "csv", "xml"}
-INT_EXTS = {"cls", "cls2", "class", "count", "index", "inx", "id"}
-JSON_EXTS = {"json", "jsn"}
-IMAGE_FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "ppm": "PPM", "pgm": "PPM", "tif": "TIFF", "tiff": "TIFF"}
-
-
-def _last_ext(ext: str) -> str:
-    return ext.rsplit(".", 1)[-1]
+# The extension table lives in format/extensions.py (shared with the decoders and the preview).
 
 
 def encode_value(ext: str, value: Any) -> bytes:
-    """Encode one field; raises TypeError naming the extension when the value does not fit."""
+    """Encode one field; raises TypeError naming the extension when the value does not fit.
+
+    A compressed extension (``json.gz``) encodes the value by its inner extension, then gzips
+    it (mtime 0: the same input packs to the same bytes); bytes are stored as given."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
-    kind = _last_ext(ext)
+    inner, compression = split_compression(ext)
+    if compression == "gzip":
+        import gzip
+
+        return gzip.compress(encode_value(inner, value), mtime=0)
+    kind = kind_of(ext)
     if isinstance(value, str):
         return value.encode("utf-8")
-    if kind in INT_EXTS and isinstance(value, int) and not isinstance(value, bool):
+    if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
         return str(value).encode("ascii")
-    if kind in JSON_EXTS:
+    if kind == "json":
         return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
     if kind == "npy":
         import numpy as np
@@ -40,14 +42,14 @@ def encode_value(ext: str, value: Any) -> bytes:
         buf = io.BytesIO()
         np.save(buf, np.asarray(value), allow_pickle=False)
         return buf.getvalue()
-    if kind in ("pth", "pt"):
+    if kind == "torch":
         import torch
 
         buf = io.BytesIO()
         torch.save(value, buf)
         return buf.getvalue()
-    if kind in IMAGE_FORMATS:
-        return _encode_image(value, IMAGE_FORMATS[kind])
+    if kind == "image":
+        return _encode_image(value, IMAGE_FORMATS[inner.rsplit(".", 1)[-1]])
     raise TypeError(f"cannot encode {type(value).__name__} as .{ext}: give bytes or str for this extension")
 
 

@@ -17,10 +17,13 @@ SourceError naming ``where``.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from shardstream.errors import SourceError
+from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import load_manifest
 from shardstream.format.tar import iter_samples, split_name
 from shardstream.storage import fs as storage
@@ -49,6 +52,7 @@ class Listing:
         self.items = items
         self.label_map = label_map
         self.errors = errors or []  # (where, what) found while listing
+        self.temp: Any = None  # a TemporaryDirectory holding decompressed copies of compressed shards (removed with the listing)
 
 
 def list_source(
@@ -151,23 +155,50 @@ def _list_jsonl(src: str, storage_options) -> Listing:
 
 # -- existing shards ---------------------------------------------------------------------------
 def _list_shards(src: str, storage_options) -> Listing:
+    """Items of existing shards: one (url, start, end) byte range per sample. A compressed shard
+    cannot be read by byte range, so it is decompressed once into a local temporary plain tar
+    that the items point to (removed when the listing is dropped)."""
     items: list[Item] = []
+    listing = Listing(items)
+
+    def add(url: str, offsets: list[int] | None = None) -> None:
+        source = url
+        if shard_compression(url):
+            source = _decompressed_copy(url, storage_options, listing)
+            offsets = None  # offsets of the copy are those of the decompressed stream: scanned below
+        if offsets is None:
+            offsets = list(scan_shard(source, storage_options if source == url else None).offsets or ())
+        for j in range(len(offsets) - 1):
+            items.append((f"{url} sample #{j}", ("tar", source, offsets[j], offsets[j + 1])))
+
     if not is_shard_pattern(src):
         manifest = load_manifest(src, storage_options)
         for i in range(len(manifest.paths)):
             url = manifest.shard_url(i)
-            offsets = manifest.offsets(i).tolist()
-            for j in range(len(offsets) - 1):
-                items.append((f"{url} sample #{j}", ("tar", url, offsets[j], offsets[j + 1])))
-        return Listing(items, manifest.label_map)
+            add(url, None if shard_compression(url) else manifest.offsets(i).tolist())
+        listing.label_map = manifest.label_map
+        return listing
     urls = expand_urls(src, storage_options)
     if not urls:
         raise SourceError(src, "no shards match")
     for url in urls:
-        offsets = list(scan_shard(url, storage_options).offsets or ())
-        for j in range(len(offsets) - 1):
-            items.append((f"{url} sample #{j}", ("tar", url, offsets[j], offsets[j + 1])))
-    return Listing(items)
+        add(url)
+    return listing
+
+
+def _decompressed_copy(url: str, storage_options, listing: Listing) -> str:
+    if listing.temp is None:
+        listing.temp = tempfile.TemporaryDirectory(prefix="shardstream-unpacked-")
+    target = os.path.join(listing.temp.name, f"{len(os.listdir(listing.temp.name)):06d}.tar")
+    fs, path = storage.get_fs(url, storage_options)
+    try:
+        with fs.open(path, "rb") as raw, open(target, "wb") as out:
+            read = decompressing(raw.read, url, shard_compression(url) or "")
+            while chunk := read(8 << 20):
+                out.write(chunk)
+    except FileNotFoundError:
+        raise SourceError(url, "shard not found") from None
+    return target
 
 
 # -- loading (runs in worker processes) ---------------------------------------------------------

@@ -1,0 +1,403 @@
+"""Mix planning: a pure function from (sources' shard counts, what each source asks, topology,
+batch size, seed, epoch) to the exact samples every (rank, worker) reads from every source.
+
+What an epoch of a mix is (docs/mixing.md says the same for users):
+
+1. Every source gets a quota q_i of samples per epoch from what it asks:
+   - ``samples=n``: q = n;
+   - ``repeat=r``: q = round(r * N) for a source of N samples (r = 1 is one pass, 2.5 is two
+     passes and half of a third);
+   - ``weight=w``: weights are shares among the weighted sources (normalised to sum to 1). The
+     weighted group is as large as it can be without any weighted source repeating a sample:
+     G = min(N_i / p_i), and q_i = floor(p_i * G). The source that limits G is used whole; the
+     others leave samples unseen this epoch (a fresh choice every epoch).
+2. A source's epoch sequence is q samples drawn pass by pass: every pass lays the source's shards
+   end to end in a fresh order of (seed, epoch, source, pass) and starts at a random sample
+   offset on that circle, wrapping around. A full pass is every sample once; the last, partial
+   pass is a random window of the circle, so each sample is in it with probability exactly
+   (length / N): fractional repeats are honoured exactly in expectation, integral ones exactly.
+   No sample appears twice in an epoch unless q > N.
+3. The sources' sequences are interleaved into one mixed sequence of T = sum(q_i) samples:
+   - ``per_batch="spread"``: the j-th sample of source i sits at key (j + phase_i) / q_i (a
+     random phase per epoch); the mixed sequence is all samples ordered by key. Every run of L
+     consecutive samples holds L * q_i / T samples of source i within +-2 (|error| < 2), so
+     every batch carries each source in proportion.
+   - ``per_batch="exact"``: every batch carries the same count c_i of source i (the batch size
+     apportioned by share, largest remainder; each source at least one sample, else an error).
+     The epoch has min(q_i // c_i) such batches; what the quotas leave over is dropped.
+4. Topology exactly as for one dataset (plan/epoch.py): every rank gets R = floor(batches / W)
+   batches, rank r takes a contiguous slice of the mixed sequence, workers split a rank's slice
+   in whole batches, and the tail that cannot make equal batches is dropped and counted per
+   source. A worker's slice holds a contiguous run of each source's sequence, read as shard
+   ranges, plus the pattern saying which source each position takes.
+
+All arithmetic on keys is exact (integers), so every rank and worker agrees on every boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardstream.errors import ConfigError
+from shardstream.plan.epoch import Range
+
+PER_BATCH = ("spread", "exact")
+PHASES = 1 << 16  # phases are multiples of 1/PHASES, so keys are exact rationals
+_MIX_TAG = 0x6D6978  # "mix": keeps the mix's random streams apart from plan_epoch's
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a source asks of every epoch: exactly one of a weight, a repeat factor or a sample count."""
+
+    weight: float | None = None
+    repeat: float | None = None
+    samples: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("weight", "repeat", "samples") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"a source asks for exactly one of weight, repeat or samples, got {given or 'none'}")
+        value = getattr(self, given[0])
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{given[0]} must be a positive number, got {value!r}")
+        if self.samples is not None and int(self.samples) != self.samples:
+            raise ConfigError(f"samples must be a whole number, got {self.samples!r}")
+
+    def describe(self) -> str:
+        if self.weight is not None:
+            return f"weight {self.weight:g}"
+        if self.repeat is not None:
+            return f"repeat {self.repeat:g}"
+        return f"{self.samples} samples"
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass over a source: its shards in ``order`` laid end to end (``starts``), entered at ``offset``."""
+
+    order: tuple[int, ...]
+    starts: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class SourceShare:
+    """A source's line of the plan report (one epoch)."""
+
+    name: str
+    samples: int  # in the source
+    quota: int  # asked for this epoch (after rounding)
+    used: int  # read this epoch, over all ranks
+    repeated: int  # reads beyond the first of a sample
+    dropped: int  # quota left out so that every rank gets equal whole batches
+    unseen: int  # samples of the source not read this epoch
+    asked_share: float  # share of the epoch the source asked for
+    share: float  # realised share of the samples read
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.used} used of {self.samples} ({self.repeated} repeated, {self.dropped} dropped, "
+                f"{self.unseen} unseen), share {self.share:.4f} asked {self.asked_share:.4f}")
+
+
+def quotas(sizes: Sequence[int], asks: Sequence[Ask]) -> tuple[list[int], list[float]]:
+    """(quota per source, the real-valued quota each asked for): step 1 of the module docstring."""
+    targets = [0.0] * len(sizes)
+    out = [0] * len(sizes)
+    weighted = [i for i, a in enumerate(asks) if a.weight is not None]
+    if weighted:
+        total_weight = sum(float(asks[i].weight or 0) for i in weighted)
+        shares = {i: float(asks[i].weight or 0) / total_weight for i in weighted}
+        group = min(sizes[i] / shares[i] for i in weighted)
+        for i in weighted:
+            targets[i] = shares[i] * group
+            # The limiting source's target is its size up to float rounding: never more than the source.
+            out[i] = min(sizes[i], math.floor(targets[i] + 1e-6))
+    for i, a in enumerate(asks):
+        if a.repeat is not None:
+            targets[i] = a.repeat * sizes[i]
+            out[i] = math.floor(targets[i] + 0.5)
+        elif a.samples is not None:
+            targets[i] = float(a.samples)
+            out[i] = int(a.samples)
+    return out, targets
+
+
+def _rng(seed: int, epoch: int, *more: int) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, _MIX_TAG, *more])
+
+
+def _passes(counts: Sequence[int], quota: int, *, seed: int, epoch: int, source: int, shuffle: bool) -> tuple[Pass, ...]:
+    size = sum(counts)
+    out = []
+    for p in range(-(-quota // size)):
+        if shuffle:
+            rng = _rng(seed, epoch, source, p)
+            perm = rng.permutation(len(counts))
+            offset = int(rng.integers(0, size))
+        else:
+            perm, offset = np.arange(len(counts)), 0
+        order = [int(i) for i in perm if counts[int(i)] > 0]
+        starts = np.concatenate([[0], np.cumsum([counts[i] for i in order])[:-1]]).astype(np.int64)
+        out.append(Pass(tuple(order), tuple(int(s) for s in starts), offset))
+    return tuple(out)
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Split ``total`` into integers proportional to ``weights`` (largest remainder, ties to the first)."""
+    s = float(sum(weights))
+    exact = [total * w / s for w in weights]
+    out = [math.floor(x) for x in exact]
+    for i in sorted(range(len(out)), key=lambda i: (-(exact[i] - out[i]), i))[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+@dataclass(frozen=True)
+class MixPlan:
+    epoch: int
+    seed: int
+    shuffle: bool
+    world_size: int
+    num_workers: int
+    batch_size: int
+    per_batch: str
+    names: tuple[str, ...]
+    asks: tuple[Ask, ...]
+    counts: tuple[tuple[int, ...], ...]  # per source, samples per shard
+    quotas: tuple[int, ...]
+    targets: tuple[float, ...]
+    batches_per_rank: int
+    passes: tuple[tuple[Pass, ...], ...]
+    phases: tuple[int, ...]  # spread: source i's phase is phases[i] / PHASES
+    per_batch_counts: tuple[int, ...]  # exact: samples of each source in every batch
+    batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
+
+    # -- sizes ----------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(c) for c in self.counts)
+
+    @property
+    def total_samples(self) -> int:
+        """T: the length of the mixed sequence (sum of quotas)."""
+        return sum(self.quotas)
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.batches_per_rank * self.batch_size
+
+    @property
+    def used_samples(self) -> int:
+        return self.world_size * self.samples_per_rank
+
+    @property
+    def dropped(self) -> int:
+        return self.total_samples - self.used_samples
+
+    @property
+    def repeated(self) -> int:
+        used = self.used_before(self.used_samples)
+        return sum(max(0, u - n) for u, n in zip(used, self.sizes))
+
+    # -- topology (the same arithmetic as EpochPlan) ---------------------------------------------
+    def worker_batches(self, worker: int) -> int:
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        return base + (1 if worker < extra else 0)
+
+    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
+        """[begin, end) positions of the mixed sequence that worker ``worker`` of rank ``rank`` reads."""
+        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
+            raise ValueError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+        base, extra = divmod(self.batches_per_rank, self.num_workers)
+        before = worker * base + min(worker, extra)
+        begin = rank * self.samples_per_rank + before * self.batch_size
+        return begin, begin + self.worker_batches(worker) * self.batch_size
+
+    # -- the mixed sequence ----------------------------------------------------------------------
+    def _key_scale(self) -> tuple[int, list[int]]:
+        """A common denominator for all keys and each source's factor onto it (exact integer keys)."""
+        lcm = math.lcm(*(q for q in self.quotas if q))
+        return PHASES * lcm, [lcm // q if q else 0 for q in self.quotas]
+
+    def _position(self, k: int, j: int, factors: list[int]) -> int:
+        """How many samples of the mixed sequence come before the j-th sample of source k (spread)."""
+        key = (j * PHASES + self.phases[k]) * factors[k]
+        pos = j
+        for i, q in enumerate(self.quotas):
+            if i == k or q == 0:
+                continue
+            num, den = key - self.phases[i] * factors[i], PHASES * factors[i]
+            # Source i's samples with a smaller key (or an equal one and a smaller index) come first.
+            n = num // den + 1 if i < k else -(-num // den)
+            pos += min(q, max(0, n))
+        return pos
+
+    def used_before(self, pos: int) -> tuple[int, ...]:
+        """How many samples of each source the first ``pos`` positions of the mixed sequence take."""
+        if not 0 <= pos <= self.total_samples:
+            raise ValueError(f"position {pos} outside the mixed sequence of {self.total_samples}")
+        if self.per_batch == "exact":
+            k, o = divmod(pos, self.batch_size)
+            head = self.batch_pattern[:o]
+            return tuple(k * c + head.count(i) for i, c in enumerate(self.per_batch_counts))
+        _, factors = self._key_scale()
+        out = []
+        for k, q in enumerate(self.quotas):
+            lo, hi = 0, q  # the answer is the number of j in [0, q) placed before pos
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._position(k, mid, factors) < pos:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out.append(lo)
+        return tuple(out)
+
+    def pattern(self, begin: int, end: int) -> Iterator[int]:
+        """The source of each position in [begin, end) of the mixed sequence, in order."""
+        if self.per_batch == "exact":
+            pattern, size = self.batch_pattern, self.batch_size
+            return (pattern[p % size] for p in range(begin, end))
+        first, last = self.used_before(begin), self.used_before(end)
+        _, factors = self._key_scale()
+
+        def keys(i: int) -> Iterator[tuple[int, int]]:
+            phase, factor = self.phases[i], factors[i]
+            return (((j * PHASES + phase) * factor, i) for j in range(first[i], last[i]))
+
+        return (i for _, i in heapq.merge(*(keys(i) for i in range(len(self.quotas)))))
+
+    # -- reads -----------------------------------------------------------------------------------
+    def source_ranges(self, source: int, begin: int, end: int) -> list[Range]:
+        """Shard ranges of samples [begin, end) of source ``source``'s epoch sequence, in order."""
+        counts = self.counts[source]
+        size = sum(counts)
+        passes = self.passes[source]
+        out: list[Range] = []
+        j = begin
+        while j < end:
+            p, t = divmod(j, size)
+            this = passes[p]
+            c = (this.offset + t) % size
+            k = bisect.bisect_right(this.starts, c) - 1
+            shard = this.order[k]
+            local = c - this.starts[k]
+            take = min(counts[shard] - local, end - j, size - t)
+            out.append(Range(shard, local, local + take))
+            j += take
+        return out
+
+    def reads(self, begin: int, end: int) -> tuple[list[list[Range]], Iterator[int]]:
+        """What positions [begin, end) need: each source's ranges, and the interleaving pattern."""
+        first, last = self.used_before(begin), self.used_before(end)
+        ranges = [self.source_ranges(i, first[i], last[i]) for i in range(len(self.quotas))]
+        return ranges, self.pattern(begin, end)
+
+    def ranges(self, rank: int, worker: int) -> list[list[Range]]:
+        """Per source, the shard ranges worker ``worker`` of rank ``rank`` reads this epoch."""
+        return self.reads(*self.worker_slice(rank, worker))[0]
+
+    # -- report ----------------------------------------------------------------------------------
+    def shares(self) -> list[SourceShare]:
+        used = self.used_before(self.used_samples)
+        total_used = max(1, sum(used))
+        total_target = sum(self.targets)
+        out = []
+        for i, name in enumerate(self.names):
+            n = self.sizes[i]
+            out.append(SourceShare(
+                name=name, samples=n, quota=self.quotas[i], used=used[i], repeated=max(0, used[i] - n),
+                dropped=self.quotas[i] - used[i], unseen=max(0, n - used[i]),
+                asked_share=self.targets[i] / total_target, share=used[i] / total_used,
+            ))
+        return out
+
+    def summary(self) -> str:
+        head = (f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "
+                f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
+                f"{self.batch_size} ({self.dropped} dropped), {self.num_workers} workers per rank")
+        return "\n".join([head, *(f"  {s}" for s in self.shares())])
+
+
+def plan_mix(
+    counts: Sequence[Sequence[int]],
+    asks: Sequence[Ask],
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    names: Sequence[str] | None = None,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    per_batch: str = "spread",
+) -> MixPlan:
+    """Plan one epoch of a mix; raises ConfigError (naming the source and the numbers) for
+    settings that cannot work."""
+    if per_batch not in PER_BATCH:
+        raise ConfigError(f"per_batch must be one of {PER_BATCH}, got {per_batch!r}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if len(counts) != len(asks) or not counts:
+        raise ConfigError(f"a mix needs one ask per source and at least one source, got {len(counts)} sources, {len(asks)} asks")
+    names = list(names) if names is not None else [f"source {i}" for i in range(len(counts))]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"source names must differ, got {names}")
+    sizes = [int(sum(c)) for c in counts]
+    for name, n in zip(names, sizes):
+        if n == 0:
+            raise ConfigError(f"source {name!r} is empty (0 samples)")
+    q, targets = quotas(sizes, asks)
+    for name, qi, ask in zip(names, q, asks):
+        if qi == 0:
+            raise ConfigError(f"source {name!r} ({ask.describe()}) gets 0 samples per epoch; raise its share")
+    workers = max(1, num_workers)
+    per_batch_counts: list[int] = []
+    pattern: tuple[int, ...] = ()
+    if per_batch == "exact":
+        per_batch_counts = apportion(batch_size, targets)
+        for name, c, t in zip(names, per_batch_counts, targets):
+            if c == 0:
+                raise ConfigError(
+                    f"batch_size {batch_size} is too small to carry source {name!r} (share {t / sum(targets):.4f}) in every "
+                    f"batch: use a larger batch size or per_batch='spread'"
+                )
+        batches = min(qi // c for qi, c in zip(q, per_batch_counts))
+        q = [c * batches for c in per_batch_counts]
+        # Spread each source over the batch positions (phase one half, the same in every batch).
+        keyed = sorted(((2 * j + 1) / (2 * c), i) for i, c in enumerate(per_batch_counts) for j in range(c))
+        pattern = tuple(i for _, i in keyed)
+    total = sum(q)
+    per_step = world_size * batch_size
+    batches_per_rank = total // per_step
+    if batches_per_rank == 0:
+        raise ConfigError(
+            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but an epoch of this mix "
+            f"has only {total}: use a smaller batch size, fewer ranks, or larger shares"
+        )
+    if batches_per_rank < workers:
+        raise ConfigError(
+            f"each rank gets {batches_per_rank} batches of {batch_size} per epoch of this mix but num_workers is "
+            f"{num_workers}: {workers - batches_per_rank} workers would have nothing to read; use num_workers <= "
+            f"{batches_per_rank}"
+        )
+    passes = tuple(
+        _passes(counts[i], q[i], seed=seed, epoch=epoch, source=i, shuffle=shuffle) for i in range(len(counts))
+    )
+    phases = tuple(int(x) for x in _rng(seed, epoch).integers(0, PHASES, len(counts))) \
+        if shuffle else (0,) * len(counts)
+    return MixPlan(
+        epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers, batch_size=batch_size,
+        per_batch=per_batch, names=tuple(names), asks=tuple(asks), counts=tuple(tuple(int(x) for x in c) for c in counts),
+        quotas=tuple(q), targets=tuple(targets), batches_per_rank=batches_per_rank, passes=passes, phases=phases,
+        per_batch_counts=tuple(per_batch_counts), batch_pattern=pattern,
+    )

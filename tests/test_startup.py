@@ -1,0 +1,90 @@
+"""Start-up work is per shard, not per sample: version-1 manifest offsets load as one compact
+array with vectorised checks (version 2 keeps them in sidecars: tests/test_scale.py), and a range's first reads are small so the first batch comes from a few
+hundred KiB rather than a full read block."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardstream import ShardStream, ShardWriter, load_manifest
+from shardstream.errors import ManifestError
+from shardstream.format.manifest import Manifest
+from shardstream.format.tar import DEFAULT_READ_SIZE
+from shardstream.pipeline import read as readmod
+
+
+def write(root, n=300, size=2000):
+    with ShardWriter(str(root), max_count=1000) as w:
+        for i in range(n):
+            w.write_encoded(f"{i:06d}", {"bin": bytes([i % 251]) * size, "cls": str(i % 7).encode()})
+    return str(root)
+
+
+def version_1(root):
+    """The dataset's manifest in the old format, offsets inline."""
+    m = load_manifest(root)
+    doc = json.loads(m.dumps())
+    doc["version"] = 1
+    doc["shards"] = [{"path": m.paths[i], "samples": int(m.counts[i]), "bytes": int(m.sizes[i]), "sha256": m.sha256(i),
+                      "offsets": m.offsets(i).tolist()} for i in range(len(m.paths))]
+    return doc
+
+
+def test_offsets_load_as_compact_array_with_the_same_values(tmp_path):
+    root = write(tmp_path / "d")
+    doc = version_1(root)
+    manifest = Manifest.from_json(doc, root)
+    offsets = manifest.offsets(0)
+    assert isinstance(offsets, np.ndarray) and offsets.dtype == np.int64
+    assert offsets.tolist() == doc["shards"][0]["offsets"]
+    assert all(type(o) is int for o in manifest.byte_range(0, 3, 7))  # Python ints, not numpy scalars
+    assert json.loads(json.dumps(manifest.to_json()))["shards"] == json.loads(load_manifest(root).dumps())["shards"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda o: [True] + o[1:], "byte offsets"),            # JSON true where the first offset is
+    (lambda o: o[:1] + [True] + o[2:], "byte offsets"),
+    (lambda o: o[:5] + [1.5] + o[6:], "byte offsets"),
+    (lambda o: o[:5] + ["9"] + o[6:], "byte offsets"),
+    (lambda o: o[:5] + [2 ** 70] + o[6:], "byte offsets"),
+    (lambda o: [-512] + o[1:], "byte offsets"),
+    (lambda o: o[:5] + [o[4]] + o[6:], "not strictly increasing"),
+    (lambda o: o[:5] + [False] + o[6:], "not strictly increasing"),
+    (lambda o: o[:-1] + [o[-1] + 10 ** 9], "past the shard"),
+    (lambda o: o[:-1], r"samples \+ 1"),
+])
+def test_bad_offsets_are_refused_at_load(tmp_path, bad, message):
+    root = write(tmp_path / "d", n=20)
+    doc = version_1(root)
+    doc["shards"][0]["offsets"] = bad(doc["shards"][0]["offsets"])
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_json(doc, root)
+
+
+def test_first_reads_are_small_then_grow_to_read_size(tmp_path, monkeypatch):
+    root = write(tmp_path / "d", n=1000, size=3000)
+    sizes = []
+    real_open = readmod.open_range
+
+    def recording_open(*args, **kwargs):
+        read, close = real_open(*args, **kwargs)
+
+        def read_recorded(n):
+            data = read(n)
+            sizes.append(len(data))
+            return data
+
+        return read_recorded, close
+
+    monkeypatch.setattr(readmod, "open_range", recording_open)
+    ds = ShardStream(root, batch_size=64, shuffle=True, rank=0, world_size=1)
+    first = next(iter(ds))
+    assert len(first["__key__"]) == 64
+    # The first batch came from reads of 256 KiB, 512 KiB, ... (doubling), less than one 4 MiB block in all.
+    assert sizes == [readmod.FIRST_READ << i for i in range(len(sizes))]
+    assert sum(sizes) < DEFAULT_READ_SIZE
+    keys = [k for b in ds for k in b["__key__"]]
+    assert len(keys) == len(set(keys)) == 960  # the rest of the epoch still reads every planned sample once
