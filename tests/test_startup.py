@@ -1,6 +1,7 @@
 """Start-up work is per shard, not per sample: version-1 manifest offsets load as one compact
-array with vectorised checks (version 2 keeps them in sidecars: tests/test_scale.py), and a range's first reads are small so the first batch comes from a few
-hundred KiB rather than a full read block."""
+array with vectorised checks (version 2 keeps them in sidecars: tests/test_scale.py), and a
+range's first reads are small so the first batch comes from a few hundred KiB rather than a full
+read block."""
 
 from __future__ import annotations
 
