@@ -77,7 +77,7 @@ def test_next_epoch_reads_from_cache_only(s3, tmp_path):
 def test_eviction_keeps_the_cache_under_its_limit(s3, tmp_path):
     bucket, options, _ = s3
     url = write(bucket, options)
-    shard_bytes = max(s["bytes"] for s in json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"])
+    shard_bytes = max(json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"]["bytes"])
     limit = int(shard_bytes * 2.5)
     cache_dir = tmp_path / "cache"
     for epoch in range(2):
