@@ -134,7 +134,10 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
               f"of {repeats} (manifest read + plan {statistics.median(constructs):.2f} s)")
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main() -> None:
