@@ -305,7 +305,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         """The state after ``received`` batches of the current pass of the current epoch."""
         if resume is not None:
             return resume.state_after(received).to_json()
-        return ResumeState(manifest=self._digest, samples=sum(self.counts),
+        return ResumeState(manifest=self._digest, samples=int(self.counts.sum()),
                            seed=self.seed, shuffle=self.shuffle, mode=self.mode, epoch=self.epoch,
                            segments=(self._segment(num_workers, received),)).to_json()
 
@@ -343,7 +343,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ConfigError("resuming a mixed stream or a stream defined by steps= is not supported yet: "
                               "checkpoint at epoch boundaries (set_epoch) for those")
         loaded = ResumeState.from_json(dict(state))
-        loaded.check(manifest=self._digest, samples=sum(self.counts), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
+        loaded.check(manifest=self._digest, samples=int(self.counts.sum()), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
         self._resume = loaded
         self._main_pass = None
         self.set_epoch(loaded.epoch)
