@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,11 @@ _EXPORTS = {
     "Manifest": "format.manifest",
     "load_manifest": "format.manifest",
     "ShardStream": "dataset",
+    "Shuffle": "options",
+    "Decode": "options",
+    "OnError": "options",
+    "Read": "options",
+    "Cache": "options",
     "Source": "mixing",
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
@@ -40,7 +45,63 @@ _EXPORTS = {
     "SampleError": "errors",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [  # literal, so linters and type checkers see it; tests check it matches _EXPORTS
+    "Cache",
+    "ChecksumError",
+    "ConfigError",
+    "Decode",
+    "DestinationError",
+    "DevicePrefetcher",
+    "EpochPlan",
+    "Manifest",
+    "ManifestError",
+    "MixPlan",
+    "OnError",
+    "RandomResizedCrop",
+    "Read",
+    "SampleError",
+    "ShardFormatError",
+    "ShardStream",
+    "ShardWriter",
+    "ShardstreamError",
+    "Shuffle",
+    "Source",
+    "SourceError",
+    "StorageError",
+    "World",
+    "load_manifest",
+    "make_loader",
+    "pack",
+    "plan_epoch",
+    "plan_mix",
+    "to_device",
+    "__version__",
+]
+
+if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr__ loads them lazily
+    from shardstream.dataset import ShardStream
+    from shardstream.device import DevicePrefetcher, to_device
+    from shardstream.errors import (
+        ChecksumError,
+        ConfigError,
+        DestinationError,
+        ManifestError,
+        SampleError,
+        ShardFormatError,
+        ShardstreamError,
+        SourceError,
+        StorageError,
+    )
+    from shardstream.format.manifest import Manifest, load_manifest
+    from shardstream.loader import make_loader
+    from shardstream.mixing import Source
+    from shardstream.options import Cache, Decode, OnError, Read, Shuffle
+    from shardstream.pipeline.augment import RandomResizedCrop
+    from shardstream.plan.epoch import EpochPlan, plan_epoch
+    from shardstream.plan.mix import MixPlan, plan_mix
+    from shardstream.plan.topology import World
+    from shardstream.write.pack import pack
+    from shardstream.write.writer import ShardWriter
 
 
 def __getattr__(name: str) -> Any:

@@ -1,21 +1,140 @@
-"""make_loader: the DataLoader around a ShardStream, as a webdataset.WebLoader with the right defaults.
+"""make_loader: the DataLoader around a ShardStream, as a webdataset.WebLoader with the right defaults,
+and the worker -> main process hand-off of batches.
 
 The dataset batches inside its workers, so the loader's batch_size is None; ``len(loader)`` is the
-number of batches per rank per epoch.
+number of batches per rank per epoch. The loader never changes the dataset: a worker learns its
+number and index from ``get_worker_info``, and the hand-off packing runs in the loader's
+``collate_fn``, which DataLoader calls in the worker on each batch the dataset yields.
+
+Hand-off: DataLoader workers send every torch tensor through a new shared-memory segment, a fixed
+cost of tens of microseconds per tensor that dominates for small fields (labels, ids). Small CPU
+tensors therefore travel inline as numpy arrays, anywhere in the batch (dict, tuple, list,
+namedtuple, nested, or a bare tensor), and become tensors again on arrival (``torch.from_numpy``,
+no copy); large ones (images) keep the shared-memory path.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import webdataset
 
 from shardstream.dataset import ShardStream
-from shardstream.pipeline.batch import unpack_after_transport
 
 logger = logging.getLogger(__name__)
+
+INLINE_MAX_BYTES = 64 * 1024
+# A packed batch is {PACKED: spec, "batch": structure}: a plain dict, so DataLoader's pin-memory
+# thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
+# tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
+PACKED = "__shardstream_inline__"
+_SCALARS = (str, bytes, int, float, bool, type(None))
+
+
+def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
+    """(structure with small CPU tensors as numpy arrays, spec or None if nothing changed)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.nbytes <= max_bytes and obj.device.type == "cpu" and not obj.requires_grad:
+            try:
+                return obj.numpy(), True
+            except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
+                return obj, None
+        return obj, None
+    if isinstance(obj, _SCALARS):
+        return obj, None
+    if isinstance(obj, Mapping):
+        spec: dict[Any, Any] = {}
+        changed: dict[Any, Any] = {}
+        for k, v in obj.items():
+            if isinstance(v, _SCALARS):
+                continue
+            nv, s = _pack(v, max_bytes)
+            if s is not None:
+                spec[k] = s
+                changed[k] = nv
+        if not spec:
+            return obj, None
+        out = dict(obj) if type(obj) is dict else _copy_mapping(obj)
+        out.update(changed)
+        return out, spec
+    if isinstance(obj, (list, tuple)):
+        spec = {}
+        items: list[Any] | None = None
+        for i, v in enumerate(obj):
+            if isinstance(v, _SCALARS):
+                continue
+            nv, s = _pack(v, max_bytes)
+            if s is not None:
+                if items is None:
+                    items = list(obj)
+                items[i] = nv
+                spec[i] = s
+        if items is None:
+            return obj, None
+        return _rebuild(obj, items), spec
+    return obj, None
+
+
+def _copy_mapping(obj: Mapping) -> Any:
+    import copy
+
+    try:
+        return copy.copy(obj)
+    except TypeError:
+        return dict(obj)
+
+
+def _rebuild(obj: list | tuple, items: list[Any]) -> Any:
+    if isinstance(obj, list):
+        return items if type(obj) is list else type(obj)(items)
+    if hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*items)
+    return tuple(items) if type(obj) is tuple else type(obj)(items)
+
+
+def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
+    """In a worker: small CPU tensors anywhere in ``batch`` become numpy arrays, marked for unpack_batch."""
+    packed, spec = _pack(batch, max_bytes)
+    return batch if spec is None else {PACKED: spec, "batch": packed}
+
+
+def _restore(obj: Any, spec: Any, pin: bool) -> Any:
+    if spec is True:
+        t = torch.from_numpy(obj)
+        return t.pin_memory() if pin else t
+    if isinstance(obj, (list, tuple)):
+        items = list(obj)
+        for i, s in spec.items():
+            items[i] = _restore(items[i], s, pin)
+        return _rebuild(obj, items)
+    for k, s in spec.items():  # a mapping: the worker's copy, ours to change
+        obj[k] = _restore(obj[k], s, pin)
+    return obj
+
+
+def unpack_batch(batch: Any, pin: bool = False) -> Any:
+    """In the main process: undo pack_batch (numpy -> tensor without a copy; pinned if asked)."""
+    if type(batch) is not dict or PACKED not in batch:
+        return batch
+    return _restore(batch["batch"], batch[PACKED], pin)
+
+
+class PackInWorker:
+    """The loader's collate_fn: the user's (or pass-through) function, then pack_batch; DataLoader
+    runs it in the worker. A class, not a closure, so it pickles for spawned workers."""
+
+    def __init__(self, fn: Callable[[Any], Any] | None = None, max_bytes: int = INLINE_MAX_BYTES):
+        self.fn = fn
+        self.max_bytes = max_bytes
+
+    def __call__(self, batch: Any) -> Any:
+        if self.fn is not None:
+            batch = self.fn(batch)
+        return pack_batch(batch, self.max_bytes)
 
 
 def _passthrough(batch: Any) -> Any:
@@ -23,14 +142,27 @@ def _passthrough(batch: Any) -> Any:
     return batch
 
 
+class UnpackStage:
+    """The loader's first pipeline stage: unpack_batch on every batch, so stages added later
+    (``loader.map(...)``) see the batches as the dataset made them."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+
+    def __call__(self, batches):
+        pin = self.pin
+        for batch in batches:
+            yield unpack_batch(batch, pin)
+
+
 class ShardLoader(webdataset.WebLoader):
     """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
 
-    def __init__(self, dataset: ShardStream, **kwargs: Any):
+    def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, **kwargs: Any):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
-        self.pin = bool(kwargs.get("pin_memory"))
-        self.log_interval: float | None = None
+        self.log_interval = log_interval
+        self.append(UnpackStage(bool(kwargs.get("pin_memory"))))
         self._pass: list[Any] | None = None  # [epoch, batches received, ResumePlan or None] of the last pass
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
@@ -39,7 +171,6 @@ class ShardLoader(webdataset.WebLoader):
         return len(self.dataset)
 
     def __iter__(self):
-        pin = self.pin
         interval = self.log_interval
         next_log = time.monotonic() + interval if interval else None
         # Counted here, in the main process, as the loop receives them: batches still in worker
@@ -47,15 +178,14 @@ class ShardLoader(webdataset.WebLoader):
         resume = self.dataset.resume_plan(self.num_workers)
         if resume is not None:
             logger.info("%s", resume.summary())
-        record: list[Any] = [self.dataset.epoch, 0, resume]
+        record: list[Any] = [self.dataset._clock.upcoming, 0, resume]  # the epoch this pass will follow
         self._pass = record
         for batch in super().__iter__():
             record[1] += 1
-            yield unpack_after_transport(batch, pin)
+            yield batch
             if interval and next_log is not None and time.monotonic() >= next_log:
                 next_log = time.monotonic() + interval
                 logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
-
         self._end_pass(record)
 
     def _end_pass(self, record: list[Any]) -> None:
@@ -81,7 +211,7 @@ class ShardLoader(webdataset.WebLoader):
         """Continue from a ``state_dict()``: the next pass over its epoch delivers the rest of it
         (exactly, or elastically on another topology). Persistent workers already started are
         replaced, so they see the state."""
-        self.dataset.load_state_dict(state)
+        self.dataset._load_state(state, self.num_workers)  # the loader knows its workers: topology checked now
         self._pass = None
         self._forget_workers()
 
@@ -110,23 +240,22 @@ def make_loader(
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
-    to ``torch.utils.data.DataLoader``. Every ``log_interval`` seconds (None: never) the stream
-    counters of this rank are logged at INFO level; ``loader.stats()`` reads them any time.
+    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch). Every
+    ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
+    level; ``loader.stats()`` reads them any time. The dataset is not changed.
     """
-    import torch
-
-    dataset.num_workers = num_workers
-    dataset.inline_transport = num_workers > 0
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
-    kwargs.setdefault("collate_fn", _passthrough)
-    loader = ShardLoader(
+    collate_fn = kwargs.pop("collate_fn", None)
+    if num_workers > 0:
+        collate_fn = PackInWorker(collate_fn)
+    return ShardLoader(
         dataset,
         batch_size=None,
         num_workers=num_workers,
+        collate_fn=collate_fn or _passthrough,
         pin_memory=pin_memory and torch.cuda.is_available(),
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         persistent_workers=persistent_workers and num_workers > 0,
+        log_interval=log_interval,
         **kwargs,
     )
-    loader.log_interval = log_interval
-    return loader

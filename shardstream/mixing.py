@@ -124,8 +124,7 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
             raise ConfigError(f"{where}: storage_options must be a mapping, got {options!r}")
         source_url = entry["url"]
         if "://" not in source_url and not source_url.startswith("/"):
-            source_url = posixpath.normpath(storage.join(base, source_url)) if "://" not in base \
-                else storage.join(base, source_url)
+            source_url = _relative_to(base, source_url)
         try:
             source = Source(source_url, weight=entry.get("weight"), repeat=entry.get("repeat"),
                             samples=entry.get("samples"), storage_options=options, name=entry.get("name"))
@@ -134,6 +133,14 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
             raise ConfigError(f"{where}: {exc}") from exc
         sources.append(source)
     return sources
+
+
+def _relative_to(base: str, path: str) -> str:
+    """``path`` relative to the mix file's directory ``base`` ('..' resolved, the protocol kept)."""
+    protocol, sep, rest = base.partition("://")
+    if not sep:
+        return posixpath.normpath(storage.join(base, path))
+    return f"{protocol}://{posixpath.normpath(posixpath.join(rest, path))}"
 
 
 def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None) -> list[Source] | None:

@@ -17,6 +17,7 @@ COUNTERS = (
     "throttles",        # of those, throttling answers (503 SlowDown, 429)
     "storage_wait_us",  # time spent waiting on storage reads
     "samples_skipped",  # samples left out under on_error="skip"
+    "samples_filtered",  # samples the transform dropped (returned None)
     "cache_hits",       # shard ranges served from the local cache
     "cache_misses",     # shards downloaded into the cache
     "cache_bypass",     # reads that skipped a full cache (every cached shard in use)

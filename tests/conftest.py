@@ -1,11 +1,16 @@
-"""Shared fixtures: a real moto S3 server on 127.0.0.1 (real HTTP through s3fs and boto3) and
-small datasets on disk."""
+"""Shared fixtures: a real moto S3 server on 127.0.0.1 (real HTTP through s3fs and boto3), small
+datasets (``write_dataset``, ``make_samples``, ``write_image_folder``), and a check, run around
+every test, that it leaves no thread or child process behind."""
 
 from __future__ import annotations
 
+import gc
 import json
+import multiprocessing
 import os
 import socket
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -84,3 +89,89 @@ def make_samples(n: int, size: int = 100, seed: int = 0):
         {"__key__": f"s{i:06d}", "bin": rng.bytes(int(rng.integers(1, size + 1))), "cls": i % 7, "txt": f"sample {i}"}
         for i in range(n)
     ]
+
+
+def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, samples=None, storage_options=None) -> str:
+    """The one "small dataset" helper: ``n`` samples from make_samples (or ``samples``) packed with
+    ShardWriter into ``url`` (a local folder or an s3:// URL), ``max_count`` samples per shard.
+    Returns the dataset URL as a string."""
+    from shardstream import ShardWriter
+
+    url = str(url)
+    with ShardWriter(url, max_count=max_count, storage_options=storage_options) as w:
+        for s in samples if samples is not None else make_samples(n, size=size):
+            w.write(s)
+    return url
+
+
+# -- leak check -------------------------------------------------------------------------------
+# Every test must leave no thread and no child process of its own behind (read-ahead threads,
+# DataLoader workers, process pools, subprocesses). Threads and processes get a grace period to
+# finish (a DataLoader shuts its workers down when its iterator is collected); only what is still
+# alive after it fails the test. Allowed: long-lived daemon threads that belong to the session,
+# not to a test: the moto server (session fixture) and its request threads, and fsspec's one
+# event-loop thread for async filesystems (s3fs), which lives as long as the interpreter, with
+# the default executor threads of that loop ("asyncio_N", not daemons, joined at exit).
+LEAK_GRACE_S = 10.0
+ALLOWED_DAEMON_THREADS = ("fsspecIO", "(_server_entry)", "(process_request_thread)", "(serve_forever)")
+ALLOWED_THREAD_PREFIXES = ("asyncio_",)
+# multiprocessing's helper processes, started once on first use (spawn, shared memory) and kept for
+# the interpreter's lifetime by design.
+ALLOWED_CHILDREN = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+
+
+def _child_pids() -> set[int]:
+    """Live children of this process, from /proc (covers multiprocessing and subprocess alike)."""
+    me = os.getpid()
+    pids = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: multiprocessing's own view is what there is
+        return {p.pid for p in multiprocessing.active_children()}
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[1]) != me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if not any(a in cmdline for a in ALLOWED_CHILDREN):
+            pids.add(int(entry))
+    return pids
+
+
+def _leaked_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t not in before and t.is_alive()
+            and not (t.daemon and any(a in t.name for a in ALLOWED_DAEMON_THREADS))
+            and not t.name.startswith(ALLOWED_THREAD_PREFIXES)]
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    threads = set(threading.enumerate())
+    children = _child_pids()
+    yield
+    multiprocessing.active_children()  # reaps finished multiprocessing children
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked = _leaked_threads(threads)
+    if leaked:
+        gc.collect()  # a dropped DataLoader iterator stops its workers when collected
+    for t in leaked:
+        t.join(max(0.0, deadline - time.monotonic()))
+    procs = _child_pids() - children
+    while procs and time.monotonic() < deadline:
+        multiprocessing.active_children()
+        time.sleep(0.05)  # waiting for other processes to exit: there is no event to wait on
+        procs = _child_pids() - children
+    leaked = _leaked_threads(threads)
+    if leaked or procs:
+        pytest.fail(f"test left running: threads {[t.name for t in leaked]}, child processes {sorted(procs)}")

@@ -9,19 +9,12 @@ import multiprocessing
 import os
 
 import pytest
-from conftest import make_samples
+from conftest import make_samples, write_dataset
 
-from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream import Cache, Read, ShardStream, World, make_loader
 from shardstream.errors import ConfigError, StorageError
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
-
-
-def write(bucket, options, n=100, max_count=20):
-    with ShardWriter(f"s3://{bucket}/c", max_count=max_count, storage_options=options) as w:
-        for s in make_samples(n, size=2000):
-            w.write(s)
-    return f"s3://{bucket}/c"
 
 
 def cache_files(cache_dir):
@@ -30,15 +23,15 @@ def cache_files(cache_dir):
 
 
 def _read_all(url, options, cache_dir, limit, out):
-    ds = ShardStream(url, batch_size=4, shuffle=False, rank=0, world_size=1, storage_options=options,
-                     cache_dir=cache_dir, cache_limit=limit)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
+                     cache=Cache(cache_dir, limit))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((keys, ds.stats()))
 
 
 def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
     bucket, options, _ = s3
-    url = write(bucket, options)
+    url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
     cache_dir = str(tmp_path / "cache")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -60,9 +53,9 @@ def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
 
 def test_next_epoch_reads_from_cache_only(s3, tmp_path):
     bucket, options, _ = s3
-    url = write(bucket, options)
-    ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
-                     cache_dir=str(tmp_path / "cache"), cache_limit=10**9)
+    url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
+                     cache=Cache(str(tmp_path / "cache"), 10**9))
     first = sorted(k for b in ds for k in b["__key__"])
     after_first = ds.stats()
     ds.set_epoch(1)
@@ -76,13 +69,13 @@ def test_next_epoch_reads_from_cache_only(s3, tmp_path):
 
 def test_eviction_keeps_the_cache_under_its_limit(s3, tmp_path):
     bucket, options, _ = s3
-    url = write(bucket, options)
+    url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
     shard_bytes = max(json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"]["bytes"])
     limit = int(shard_bytes * 2.5)
     cache_dir = tmp_path / "cache"
     for epoch in range(2):
-        ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
-                         cache_dir=str(cache_dir), cache_limit=limit, readahead_bytes=0)
+        ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
+                         cache=Cache(str(cache_dir), limit), read=Read(readahead_bytes=0))
         ds.set_epoch(epoch)
         assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(100))
         tars, partials = cache_files(cache_dir)
@@ -118,12 +111,12 @@ def test_shard_in_use_is_never_evicted_and_full_cache_bypasses(tmp_path):
 
 def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
     bucket, options, client = s3
-    url = write(bucket, options, n=20)
+    url = write_dataset(f"s3://{bucket}/c", 20, size=2000, storage_options=options)
     doc = json.loads(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
     doc["shards"]["sha256"][0] = "0" * 64
     client.put_object(Bucket=bucket, Key="c/index.json", Body=json.dumps(doc).encode())
-    ds = ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
-                     cache_dir=str(tmp_path / "cache"), cache_limit=10**9)
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
+                     cache=Cache(str(tmp_path / "cache"), 10**9))
     with pytest.raises(StorageError, match="sha256 .* does not match the manifest's 0000"):
         list(ds)
     tars, partials = cache_files(tmp_path / "cache")
@@ -132,9 +125,9 @@ def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
 
 def test_limit_smaller_than_a_shard_is_a_clear_error(s3, tmp_path):
     bucket, options, _ = s3
-    url = write(bucket, options, n=20)
+    url = write_dataset(f"s3://{bucket}/c", 20, size=2000, storage_options=options)
     with pytest.raises(ConfigError, match=r"cache_limit 1000 bytes is smaller than shard s3://.*shard-000000.tar"):
-        ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options,
-                    cache_dir=str(tmp_path / "cache"), cache_limit=1000)
-    with pytest.raises(ConfigError, match="cache_dir needs cache_limit"):
-        ShardStream(url, batch_size=4, rank=0, world_size=1, storage_options=options, cache_dir=str(tmp_path / "c"))
+        ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
+                    cache=Cache(str(tmp_path / "cache"), 1000))
+    with pytest.raises(ConfigError, match="Cache.limit=.... is bytes of local disk"):
+        Cache(str(tmp_path / "c"), 0)

@@ -11,7 +11,7 @@ import webdataset as wds
 from conftest import make_samples, write_image_folder
 from PIL import Image
 
-from shardstream import ShardStream, ShardWriter
+from shardstream import ShardStream, ShardWriter, World
 from shardstream.cli.main import build_parser, main
 from shardstream.format.offsets import encode_offsets
 from shardstream.write.pack import pack
@@ -133,7 +133,7 @@ def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
     assert "indexed 3 shards, 45 samples" in capsys.readouterr().out
     doc = json.loads((tmp_path / "index.json").read_text())
     assert doc["shards"]["path"] == ["w-00.tar", "w-01.tar", "w-02.tar"]
-    ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(str(tmp_path), batch_size=5, shuffle=False, world=World(0, 1))
     assert [k for b in ds for k in b["__key__"]] == [s["__key__"] for s in samples]
     assert main(["verify", str(tmp_path)]) == 0
     capsys.readouterr()
@@ -147,7 +147,34 @@ def test_bench_reports_and_plots(packed, tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
     assert len(rows) == 2 and all("samples/s" not in r for r in rows)
-    assert Image.open(plot).size == (640, 400)
+    assert "recommendation: num_workers=" in out and "give --step-ms" in out
+    assert Image.open(plot).size == (720, 420)
+
+
+def test_bench_with_a_busy_training_step_advises_for_training(packed, capsys):
+    assert main(["bench", str(packed), "--workers", "1", "--batch-size", "2", "--seconds", "0.5", "--step-ms", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: num_workers=1" in out and "with a 5 ms step" in out and "% of the time waiting" in out
+
+
+def test_plot_labels_say_units_settings_and_plurals():
+    from shardstream.cli.bench import recommend, workers_label
+
+    assert [workers_label(n) for n in (0, 1, 2)] == ["0 workers", "1 worker", "2 workers"]
+    results = [{"workers": w, "samples_per_s": s, "consumer_wait_s": 0.0, "seconds": 1.0} for w, s in ((0, 900), (1, 990), (2, 1000))]
+    assert recommend(results, 0).startswith("recommendation: num_workers=1 ")  # the fewest within 5% of the best
+
+
+def test_a_mistyped_flag_or_command_gets_a_suggestion(capsys):
+    with pytest.raises(SystemExit):
+        main(["pack", "a", "b", "--overwite"])
+    assert "--overwite: did you mean --overwrite?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "a", "--step-sm", "3"])
+    assert "did you mean --step-ms?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["verfy", "a"])
+    assert "did you mean 'verify'?" in capsys.readouterr().err
 
 
 def test_errors_are_one_line_unless_debug(tmp_path, capsys):

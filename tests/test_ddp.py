@@ -10,9 +10,7 @@ import multiprocessing
 import os
 
 import pytest
-from conftest import make_samples
-
-from shardstream import ShardWriter
+from conftest import write_dataset
 
 
 def _rank_main(rank: int, world: int, store: str, source: str, options: dict, out: str) -> None:
@@ -26,7 +24,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, ou
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    dataset = shardstream.ShardStream(source, batch_size=4, seed=7, shuffle_buffer=20, storage_options=options)
+    dataset = shardstream.ShardStream(source, batch_size=4, seed=7, shuffle=shardstream.Shuffle(20), storage_options=options)
     loader = shardstream.make_loader(dataset, num_workers=2)
     result = {}
     for epoch in (0, 1):
@@ -84,20 +82,14 @@ def check(result: dict, total: int) -> None:
     assert ranks[0]["0"]["keys"] != ranks[0]["1"]["keys"]
 
 
-def write(url: str, n: int, options=None) -> None:
-    with ShardWriter(url, max_count=17, storage_options=options) as w:
-        for s in make_samples(n):
-            w.write(s)
-
-
 @pytest.mark.slow
 def test_ddp_two_ranks_local_disk(tmp_path):
-    write(str(tmp_path / "ds"), 150)
+    write_dataset(str(tmp_path / "ds"), 150, max_count=17)
     check(run_ddp(2, str(tmp_path / "ds"), {}, tmp_path), 150)
 
 
 @pytest.mark.slow
 def test_ddp_three_ranks_from_s3(s3, tmp_path):
     bucket, options, _ = s3
-    write(f"s3://{bucket}/ddp", 130, options)
+    write_dataset(f"s3://{bucket}/ddp", 130, max_count=17, storage_options=options)
     check(run_ddp(3, f"s3://{bucket}/ddp", options, tmp_path), 130)

@@ -20,6 +20,7 @@ from webdataset.autodecode import ImageHandler
 from shardstream import ShardStream
 from shardstream.format.extensions import IMAGE, kind_of
 from shardstream.pipeline.decode import Decoder, ImageDecoder, default_decoders, webdataset_decoders
+from shardstream.plan.topology import World
 from shardstream.write.encode import encode_value
 
 
@@ -143,7 +144,7 @@ def test_webdataset_preset_gives_webdatasets_samples_exactly(tmp_path, spec):
                      "npy": encode_value("npy", np.arange(i + 1, dtype=">f8")), "txt.gz": b"t",  # TarWriter gzips .gz fields itself
                      "pth": encode_value("pth", torch.arange(3)), "html": b"<p>", "count": b"3", "xml.gz": b"<x/>"})
     expected = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False).decode(spec))
-    stream = ShardStream(str(path), batch_size=1, shuffle=False, decode=webdataset_decoders(spec), world_size=1, rank=0,
+    stream = ShardStream.from_urls(str(path), batch_size=1, shuffle=False, decode=webdataset_decoders(spec), world=World(0, 1),
                          collate=lambda samples: samples)
     got = [s for batch in stream for s in batch]
     assert len(got) == len(expected) == len(IMAGES)

@@ -7,23 +7,16 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import make_samples
+from conftest import write_dataset
 from faultproxy import FaultProxy
 
-from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream import Read, ShardStream, Shuffle, World, make_loader
 from shardstream.errors import ManifestError, StorageError
 
 
-def write(bucket, options, n=150):
-    with ShardWriter(f"s3://{bucket}/f", max_count=40, storage_options=options) as w:
-        for s in make_samples(n, size=3000):
-            w.write(s)
-    return f"s3://{bucket}/f"
-
-
 def keys_and_bytes(url, options, rank, world, workers, read_size):
-    ds = ShardStream(url, batch_size=5, seed=4, shuffle_buffer=20, rank=rank, world_size=world,
-                     storage_options=options, read_size=read_size)
+    ds = ShardStream(url, batch_size=5, seed=4, shuffle=Shuffle(20), world=World(rank, world),
+                     storage_options=options, read=Read(read_size=read_size))
     loader = make_loader(ds, num_workers=workers, pin_memory=False)
     out = [(k, b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])]
     return out, ds.stats()
@@ -32,24 +25,22 @@ def keys_and_bytes(url, options, rank, world, workers, read_size):
 @pytest.mark.slow
 def test_resets_slowdowns_and_latency_change_nothing(s3):
     bucket, options, _ = s3
-    url = write(bucket, options)
+    url = write_dataset(f"s3://{bucket}/f", 150, max_count=40, size=3000, storage_options=options)
     clean = {r: keys_and_bytes(url, options, r, 2, 2, 64 * 1024)[0] for r in (0, 1)}
     with FaultProxy(options["endpoint_url"], reset_after=20_000, slowdown_every=5, latency=0.002) as proxy:
         faulty_options = {"endpoint_url": proxy.url}
-        started = time.monotonic()
         for rank in (0, 1):
             got, stats = keys_and_bytes(url, faulty_options, rank, 2, 2, 64 * 1024)
             assert got == clean[rank]  # same samples, same bytes, same order
             assert stats["retries"] > 0 and stats["resumes"] > 0 and stats["throttles"] > 0
             assert stats["retries"] >= stats["resumes"]
-        assert time.monotonic() - started < 120
     assert proxy.counts["resets"] > 0 and proxy.counts["slowdowns"] > 0
 
 
 def test_stats_count_bytes_and_ranges(s3):
     bucket, options, _ = s3
-    url = write(bucket, options, n=60)
-    ds = ShardStream(url, batch_size=5, rank=0, world_size=1, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/f", 60, max_count=40, size=3000, storage_options=options)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options)
     assert sum(len(b["__key__"]) for b in ds) == 60
     stats = ds.stats()
     assert stats["ranges_opened"] == 2 and stats["bytes_read"] > 60 * 100 and stats["retries"] == 0
@@ -57,19 +48,18 @@ def test_stats_count_bytes_and_ranges(s3):
 
 def test_missing_shard_fails_fast_naming_it(s3):
     bucket, options, client = s3
-    url = write(bucket, options, n=60)
+    url = write_dataset(f"s3://{bucket}/f", 60, max_count=40, size=3000, storage_options=options)
     client.delete_object(Bucket=bucket, Key="f/shard-000001.tar")
-    ds = ShardStream(url, batch_size=5, shuffle=False, rank=0, world_size=1, storage_options=options)
-    started = time.monotonic()
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options)
     with pytest.raises(StorageError, match=r"shard-000001.tar: not found \(it is listed in the manifest"):
         list(ds)
-    assert time.monotonic() - started < 10 and ds.stats()["retries"] == 0  # no retry storm on a 404
+    assert ds.stats()["retries"] == 0  # fails fast: no retry on a 404
 
 
 def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endpoint):
     started = time.monotonic()
     with pytest.raises(ManifestError, match="no-such-bucket-x"):
-        ShardStream("s3://no-such-bucket-x/data", batch_size=1, rank=0, world_size=1,
+        ShardStream("s3://no-such-bucket-x/data", batch_size=1, world=World(0, 1),
                     storage_options={"endpoint_url": s3_endpoint})
     import socket
 
@@ -77,7 +67,7 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(ManifestError, match="cannot read the manifest"):
-        ShardStream("s3://bucket/data", batch_size=1, rank=0, world_size=1,
+        ShardStream("s3://bucket/data", batch_size=1, world=World(0, 1),
                     storage_options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}})
     assert time.monotonic() - started < 60
 
@@ -86,8 +76,8 @@ def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3, monk
     import shardstream.storage.retry as remote
 
     bucket, options, _ = s3
-    url = write(bucket, options, n=40)
-    ds = ShardStream(url, batch_size=5, rank=0, world_size=1, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options)
     import socket
 
     with socket.socket() as s:
@@ -95,7 +85,6 @@ def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3, monk
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     ds.storage_options = {"endpoint_url": dead}  # the store goes away after planning
     monkeypatch.setattr(remote, "BACKOFF_CAP", 0.05)
-    started = time.monotonic()
     with pytest.raises(StorageError, match=r"failed 8 times.*check the endpoint and the network"):
         list(ds)
-    assert time.monotonic() - started < 60 and ds.stats()["retries"] == 7
+    assert ds.stats()["retries"] == 7  # bounded: 8 tries, then the error

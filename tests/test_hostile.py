@@ -10,11 +10,11 @@ import tarfile
 import tracemalloc
 
 import pytest
-from conftest import make_samples
+from conftest import make_samples, write_dataset
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardstream import ShardStream, ShardWriter
+from shardstream import Decode, ShardStream, ShardWriter, World
 from shardstream.errors import ManifestError, SampleError, ShardFormatError, StorageError
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.format.offsets import encode_offsets
@@ -111,23 +111,16 @@ def test_zero_length_object_and_non_utf8_name(tmp_path):
         parse_all(buf.getvalue())
 
 
-def write(root, n=60, max_count=10):
-    with ShardWriter(str(root), max_count=max_count) as w:
-        for s in make_samples(n):
-            w.write(s)
-    return str(root)
-
-
 def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog):
-    root = write(tmp_path / "d")
+    root = write_dataset(tmp_path / "d", max_count=10)
     shard = tmp_path / "d" / "shard-000002.tar"
     data = bytearray(shard.read_bytes())
     offset = int(load_manifest(root).offsets(2)[3])
     data[offset + 10] ^= 0xFF  # the header of the shard's 4th sample
     shard.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError, match=r"shard-000002.tar at byte \d+: tar header checksum mismatch"):
-        list(ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1))
-    ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", rank=0, world_size=1)
+        list(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1)))
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", world=World(0, 1))
     with caplog.at_level("WARNING"):
         batches = list(ds)
     # the sample in progress at the break is dropped too: the broken header might have been its own
@@ -139,20 +132,20 @@ def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog):
 
 
 def test_missing_shard_names_url(tmp_path):
-    root = write(tmp_path / "d")
+    root = write_dataset(tmp_path / "d", max_count=10)
     (tmp_path / "d" / "shard-000004.tar").unlink()
     with pytest.raises(StorageError, match="shard-000004.tar: shard not found"):
-        list(ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1))
+        list(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1)))
 
 
 def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
-    root = write(tmp_path / "d")
+    root = write_dataset(tmp_path / "d", max_count=10)
     path = tmp_path / "d" / "index.json"
     doc = json.loads(path.read_text())
     doc["shards"]["data_end"][0] = doc["shards"]["bytes"][0] + 512
     path.write_text(json.dumps(doc))
     with pytest.raises(ManifestError, match="within the shard's"):
-        ShardStream(root, batch_size=4, rank=0, world_size=1)
+        ShardStream(root, batch_size=4, world=World(0, 1))
     doc["shards"]["data_end"][0] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
     path.write_text(json.dumps(doc))
     sidecar = tmp_path / "d" / "shard-000000.tar.idx"
@@ -160,13 +153,13 @@ def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
     offsets[-1] = doc["shards"]["bytes"][0] + 512
     sidecar.write_bytes(encode_offsets(offsets))
     with pytest.raises(ManifestError, match="past the shard's"):  # the sidecar is read for a range inside the shard
-        list(ShardStream(root, batch_size=5, shuffle=False, rank=0, world_size=12))
+        list(ShardStream(root, batch_size=5, shuffle=False, world=World(0, 12)))
     offsets[-1] -= 512 + 1024
     offsets[5] += 512  # into the middle of a sample
     sidecar.write_bytes(encode_offsets(offsets))
     for rank in (0, 1):  # 12 ranks x 5 samples: rank 0 ends, rank 1 starts at the bad offset
         with pytest.raises(ShardFormatError, match=r"shard-000000.tar at byte \d+"):
-            list(ShardStream(root, batch_size=5, shuffle=False, rank=rank, world_size=12))
+            list(ShardStream(root, batch_size=5, shuffle=False, world=World(rank, 12)))
 
 
 def test_sample_missing_required_field_under_skip(tmp_path):
@@ -176,11 +169,11 @@ def test_sample_missing_required_field_under_skip(tmp_path):
     with ShardWriter(str(tmp_path / "d")) as w:
         for s in samples:
             w.write(s)
-    ds = ShardStream(str(tmp_path / "d"), batch_size=4, shuffle=False, required=["cls"], on_error="skip", rank=0, world_size=1)
+    ds = ShardStream(str(tmp_path / "d"), batch_size=4, shuffle=False, decode=Decode(required=["cls"]), on_error="skip", world=World(0, 1))
     keys = [k for b in ds for k in b["__key__"]]
     assert len(keys) == 20 and not {"s000000", "s000001", "s000002"} & set(keys)
     with pytest.raises(SampleError, match="s000000.*missing required field 'cls'"):
-        list(ShardStream(str(tmp_path / "d"), batch_size=4, shuffle=False, required=["cls"], rank=0, world_size=1))
+        list(ShardStream(str(tmp_path / "d"), batch_size=4, shuffle=False, decode=Decode(required=["cls"]), world=World(0, 1)))
 
 
 def test_extract_never_writes_outside_dir(tmp_path):

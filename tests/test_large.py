@@ -13,6 +13,7 @@ import torch
 from shardstream import ShardStream, ShardWriter, make_loader
 from shardstream.pipeline.batch import default_collate, stack_arrays, stack_tensors
 from shardstream.pipeline.decode import Decoder, default_decoders, load_npy
+from shardstream.plan.topology import World
 
 ARRAYS = [
     np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -100,7 +101,7 @@ def _collate_reporting_shared(samples):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_equal_np_load_and_stack_and_are_shared_when_made_in_workers(tmp_path, workers):
     root, arrays = write_npy(tmp_path / "d")
-    ds = ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1, collate=_collate_reporting_shared)
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1), collate=_collate_reporting_shared)
     batches = list(make_loader(ds, num_workers=workers))
     assert len(batches) == 6
     for batch in batches:

@@ -13,6 +13,7 @@ import pytest
 from conftest import make_samples
 
 from shardstream import ShardWriter
+from shardstream.options import Shuffle
 
 
 def _rank_main(rank: int, world: int, store: str, local: str, remote: str, options: dict, out: str) -> None:
@@ -32,7 +33,7 @@ def _rank_main(rank: int, world: int, store: str, local: str, remote: str, optio
     for label in ("epochs", "steps"):
         # The run by steps crosses into a second data epoch.
         steps = None if label == "epochs" else result["epochs"]["0"]["len"] + 3
-        dataset = shardstream.ShardStream(sources, batch_size=4, seed=7, shuffle_buffer=20, steps=steps)
+        dataset = shardstream.ShardStream(sources, batch_size=4, seed=7, shuffle=Shuffle(20), steps=steps)
         loader = shardstream.make_loader(dataset, num_workers=2, pin_memory=False)
         runs = {}
         for epoch in (0, 1) if steps is None else (0,):

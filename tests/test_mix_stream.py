@@ -12,6 +12,8 @@ from conftest import make_samples
 from shardstream import ShardStream, ShardWriter, Source, make_loader
 from shardstream.cli.main import main
 from shardstream.errors import ConfigError
+from shardstream.options import Shuffle
+from shardstream.plan.topology import World
 
 
 def write(root, n, prefix, max_count=13):
@@ -46,7 +48,7 @@ def test_weighted_mix_every_rank_matches_plan(roots, per_batch, world, workers):
     sources = [Source(a, weight=0.5, name="a"), Source(b, weight=0.3, name="b"), Source(c, repeat=1.5, name="c")]
 
     def make(rank):
-        return ShardStream(sources, batch_size=10, rank=rank, world_size=world, seed=3, shuffle_buffer=30,
+        return ShardStream(sources, batch_size=10, world=World(rank, world), seed=3, shuffle=Shuffle(30),
                            per_batch=per_batch)
 
     ranks = run_ranks(make, world, workers)
@@ -71,7 +73,7 @@ def test_weighted_mix_every_rank_matches_plan(roots, per_batch, world, workers):
 
 def test_mix_epochs_differ_and_repeat_exactly(roots):
     a, b, _ = roots
-    ds = ShardStream([Source(a, name="a"), Source(b, repeat=2, name="b")], batch_size=9, rank=0, world_size=1)
+    ds = ShardStream([Source(a, name="a"), Source(b, repeat=2, name="b")], batch_size=9, world=World(0, 1))
     loader = make_loader(ds, num_workers=2, pin_memory=False)
     first = [k for batch in loader for k in batch["__key__"]]
     b_seen = Counter(k for k in first if k[0] == "b")
@@ -84,18 +86,18 @@ def test_mix_epochs_differ_and_repeat_exactly(roots):
 
 def test_steps_run_epochs_back_to_back(roots):
     a, b, _ = roots
-    per_epoch = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, rank=1, world_size=2).plan()
+    per_epoch = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(1, 2)).plan()
     steps = 3 * per_epoch.batches_per_rank + 2  # more than three epochs of data
-    ranks = run_ranks(lambda r: ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, rank=r,
-                                            world_size=2, steps=steps, seed=5), 2, 2)
+    ranks = run_ranks(lambda r: ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8,
+                                            world=World(r, 2), steps=steps, seed=5), 2, 2)
     assert [len(bs) for _, bs in ranks] == [steps, steps]
     keys = [k for _, bs in ranks for batch in bs for k in batch["__key__"]]
     # Every data epoch is whole and fresh: each full epoch's samples are distinct.
     counts = Counter(keys)
     assert max(counts.values()) <= 4
     # The next loader epoch continues the stream where this one ended: nothing repeated early.
-    plan = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, rank=0, world_size=1).plan()
-    ds = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, rank=0, world_size=1,
+    plan = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1)).plan()
+    ds = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1),
                      steps=plan.batches_per_rank * 2)
     one = [k for batch in make_loader(ds, num_workers=0) for k in batch["__key__"]]
     assert len(one) == 2 * plan.used_samples and len(set(one[: plan.used_samples])) == plan.used_samples
@@ -106,7 +108,7 @@ def test_steps_run_epochs_back_to_back(roots):
 
 def test_steps_and_samples_per_epoch_for_one_dataset(roots):
     a, _, _ = roots
-    ds = ShardStream(a, batch_size=7, rank=0, world_size=1, samples_per_epoch=500, shuffle_buffer=10)
+    ds = ShardStream(a, batch_size=7, world=World(0, 1), samples_per_epoch=500, shuffle=Shuffle(10))
     assert len(ds) == 500 // 7
     loader = make_loader(ds, num_workers=2, pin_memory=False)
     keys = [k for batch in loader for k in batch["__key__"]]
@@ -115,7 +117,7 @@ def test_steps_and_samples_per_epoch_for_one_dataset(roots):
     seen = Counter(keys)
     assert len(seen) == 120 and max(seen.values()) <= 5 and sum(1 for v in seen.values() if v >= 4) >= 116
     with pytest.raises(ConfigError, match="steps=2 per rank but num_workers is 3"):
-        make_loader(ShardStream(a, batch_size=7, rank=0, world_size=1, steps=2), num_workers=3)
+        make_loader(ShardStream(a, batch_size=7, world=World(0, 1), steps=2), num_workers=3)
     with pytest.raises(ConfigError, match="steps or samples_per_epoch, not both"):
         ShardStream(a, batch_size=7, steps=3, samples_per_epoch=50)
 
@@ -123,7 +125,7 @@ def test_steps_and_samples_per_epoch_for_one_dataset(roots):
 def test_steps_keys_match_plan_exactly(roots):
     """With steps, a rank yields exactly the planned batches of consecutive data epochs."""
     a, _, _ = roots
-    ds = ShardStream(a, batch_size=5, rank=0, world_size=1, steps=30, shuffle=True, shuffle_buffer=0)
+    ds = ShardStream(a, batch_size=5, world=World(0, 1), steps=30, shuffle=Shuffle(0))
     got = Counter(k for batch in make_loader(ds, num_workers=2) for k in batch["__key__"])
     want: Counter = Counter()
     for e in (0, 1):
@@ -140,7 +142,7 @@ def test_mix_file_json_and_yaml_everywhere(roots, tmp_path, capsys):
         {"url": "a", "weight": 2, "name": "A"}, {"url": b, "weight": 1}]}))
     (tmp_path / "mix.yaml").write_text(f"sources:\n  - url: a\n    weight: 2\n    name: A\n  - url: {b}\n    weight: 1\n")
     for name in ("mix.json", "mix.yaml"):
-        ds = ShardStream(str(tmp_path / name), batch_size=6, rank=0, world_size=1)
+        ds = ShardStream(str(tmp_path / name), batch_size=6, world=World(0, 1))
         assert ds.mix is not None and ds.mix.names == ["A", b]
         assert [s.quota for s in ds.plan().shares()] == [120, 60]
         batch = next(iter(ds))
@@ -177,3 +179,17 @@ def test_mix_refuses_pad_and_duplicate_names(roots):
         ShardStream([Source(a), Source(a)], batch_size=4)
     with pytest.raises(ConfigError, match="wrap every dataset in Source"):
         ShardStream([Source(a), b], batch_size=4)
+
+
+def test_mix_file_on_s3_with_relative_sources(s3, roots):
+    bucket, options, client = s3
+    with ShardWriter(f"s3://{bucket}/data/web", max_count=13, storage_options=options) as w:
+        for s in make_samples(30):
+            w.write(s)
+    doc = {"sources": [{"url": "../data/web", "weight": 1, "name": "web"}, {"url": roots[1], "weight": 1, "name": "disk"}]}
+    client.put_object(Bucket=bucket, Key="mixes/m.json", Body=json.dumps(doc).encode())
+    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, rank=0, world_size=1, storage_options=options)
+    assert ds.mix is not None and ds.mix.manifests[0].base_url == f"s3://{bucket}/data/web"
+    assert ds.mix.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
+    tags = Counter(t for batch in make_loader(ds, num_workers=0) for t in batch["__source__"])
+    assert tags == {s.name: s.used for s in ds.plan().shares()} and tags["web"] == 30

@@ -216,8 +216,10 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     assert not (tmp_path / "o3" / "index.json").exists()
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"__key__": "x", "txt": "1"}\n{"__key__": "x", "txt": "2"}\n')
-    with pytest.raises(SourceError, match="duplicate key"):
+    with pytest.raises(SourceError, match=r"dup.jsonl:2 \(key 'x'\): duplicate key"):
         pack(str(dup), str(tmp_path / "o4"))
+    skipped = pack(str(dup), str(tmp_path / "o6"), on_error="skip")
+    assert skipped.samples == 1 and skipped.skipped[0]["source"].startswith(f"{dup}:2 ")
     assert main(["pack", str(bad), str(tmp_path / "o5"), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("shardstream pack: error: ") and "Traceback" not in err
@@ -286,3 +288,21 @@ def test_interrupted_pack_leaves_nothing_complete_and_rerun_completes(tmp_path, 
     result = pack(str(src), str(dest), max_count=20)  # no --overwrite needed for leftovers
     assert result.samples == 1500
     assert sorted(p.name for p in dest.iterdir() if not p.name.startswith("shard-")) == ["index.json"]
+
+
+def test_pack_returns_the_manifest_it_wrote_with_its_location(tmp_path):
+    """One manifest per pack: the returned one is the written one, and its shard URLs resolve."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"__key__": f"k{i}", "txt": f"t{i}"}) + "\n" for i in range(30)))
+    result = pack(str(src), str(tmp_path / "out"), max_count=10)
+    written = load_manifest(str(tmp_path / "out"))
+    assert result.manifest.shard_url(0) == written.shard_url(0) == str(tmp_path / "out" / "shard-000000.tar")
+    assert result.manifest.dumps() == written.dumps()
+
+
+def test_shard_writer_refusal_speaks_python(tmp_path):
+    write = [{"__key__": "a", "txt": "x"}]
+    with ShardWriter(str(tmp_path / "d")) as w:
+        w.write(write[0])
+    with pytest.raises(DestinationError, match=r"already holds a dataset.*overwrite=True \(shardstream pack: --overwrite\)"):
+        ShardWriter(str(tmp_path / "d"))

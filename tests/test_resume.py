@@ -13,7 +13,7 @@ import torch
 from conftest import make_samples
 from PIL import Image
 
-from shardstream import RandomResizedCrop, ShardStream, ShardWriter, make_loader
+from shardstream import RandomResizedCrop, ShardStream, ShardWriter, Shuffle, World, make_loader
 from shardstream.errors import ConfigError, StateError
 
 
@@ -34,8 +34,8 @@ def root(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("resume") / "ds")
 
 
-def stream(root, **kw):
-    opts = dict(batch_size=4, seed=5, shuffle_buffer=16, rank=0, world_size=1)
+def stream(root, rank=0, world_size=1, shuffle_buffer=16, **kw):
+    opts = dict(batch_size=4, seed=5, shuffle=Shuffle(shuffle_buffer), world=World(rank, world_size))
     opts.update(kw)
     return ShardStream(root, **opts)
 
@@ -50,7 +50,7 @@ def run(loader, stop=None):
     return got, json.loads(json.dumps(loader.state_dict()))
 
 
-@pytest.mark.parametrize("workers,persistent,mode", [(0, False, "drop"), (2, False, "pad"), (2, True, "drop"), (3, True, "pad")])
+@pytest.mark.parametrize("workers,persistent,mode", [(0, False, "drop"), (2, False, "pad"), (2, True, "drop")])
 def test_exact_resume_real_workers(root, workers, persistent, mode):
     def fresh():
         loader = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent, log_interval=None)
@@ -60,7 +60,7 @@ def test_exact_resume_real_workers(root, workers, persistent, mode):
     reference, _ = run(fresh())
     loader = fresh()
     next_epoch_ref = None
-    for stop in (1, 7, len(reference) - 1, len(reference)):
+    for stop in ((1, 7, len(reference) - 1, len(reference)) if workers == 0 else (3, len(reference))):
         _, state = run(fresh(), stop)
         assert state["epoch"] == 1 and state["segments"][-1]["batches"] == stop
         resumed = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent,
@@ -114,7 +114,7 @@ def test_own_dataloader_with_workers_needs_the_step_count(root):
     assert rest == reference[6:]
 
 
-@pytest.mark.parametrize("old,new", [((2, 2, 4), (3, 1, 4)), ((3, 1, 4), (2, 2, 3)), ((1, 0, 4), (2, 3, 2))])
+@pytest.mark.parametrize("old,new", [((2, 2, 4), (3, 1, 4)), ((1, 0, 4), (2, 2, 3))])
 def test_elastic_resume_real_workers(root, old, new):
     (w0, k0, b0), (w1, k1, b1) = old, new
     consumed, reference = [], []
@@ -134,7 +134,7 @@ def test_elastic_resume_real_workers(root, old, new):
         loader = make_loader(ds, num_workers=k1, log_interval=None)
         loader.load_state_dict(state)
         plan = ds.resume_plan(k1)
-        assert "elastically" in plan.summary()
+        assert "elastically" in plan.summary() and f"({plan.dropped} dropped)" in ds.plan().summary()
         rest, _ = run(loader)
         lengths.add(len(rest))
         assert all(len(b) == b1 for b in rest)
@@ -143,7 +143,7 @@ def test_elastic_resume_real_workers(root, old, new):
     unseen = set(reference) - set(consumed)
     assert len(after) == len(set(after)) and set(after) <= unseen  # once, and only the unseen
     assert len(after) + plan.dropped == len(unseen)
-    assert set(consumed) | set(after) | set() <= set(reference)
+    assert set(consumed) | set(after) <= set(reference)
 
 
 def test_seeded_crop_is_the_same_after_resume_and_across_topologies(tmp_path):

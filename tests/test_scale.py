@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import make_samples, write_image_folder
 
-from shardstream import ShardStream, ShardWriter
+from shardstream import ShardStream, ShardWriter, Shuffle, World
 from shardstream.cli.main import main
 from shardstream.errors import ManifestError, SourceError
 from shardstream.format.manifest import Manifest, ShardInfo, load_manifest
@@ -96,11 +96,11 @@ def test_whole_shard_ranges_read_no_sidecar_and_partial_ones_one_each(tmp_path):
     root = write(tmp_path / "d", n=60, max_count=10)
     OFFSET_CACHE.clear()
     before = OFFSET_CACHE.fetches
-    ds = ShardStream(root, batch_size=10, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(root, batch_size=10, shuffle=False, world=World(0, 1))
     assert len(keys_of(ds)) == 60 and OFFSET_CACHE.fetches == before  # six whole shards: no sidecar read
     got = []
     for rank in range(4):  # 4 ranks x 15 samples: ranks 0-2 end inside a shard, ranks 1-3 start inside one
-        got += keys_of(ShardStream(root, batch_size=5, shuffle=False, rank=rank, world_size=4))
+        got += keys_of(ShardStream(root, batch_size=5, shuffle=False, world=World(rank, 4)))
     assert sorted(got) == [f"s{i:06d}" for i in range(60)]
     assert OFFSET_CACHE.fetches - before == 2  # shards 1 and 4 are split: each sidecar read once (then cached)
 
@@ -118,7 +118,7 @@ def test_pickled_dataset_is_compact_for_many_shards(tmp_path):
     shards = [ShardInfo(f"shard-{i:06d}.tar", 10_000, 50_000_000, "ab" * 32, index=f"shard-{i:06d}.tar.idx",
                         span=(0, 49_998_976)) for i in range(n)]
     (tmp_path / "index.json").write_bytes(Manifest(shards=shards).dumps())
-    ds = ShardStream(str(tmp_path), batch_size=256, world_size=8, rank=0, num_workers=4)
+    ds = ShardStream(str(tmp_path), batch_size=256, world=World(0, 8))
     blob = pickle.dumps(ds)
     assert len(blob) < 120 * n  # compact columns: about 60 bytes per shard, nothing per sample
     assert ds.manifest.total_samples == 200_000_000 and not ds.manifest._inline
@@ -129,16 +129,16 @@ def test_pickled_dataset_is_compact_for_many_shards(tmp_path):
 
 def test_version_1_reads_and_upgrades_in_place(tmp_path, capsys):
     root = write(tmp_path / "d", n=45, max_count=10)
-    expected = keys_of(ShardStream(root, batch_size=3, shuffle=False, rank=1, world_size=2))
+    expected = keys_of(ShardStream(root, batch_size=3, shuffle=False, world=World(1, 2)))
     to_version_1(root)
     old = load_manifest(root)
     assert old.version == 1 and len(old._inline) == 5
-    assert keys_of(ShardStream(root, batch_size=3, shuffle=False, rank=1, world_size=2)) == expected
+    assert keys_of(ShardStream(root, batch_size=3, shuffle=False, world=World(1, 2))) == expected
     assert main(["index", "--upgrade", root]) == 0
     assert "upgraded to version 2" in capsys.readouterr().out
     new = load_manifest(root)
     assert new.version == 2 and not new._inline and (tmp_path / "d" / "shard-000004.tar.idx").exists()
-    assert keys_of(ShardStream(root, batch_size=3, shuffle=False, rank=1, world_size=2)) == expected
+    assert keys_of(ShardStream(root, batch_size=3, shuffle=False, world=World(1, 2))) == expected
     assert verify_dataset(new) == []
     assert main(["index", "--upgrade", root]) == 0
     assert "already version 2" in capsys.readouterr().out
@@ -168,7 +168,7 @@ def test_index_writes_sidecars_for_shards_outside_the_manifest_dir(tmp_path):
     assert main(["index", f"{src}/shard-{{000000..000002}}.tar", str(tmp_path / "meta")]) == 0
     assert sorted(os.listdir(tmp_path / "meta" / "offsets")) == ["000000.idx", "000001.idx", "000002.idx"]
     assert sorted(os.listdir(src)) == [f"shard-00000{i}.tar" for i in range(3)]  # nothing written beside others' shards
-    got = keys_of(ShardStream(str(tmp_path / "meta"), batch_size=4, shuffle=False, rank=1, world_size=3))
+    got = keys_of(ShardStream(str(tmp_path / "meta"), batch_size=4, shuffle=False, world=World(1, 3)))
     assert got == [f"s{i:06d}" for i in range(8, 16)]
 
 
@@ -205,7 +205,7 @@ def test_pack_fn_same_bytes_for_any_worker_count_and_error_policy(tmp_path):
     assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
     manifest = load_manifest(str(tmp_path / "a"))
     assert manifest.total_samples == 30 + 5 and list(manifest.counts) == [10, 9, 9, 7]  # 8 inputs per shard
-    keys = keys_of(ShardStream(str(tmp_path / "a"), batch_size=5, shuffle=False, rank=0, world_size=1, decode=False))
+    keys = keys_of(ShardStream(str(tmp_path / "a"), batch_size=5, shuffle=False, world=World(0, 1), decode=False))
     assert keys[:3] == ["in0000", "in0000b", "in0001"]
     with pytest.raises(SourceError, match=r"input #13 \(13\): RuntimeError: thirteen is unlucky"):
         pack(fail_on_13, range(20), str(tmp_path / "c"), max_count=8)
@@ -293,7 +293,7 @@ def test_merge_reads_as_one_dataset_with_exact_epochs(tmp_path, capsys):
     for epoch in (0, 1):
         seen = []
         for rank in range(3):
-            ds = ShardStream(str(dest), batch_size=2, seed=5, rank=rank, world_size=3, num_workers=2, shuffle_buffer=4)
+            ds = ShardStream(str(dest), batch_size=2, seed=5, world=World(rank, 3), shuffle=Shuffle(buffer=4))
             ds.set_epoch(epoch)
             assert len(ds) == 7
             seen += keys_of(ds)

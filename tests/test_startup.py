@@ -15,6 +15,7 @@ from shardstream.errors import ManifestError
 from shardstream.format.manifest import Manifest
 from shardstream.format.tar import DEFAULT_READ_SIZE
 from shardstream.pipeline import read as readmod
+from shardstream.plan.topology import World
 
 
 def write(root, n=300, size=2000):
@@ -81,7 +82,7 @@ def test_first_reads_are_small_then_grow_to_read_size(tmp_path, monkeypatch):
         return read_recorded, close
 
     monkeypatch.setattr(readmod, "open_range", recording_open)
-    ds = ShardStream(root, batch_size=64, shuffle=True, rank=0, world_size=1)
+    ds = ShardStream(root, batch_size=64, shuffle=True, world=World(0, 1))
     first = next(iter(ds))
     assert len(first["__key__"]) == 64
     # The first batch came from reads of 256 KiB, 512 KiB, ... (doubling), less than one 4 MiB block in all.

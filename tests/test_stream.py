@@ -10,18 +10,11 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import make_samples
+from conftest import write_dataset
 from PIL import Image
 
-from shardstream import ShardStream, ShardWriter, make_loader, to_device
+from shardstream import Decode, ShardStream, Shuffle, World, make_loader, to_device
 from shardstream.errors import ConfigError, ManifestError, SampleError, ShardFormatError
-
-
-def write_dataset(root, n=200, max_count=23, samples=None):
-    with ShardWriter(str(root), max_count=max_count) as w:
-        for s in samples if samples is not None else make_samples(n):
-            w.write(s)
-    return str(root)
 
 
 def keys_of(batches):
@@ -30,7 +23,7 @@ def keys_of(batches):
 
 @pytest.fixture
 def dataset_root(tmp_path):
-    return write_dataset(tmp_path / "ds", n=200)
+    return write_dataset(tmp_path / "ds", n=200, max_count=23)
 
 
 @pytest.mark.parametrize("world,workers,batch", [(1, 0, 7), (2, 2, 5), (3, 2, 4)])
@@ -38,7 +31,7 @@ def test_every_rank_and_worker_real_dataloader(dataset_root, world, workers, bat
     seen = []
     lengths = set()
     for rank in range(world):
-        ds = ShardStream(dataset_root, batch_size=batch, rank=rank, world_size=world, seed=1, shuffle_buffer=50)
+        ds = ShardStream(dataset_root, batch_size=batch, world=World(rank, world), seed=1, shuffle=Shuffle(50))
         loader = make_loader(ds, num_workers=workers)
         batches = list(loader)
         assert len(batches) == len(loader) == len(ds)
@@ -52,7 +45,7 @@ def test_every_rank_and_worker_real_dataloader(dataset_root, world, workers, bat
 
 
 def test_batch_contents_are_decoded_and_collated(dataset_root):
-    ds = ShardStream(dataset_root, batch_size=8, shuffle=False, rank=0, world_size=1)
+    ds = ShardStream(dataset_root, batch_size=8, shuffle=False, world=World(0, 1))
     first = next(iter(ds))
     assert first["__key__"] == [f"s{i:06d}" for i in range(8)]
     assert first["cls"].tolist() == [i % 7 for i in range(8)] and first["cls"].dtype == torch.int64
@@ -65,23 +58,23 @@ def test_decoders_by_extension_and_overrides(tmp_path):
     img = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)
     samples = [{"__key__": f"k{i}", "png": img, "npy": np.full((2, 3), i, np.float32), "json": {"i": i},
                 "pth": torch.tensor([i, i]), "cls": i, "txt": "t", "seg.png": img} for i in range(4)]
-    root = write_dataset(tmp_path / "d", samples=samples)
-    batch = next(iter(ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1)))
+    root = write_dataset(tmp_path / "d", samples=samples, max_count=23)
+    batch = next(iter(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))))
     assert batch["png"].shape == (4, 3, 4, 6) and batch["png"].dtype == torch.uint8
     assert torch.equal(batch["png"][0], torch.from_numpy(img).permute(2, 0, 1))
     assert torch.equal(batch["seg.png"], batch["png"])
     assert batch["npy"].shape == (4, 2, 3) and batch["npy"][3, 0, 0] == 3
     assert batch["json"] == [{"i": i} for i in range(4)]
     assert batch["pth"].tolist() == [[i, i] for i in range(4)]
-    pil = next(iter(ShardStream(root, batch_size=4, shuffle=False, image="pil", rank=0, world_size=1,
-                                decode={"txt": lambda b: b.decode().upper()})))
+    pil = next(iter(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1),
+                                decode=Decode({"txt": lambda b: b.decode().upper()}, image="pil"))))
     assert isinstance(pil["png"][0], Image.Image) and pil["txt"] == ["T"] * 4
-    raw = next(iter(ShardStream(root, batch_size=4, shuffle=False, decode=False, rank=0, world_size=1)))
+    raw = next(iter(ShardStream(root, batch_size=4, shuffle=False, decode=False, world=World(0, 1))))
     assert isinstance(raw["png"][0], bytes)
 
 
 def test_transform_and_custom_collate(dataset_root):
-    ds = ShardStream(dataset_root, batch_size=4, shuffle=False, rank=0, world_size=1,
+    ds = ShardStream(dataset_root, batch_size=4, shuffle=False, world=World(0, 1),
                      transform=lambda s: {"__key__": s["__key__"], "y": s["cls"] * 2},
                      collate=lambda samples: [s["y"] for s in samples])
     assert next(iter(ds)) == [0, 2, 4, 6]
@@ -93,28 +86,28 @@ def test_corrupt_image_follows_error_policy(tmp_path):
     samples[5]["png"] = b"this is not a png"
     root = write_dataset(tmp_path / "d", samples=samples, max_count=10)
     with pytest.raises(SampleError, match=r"shard-000000.tar, sample 'k005': cannot decode field 'png'"):
-        list(ShardStream(root, batch_size=4, shuffle=False, rank=0, world_size=1))
-    ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", rank=0, world_size=1)
+        list(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1)))
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", world=World(0, 1))
     batches = list(ds)
     assert len(batches) == len(ds) == 10  # still every planned batch: the gap is refilled
     keys = keys_of(batches)
     assert "k005" not in keys and len(set(keys)) == 39
     broken = [{"__key__": f"k{i:03d}", "png": b"junk", "cls": i} for i in range(40)]
-    root2 = write_dataset(tmp_path / "e", samples=broken)
+    root2 = write_dataset(tmp_path / "e", samples=broken, max_count=23)
     with pytest.raises(SampleError, match="consecutive samples failed"):
-        list(ShardStream(root2, batch_size=4, on_error="skip", rank=0, world_size=1))
+        list(ShardStream(root2, batch_size=4, on_error="skip", world=World(0, 1)))
 
 
 def test_missing_required_field(tmp_path):
     samples = [{"__key__": f"k{i}", "txt": "x"} for i in range(8)]
     samples[2]["cls"] = 1
-    root = write_dataset(tmp_path / "d", samples=samples)
+    root = write_dataset(tmp_path / "d", samples=samples, max_count=23)
     with pytest.raises(SampleError, match="missing required field 'cls'"):
-        list(ShardStream(root, batch_size=2, shuffle=False, required=["cls"], rank=0, world_size=1))
+        list(ShardStream(root, batch_size=2, shuffle=False, decode=Decode(required=["cls"]), world=World(0, 1)))
 
 
 def test_set_epoch_reaches_persistent_workers(dataset_root):
-    ds = ShardStream(dataset_root, batch_size=10, seed=3, rank=0, world_size=1)
+    ds = ShardStream(dataset_root, batch_size=10, seed=3, world=World(0, 1))
     loader = make_loader(ds, num_workers=2, persistent_workers=True)
     orders = []
     for epoch in (0, 1, 0):
@@ -125,9 +118,9 @@ def test_set_epoch_reaches_persistent_workers(dataset_root):
 
 
 def test_same_seed_same_order_across_instances(dataset_root):
-    a = keys_of(ShardStream(dataset_root, batch_size=10, seed=9, rank=1, world_size=2))
-    b = keys_of(ShardStream(dataset_root, batch_size=10, seed=9, rank=1, world_size=2))
-    c = keys_of(ShardStream(dataset_root, batch_size=10, seed=10, rank=1, world_size=2))
+    a = keys_of(ShardStream(dataset_root, batch_size=10, seed=9, world=World(1, 2)))
+    b = keys_of(ShardStream(dataset_root, batch_size=10, seed=9, world=World(1, 2)))
+    c = keys_of(ShardStream(dataset_root, batch_size=10, seed=10, world=World(1, 2)))
     assert a == b != c
 
 
@@ -135,7 +128,7 @@ def test_pad_mode_for_small_eval_sets(tmp_path):
     root = write_dataset(tmp_path / "d", n=10, max_count=3)
     batches = []
     for rank in range(3):
-        ds = ShardStream(root, batch_size=4, mode="pad", shuffle=False, rank=rank, world_size=3)
+        ds = ShardStream(root, batch_size=4, mode="pad", shuffle=False, world=World(rank, 3))
         assert len(ds) == 1 and ds.plan().repeated == 2
         batches += list(ds)
     keys = keys_of(batches)
@@ -144,8 +137,8 @@ def test_pad_mode_for_small_eval_sets(tmp_path):
 
 def test_impossible_settings_fail_at_construction(dataset_root):
     with pytest.raises(ConfigError, match="batch_size 64 x world_size 4 = 256 samples per step, but the dataset has only 200"):
-        ShardStream(dataset_root, batch_size=64, rank=0, world_size=4)
-    ds = ShardStream(dataset_root, batch_size=50, rank=0, world_size=2)
+        ShardStream(dataset_root, batch_size=64, world=World(0, 4))
+    ds = ShardStream(dataset_root, batch_size=50, world=World(0, 2))
     with pytest.raises(ConfigError, match="num_workers is 3"):
         make_loader(ds, num_workers=3)
 
@@ -156,9 +149,18 @@ def test_shard_urls_without_manifest_are_indexed(tmp_path):
         for s in samples:
             w.write(s)
     for source in (str(tmp_path / "w-{00..02}.tar"), str(tmp_path / "w-*.tar"), [str(p) for p in sorted(tmp_path.glob("w-*.tar"))]):
-        ds = ShardStream(source, batch_size=7, shuffle=False, rank=0, world_size=1)
+        ds = ShardStream.from_urls(source, batch_size=7, shuffle=False, world=World(0, 1))
         keys = keys_of(ds)
         assert keys == [s["__key__"] for s in samples]
+    with pytest.raises(ConfigError, match="no shards match"):
+        ShardStream.from_urls(str(tmp_path / "x-*.tar"), batch_size=7)
+
+
+def test_the_constructor_refuses_shard_urls_and_says_what_to_do(tmp_path):
+    # Indexing reads every shard: it happens on request (from_urls, `shardstream index`), never as a side effect.
+    for source in (str(tmp_path / "w-{00..02}.tar"), str(tmp_path / "w-*.tar"), str(tmp_path / "a.tar"), [str(tmp_path / "a.tar")]):
+        with pytest.raises(ConfigError, match=r"names shard files.*ShardStream\.from_urls.*shardstream index"):
+            ShardStream(source, batch_size=7)  # type: ignore[arg-type]
 
 
 def test_manifests_that_lie(tmp_path, dataset_root):
@@ -169,7 +171,7 @@ def test_manifests_that_lie(tmp_path, dataset_root):
     lying["total_samples"] -= 1
     path.write_text(json.dumps(lying))
     with pytest.raises(ShardFormatError, match="manifest lists 22 samples"):
-        list(ShardStream(dataset_root, batch_size=1, shuffle=False, rank=0, world_size=1))
+        list(ShardStream(dataset_root, batch_size=1, shuffle=False, world=World(0, 1)))
     cases = [
         ("not json", "not valid JSON"),
         (json.dumps({**doc, "version": 99}), "unknown manifest format version 99"),
@@ -179,20 +181,20 @@ def test_manifests_that_lie(tmp_path, dataset_root):
     for text, message in cases:
         path.write_text(text)
         with pytest.raises(ManifestError, match=message):
-            ShardStream(dataset_root, batch_size=1, rank=0, world_size=1)
+            ShardStream(dataset_root, batch_size=1, world=World(0, 1))
     path.unlink()
     with pytest.raises(ManifestError, match="cannot read the manifest"):
-        ShardStream(dataset_root, batch_size=1, rank=0, world_size=1)
+        ShardStream(dataset_root, batch_size=1, world=World(0, 1))
 
 
 def test_to_device_on_cpu_passes_batches_through(dataset_root):
-    loader = make_loader(ShardStream(dataset_root, batch_size=10, rank=0, world_size=1), num_workers=0)
+    loader = make_loader(ShardStream(dataset_root, batch_size=10, world=World(0, 1)), num_workers=0)
     moved = list(to_device(loader, "cpu"))
     assert len(moved) == len(loader) == 20 and moved[0]["cls"].device.type == "cpu"
 
 
 def test_dataset_pickles_for_spawned_workers(dataset_root):
-    ds = ShardStream(dataset_root, batch_size=10, rank=0, world_size=1)
+    ds = ShardStream(dataset_root, batch_size=10, world=World(0, 1))
     ds.set_epoch(4)
     clone = pickle.loads(pickle.dumps(ds))
     assert clone.epoch == 4 and keys_of(clone) == keys_of(ds)

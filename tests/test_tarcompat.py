@@ -18,6 +18,8 @@ import webdataset as wds
 
 from shardstream.errors import ShardFormatError
 from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
+from shardstream.options import Cache, Read
+from shardstream.plan.topology import World
 
 GNU_TAR = shutil.which("tar")
 BSDTAR = shutil.which("bsdtar")
@@ -243,11 +245,9 @@ def test_compressed_shards_through_shardstream_workers_pack_show_and_verify(tmp_
     _write_tar(src / "c.tar", _members(5, "c"))
     expected = {k: f for p in ("a.tar.gz", "b.tgz", "c.tar") for k, f in wds_samples(str(src / p))}
     assert main(["index", str(src), str(tmp_path / "idx")]) == 0  # a directory: its *.tar* shards
-    stream = ShardStream(str(tmp_path / "idx"), batch_size=2, shuffle=False, decode=False, world_size=2, rank=1,
-                         num_workers=2, collate=lambda samples: samples)
+    stream = ShardStream(str(tmp_path / "idx"), batch_size=2, shuffle=False, decode=False, world=World(1, 2), collate=lambda samples: samples)
     assert "2 compressed shards" in stream.plan().summary()
-    other = ShardStream(str(tmp_path / "idx"), batch_size=2, shuffle=False, decode=False, world_size=2, rank=0,
-                        num_workers=2, collate=lambda samples: samples)
+    other = ShardStream(str(tmp_path / "idx"), batch_size=2, shuffle=False, decode=False, world=World(0, 2), collate=lambda samples: samples)
     import torch.utils.data
 
     seen = []
@@ -259,7 +259,7 @@ def test_compressed_shards_through_shardstream_workers_pack_show_and_verify(tmp_
     assert len(set(seen)) == len(seen) == 20  # 22 samples, 2 ranks x 5 batches of 2: equal batches, 2 dropped
     result = pack(str(src / "*.t*"), str(tmp_path / "packed"), kind="shards")
     assert result.samples == 22
-    repacked = ShardStream(str(tmp_path / "packed"), batch_size=1, shuffle=False, decode=False, world_size=1, rank=0,
+    repacked = ShardStream(str(tmp_path / "packed"), batch_size=1, shuffle=False, decode=False, world=World(0, 1),
                            collate=lambda samples: samples)
     assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in repacked for s in b} == expected
     assert main(["verify", str(tmp_path / "idx")]) == 0
@@ -435,9 +435,23 @@ def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
     client.put_object(Bucket=bucket, Key="wds/a.tar.gz", Body=local.read_bytes())
     manifest, url = write_index(f"s3://{bucket}/wds/*.tar.gz", f"s3://{bucket}/wds", storage_options=options)
     assert manifest.shards[0].path == "a.tar.gz"
-    for extra in ({"readahead_bytes": 1 << 20}, {"cache_dir": str(tmp_path / "cache"), "cache_limit": 1 << 30}):
-        stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world_size=3, rank=2,
+    for extra in ({"read": Read(readahead_bytes=1 << 20)}, {"cache": Cache(str(tmp_path / "cache"), 1 << 30)}):
+        stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world=World(2, 3),
                              storage_options=options, collate=lambda samples: samples, **extra)
         got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
         assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]
+
+
+def test_webdataset_tarwriter_tgz_read_from_bare_urls(tmp_path):
+    from shardstream import ShardStream
+
+    path = tmp_path / "w.tgz"
+    with wds.TarWriter(str(path)) as w:  # webdataset gzips a shard named .tgz
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "txt": f"t{i}", "cls": i})
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+    expected = wds_samples(str(path))
+    stream = ShardStream.from_urls(str(path), batch_size=3, shuffle=False, decode=False, world=World(0, 1),
+                         collate=lambda samples: samples)
+    assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for b in stream for s in b] == expected

@@ -30,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from shardstream import Shuffle, World
+
 SHAPE = (1024, 1024)  # float32: 4 MiB per sample
 
 
@@ -61,7 +63,7 @@ def shardstream_loader(root: str, workers: int, batch: int, mode: str):
     if mode == "torch-collate":
         def collate(samples):
             return default_collate([{"npy": s["npy"], "cls": s["cls"]} for s in samples])
-    ds = ShardStream(root, batch_size=batch, shuffle_buffer=64, decode=decode, collate=collate, rank=0, world_size=1)
+    ds = ShardStream(root, batch_size=batch, shuffle=Shuffle(64), decode=decode, collate=collate, world=World(0, 1))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 

@@ -2,8 +2,8 @@
 manifests (fake counts, no shard data: planning needs none), each measured in fresh processes.
 
 Per size: the index.json size; in a fresh rank process (torch and shardstream imported first, as
-in training) the time to construct ``ShardStream(root, batch_size=256, world_size=8, rank=0,
-num_workers=4)`` and plan every worker's ranges, its peak RSS (``resource.getrusage``) and the
+in training) the time to construct ``ShardStream(root, batch_size=256, world=World(0, 8))`` (planned for
+num_workers=4) and plan every worker's ranges, its peak RSS (``resource.getrusage``) and the
 RSS that import alone costs; the pickled dataset (what each DataLoader worker receives); and in a
 fresh worker process the RSS that unpickling it and planning its ranges adds.
 
@@ -57,11 +57,11 @@ def write_synthetic(root: str, samples: int, shards: int) -> int:
 def rank_process(root: str, blob_path: str) -> None:
     import torch  # noqa: F401  (a training process has it loaded)
 
-    from shardstream import ShardStream
+    from shardstream import ShardStream, World
 
     base = peak_mb()
     t = time.perf_counter()
-    ds = ShardStream(root, batch_size=256, world_size=8, rank=0, num_workers=4, decode=False)
+    ds = ShardStream(root, batch_size=256, world=World(0, 8), decode=False)
     plan = ds.plan(num_workers=4)
     ranges = [plan.ranges(0, w, ds.counts) for w in range(4)]
     seconds = time.perf_counter() - t
@@ -95,7 +95,7 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
     import boto3
     from bench_s3 import start_moto  # type: ignore[import-not-found]
 
-    from shardstream import ShardStream, ShardWriter, make_loader
+    from shardstream import ShardStream, ShardWriter, World, make_loader
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
@@ -126,7 +126,7 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
         firsts, constructs = [], []
         for _ in range(repeats):
             t = time.perf_counter()
-            ds = ShardStream("s3://bench/many", batch_size=32, rank=0, world_size=8, storage_options=options, decode=False)
+            ds = ShardStream("s3://bench/many", batch_size=32, world=World(0, 8), storage_options=options, decode=False)
             constructs.append(time.perf_counter() - t)
             next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
             firsts.append(time.perf_counter() - t)

@@ -9,12 +9,17 @@ work shows most) is written once to /dev/shm: one dataset of N samples, and the 
 samples as three datasets of 0.5 N, 0.3 N and 0.2 N mixed with weights 0.5 / 0.3 / 0.2, so a
 mixed epoch reads N samples too. Every loader shuffles (1000-sample buffer; the mix has one per
 source), decodes and batches 64 as dicts. The target: the mix within 5% of one dataset.
+
+Two figures per loader: samples per wall-clock second, and CPU microseconds per sample (this
+process plus its DataLoader workers, which are joined at the end of each pass): on a shared,
+loaded machine the CPU figure is the steadier measure of what mixing adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -23,6 +28,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from shardstream import Shuffle, World
 
 BATCH = 64
 BUFFER = 1000
@@ -41,7 +48,7 @@ def make_small(root: str, first: int, n: int) -> None:
 def shardstream_loader(source, workers: int, per_batch: str = "spread"):
     from shardstream import ShardStream, make_loader
 
-    ds = ShardStream(source, batch_size=BATCH, shuffle_buffer=BUFFER, rank=0, world_size=1, per_batch=per_batch)
+    ds = ShardStream(source, batch_size=BATCH, shuffle=Shuffle(BUFFER), world=World(0, 1), per_batch=per_batch)
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 
@@ -64,6 +71,12 @@ def webdataset_loader(roots: list[str], workers: int):
         mixed = wds.RandomMix([webdataset_pipeline(r) for r in roots], probs=list(SHARES))
         ds = wds.DataPipeline(mixed, wds.batched(BATCH, partial=True))
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its joined children (the DataLoader workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def count(loader) -> int:
@@ -101,25 +114,27 @@ def main() -> None:
                 "webdataset, RandomMix of 3": lambda: webdataset_loader(parts, workers),
             }
             rates: dict[str, list[float]] = {name: [] for name in contenders}
+            cpu: dict[str, list[float]] = {name: [] for name in contenders}
             for make in contenders.values():  # warm-up: imports, page cache, first worker start-up
                 count(make())
             for _ in range(args.repeats):
                 for name, make in contenders.items():  # interleaved: noise hits all alike
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), cpu_seconds()
                     got = count(make())
                     rates[name].append(got / (time.perf_counter() - t))
-            ss_ref = statistics.median(rates["shardstream, one dataset"])
-            wds_ref = statistics.median(rates["webdataset, one dataset"])
+                    cpu[name].append((cpu_seconds() - c) / got * 1e6)
+            refs = {k: (statistics.median(rates[f"{k}, one dataset"]), statistics.median(cpu[f"{k}, one dataset"]))
+                    for k in ("shardstream", "webdataset")}
             for name, values in rates.items():
-                med = statistics.median(values)
-                ref = ss_ref if name.startswith("shardstream") else wds_ref
-                rows.append((workers, name, med, min(values), max(values), med / ref))
+                med, us = statistics.median(values), statistics.median(cpu[name])
+                ref_rate, ref_us = refs[name.split(",")[0]]
+                rows.append((workers, name, med, min(values), max(values), med / ref_rate, us, us / ref_us))
     finally:
         shutil.rmtree(args.workdir, ignore_errors=True)
-    print("| num_workers | loader | samples/s (median) | min..max | vs its one-dataset run |")
-    print("|---|---|---|---|---|")
-    for workers, name, med, lo, hi, ratio in rows:
-        print(f"| {workers} | {name} | {med:,.0f} | {lo:,.0f}..{hi:,.0f} | {ratio:.3f} |")
+    print("| num_workers | loader | samples/s (median) | min..max | vs one dataset | CPU us/sample | vs one dataset |")
+    print("|---|---|---|---|---|---|---|")
+    for workers, name, med, lo, hi, ratio, us, us_ratio in rows:
+        print(f"| {workers} | {name} | {med:,.0f} | {lo:,.0f}..{hi:,.0f} | {ratio:.3f} | {us:.1f} | {us_ratio:.3f} |")
     print(f"(medians of {args.repeats} interleaved full passes of {args.samples} samples, batch {BATCH}, "
           f"shuffle buffer {BUFFER})")
 

@@ -9,7 +9,7 @@ the same work: shard shuffle, a 1000-sample shuffle buffer, decode, batches of 6
   images  JPEG ~40-120 KB + .cls: decode and random-resized-crop to 224x224 uint8 tensors;
           shardstream with its RandomResizedCrop decoder (crop chosen from the header, JPEG
           decoded at reduced scale when the crop allows) and without reduced decoding
-shardstream also runs with verify_stream=True on small samples (the cost of hashing every shard).
+shardstream also runs with read=Read(verify_stream=True) on small samples (the cost of hashing every shard).
 num_workers 0 (one process: per-process cost) and 2 (this machine's 2 cores).
 """
 
@@ -59,11 +59,11 @@ def make_images(root: str, n: int) -> None:
 
 
 def shardstream_loader(root: str, kind: str, workers: int, reduced: bool = True, verify: bool = False):
-    from shardstream import RandomResizedCrop, ShardStream, make_loader
+    from shardstream import RandomResizedCrop, Read, ShardStream, Shuffle, World, make_loader
 
     decode = {"jpg": RandomResizedCrop(224, reduced_decode=reduced)} if kind == "images" else True
-    ds = ShardStream(root, batch_size=BATCH, shuffle_buffer=BUFFER, decode=decode, rank=0, world_size=1,
-                     verify_stream=verify)
+    ds = ShardStream(root, batch_size=BATCH, shuffle=Shuffle(BUFFER), decode=decode, world=World(0, 1),
+                     read=Read(verify_stream=verify))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 

@@ -48,7 +48,7 @@ def main() -> None:
     import boto3
     import webdataset as wds
 
-    from shardstream import ShardStream, ShardWriter, make_loader
+    from shardstream import Read, ShardStream, ShardWriter, World, make_loader
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -84,7 +84,7 @@ def main() -> None:
             def ours(workers):
                 def run():
                     ds = ShardStream(f"s3://bench/{kind}", batch_size=4 if kind == "large" else 50, shuffle=False,
-                                     decode=False, rank=0, world_size=1, storage_options=options, read_size=16 << 20)
+                                     decode=False, world=World(0, 1), storage_options=options, read=Read(read_size=16 << 20))
                     return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
                 return run
 
@@ -144,7 +144,7 @@ def main() -> None:
         firsts, constructs = [], []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            ds = ShardStream("s3://bench/tiny", batch_size=32, rank=0, world_size=1, storage_options=options)
+            ds = ShardStream("s3://bench/tiny", batch_size=32, world=World(0, 1), storage_options=options)
             constructs.append(time.perf_counter() - t)
             next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
             firsts.append(time.perf_counter() - t)

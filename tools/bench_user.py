@@ -26,6 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from shardstream import World
+
 BATCH = 64
 
 
@@ -55,8 +57,7 @@ def shardstream_run(root: str, fn, workers: int) -> int:
 
     from shardstream import ShardStream, make_loader
 
-    ds = ShardStream(root, batch_size=BATCH, shuffle=False, decode=False, transform=fn, collate=default_collate,
-                     rank=0, world_size=1)
+    ds = ShardStream(root, batch_size=BATCH, shuffle=False, decode=False, transform=fn, collate=default_collate, world=World(0, 1))
     return sum(len(b[1] if isinstance(b, (list, tuple)) else b["y"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
 
 

@@ -13,6 +13,7 @@ import sys
 from shardstream.errors import ShardstreamError
 
 from . import bench, index, ls, merge, pack, show, verify
+from .options import SuggestingParser
 
 COMMANDS = [pack, ls, show, verify, index, merge, bench]
 
@@ -32,7 +33,7 @@ Run 'shardstream COMMAND --help' for a command's options and examples.
 def build_parser() -> argparse.ArgumentParser:
     from shardstream import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="shardstream", description="Pack and stream WebDataset tar shards for PyTorch.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,9 +1,12 @@
-"""Arguments shared by commands: storage flags and human-readable sizes."""
+"""Arguments shared by commands: storage flags, human-readable sizes, and a parser that suggests
+the flag or command a typo meant."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
+import sys
 
 from shardstream.storage.fs import make_storage_options
 
@@ -35,3 +38,42 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose "unrecognized arguments" and "invalid choice" errors name the
+    closest real flag or command (``--overwite`` -> ``did you mean --overwrite?``)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _options_in_use(self) -> list[str]:
+        """This parser's flags and those of the command named in the arguments."""
+        options = [o for a in self._actions for o in a.option_strings]
+        argv = getattr(self, "_argv", [])
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for token in argv:
+                    if token in action.choices:
+                        options += [o for a in action.choices[token]._actions for o in a.option_strings]
+                        break
+        return options
+
+    def error(self, message: str):
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            options = self._options_in_use()
+            for token in message.split(":", 1)[1].split():
+                if token.startswith("-"):
+                    close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.6)
+                    if close:
+                        hints.append(f"{token}: did you mean {close[0]}?")
+        elif "invalid choice:" in message:
+            m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+            if m:
+                choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+                close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"did you mean {close[0]!r}?")
+        super().error(message + ("\n" + "\n".join(hints) if hints else ""))

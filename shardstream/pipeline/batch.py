@@ -1,7 +1,8 @@
-"""Group samples into batches of exactly ``batch_size``; default collate into a dict of batched fields.
+"""Group samples into batches of exactly ``batch_size``; the default collate batches dicts, tuples and
+lists of tensors, arrays and numbers (nested), like torch's default_collate.
 
 A worker must yield exactly its planned number of batches (ranks stay in step). If samples were
-skipped under the error policy, the last batches are filled by repeating recent good samples;
+skipped under the error policy or dropped by the transform (returning None), the last batches are filled by repeating recent good samples;
 the number repeated is counted and logged.
 """
 
@@ -12,38 +13,101 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from shardstream.errors import ConfigError, SampleError
+
 logger = logging.getLogger(__name__)
 
 
-def default_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Tensors and numbers are stacked into tensors, numpy arrays too; everything else stays a list.
+class Batch(dict):
+    """A batch of named fields (a dict). Asking for a field it lacks names the fields it has."""
 
-    ``__key__`` and ``__url__`` come out as lists, so a loop can always tell what it got.
-    """
+    __slots__ = ()
+
+    def __missing__(self, name: Any) -> Any:
+        raise KeyError(f"{name!r}: this batch has fields {sorted(map(str, self))}; a field missing from every "
+                       f"sample of a batch is not in it (is the extension right? `shardstream show` lists samples)")
+
+
+def _stack(values: list[Any]) -> Any:
+    """Same-type leaves -> one batched value: tensors and arrays stacked when shapes agree, numbers
+    as tensors; anything else (str, bytes, decoded JSON, None) stays a list."""
     import torch
 
+    v = values[0]
+    if isinstance(v, torch.Tensor):
+        return stack_tensors(values) if all(x.shape == v.shape for x in values) else values
+    if isinstance(v, bool):
+        return torch.tensor(values, dtype=torch.bool) if all(type(x) is bool for x in values) else values
+    if isinstance(v, numbers.Integral):
+        return torch.tensor(values, dtype=torch.int64) if all(isinstance(x, numbers.Integral) for x in values) else values
+    if isinstance(v, numbers.Real):
+        return torch.tensor(values, dtype=torch.float64) if all(isinstance(x, numbers.Real) for x in values) else values
+    if type(v).__module__ == "numpy" and hasattr(v, "shape"):
+
+        return stack_arrays(values) if all(x.shape == v.shape for x in values) else values
+    return values
+
+
+def _collate_dict(samples: list[Any]) -> Batch:
     first = samples[0]
-    out: dict[str, Any] = {}
-    for name in first:
-        values = [s[name] for s in samples]
-        v = values[0]
-        if isinstance(v, torch.Tensor):
-            out[name] = stack_tensors(values) if all(x.shape == v.shape for x in values) else values
-        elif isinstance(v, bool):
-            out[name] = torch.tensor(values, dtype=torch.bool)
-        elif isinstance(v, numbers.Integral):
-            out[name] = torch.tensor(values, dtype=torch.int64)
-        elif isinstance(v, numbers.Real):
-            out[name] = torch.tensor(values, dtype=torch.float64)
-        elif type(v).__module__ == "numpy" and hasattr(v, "shape"):
-            out[name] = stack_arrays(values) if all(x.shape == v.shape for x in values) else values
-        else:
-            out[name] = values
-    return out
+    names = first.keys()
+    if not all(s.keys() == names for s in samples):
+        _fields_differ(samples)
+    return Batch({name: _stack([s[name] for s in samples]) for name in first})
+
+
+def _fields_differ(samples: list[Any]) -> None:
+    """Samples of one batch with different fields: which one lacks what, and what to do."""
+    every: dict[str, None] = {}
+    for s in samples:
+        every.update(dict.fromkeys(s))
+    for name in every:
+        for s in samples:
+            if name not in s:
+                having = next(x for x in samples if name in x)
+                raise SampleError(
+                    s.get("__url__", "?"), s.get("__key__", "?"),
+                    f"has no field {name!r} while sample {having.get('__key__', '?')!r} of the same batch has it "
+                    f"(fields: {sorted(s)}). Samples of a batch must have the same fields: pass "
+                    f"decode=Decode(required=[{name!r}]) to drop (on_error='skip') or reject samples without it, "
+                    f"or a transform/collate= that fills in or leaves out optional fields")
+
+
+def _collate_value(values: list[Any]) -> Any:
+    v = values[0]
+    if isinstance(v, dict):
+        return _collate_dict(values)
+    if isinstance(v, (tuple, list)):
+        return _collate_sequence(values)
+    return _stack(values)
+
+
+def _collate_sequence(samples: list[Any]) -> Any:
+    first = samples[0]
+    if not all(len(s) == len(first) for s in samples):
+        raise ConfigError(f"samples of a batch are {type(first).__name__}s of different lengths "
+                          f"({sorted({len(s) for s in samples})}): return the same structure for every sample, or pass collate=")
+    columns = [_collate_value(list(col)) for col in zip(*samples)]
+    if hasattr(first, "_fields"):  # namedtuple
+        return type(first)(*columns)
+    return tuple(columns) if isinstance(first, tuple) else columns
+
+
+def default_collate(samples: list[Any]) -> Any:
+    """Batch a list of samples of one structure, like torch's default_collate.
+
+    A dict sample (what the decoder gives, and what most transforms return) becomes a ``Batch``
+    dict: tensors, numpy arrays and numbers are stacked into tensors (when shapes agree), anything
+    else (str, bytes, decoded JSON) comes out as a list, ``__key__`` and ``__url__`` too. Every
+    sample of a batch must have the same fields (else a SampleError says which lacks what).
+    Tuples and lists (``(image, label)`` for ``model(x, y)``) are batched position by position by
+    the same rules, recursively; a bare tensor or number batch is stacked.
+    """
+    return _collate_value(samples)
 
 
 # Batches at least this large are assembled in shared memory when made in a DataLoader worker;
-# smaller ones cross the hand-off inline (see pack_for_transport), where shared memory only costs.
+# smaller ones cross the hand-off inline (see loader.pack_batch), where shared memory only costs.
 SHARED_MIN_BYTES = 64 * 1024
 
 
@@ -115,11 +179,11 @@ class BatchStats:
 
 
 def batch_samples(
-    chunks: Iterable[list[dict[str, Any]]],
+    chunks: Iterable[list[Any]],
     *,
     batch_size: int,
     num_batches: int,
-    collate: Callable[[list[dict[str, Any]]], Any] = default_collate,
+    collate: Callable[[list[Any]], Any] = default_collate,
     stats: BatchStats | None = None,
 ) -> Iterator[Any]:
     """Yield exactly ``num_batches`` collated batches of ``batch_size`` samples."""
@@ -146,7 +210,7 @@ def batch_samples(
         missing = (num_batches - made) * batch_size - len(pending)
         if stats is not None:
             stats.refilled += missing
-        logger.warning("repeating %d samples to keep %d equal batches (samples were skipped)", missing, num_batches)
+        logger.warning("repeating %d samples to keep %d equal batches (samples were skipped or filtered)", missing, num_batches)
         i = 0
         while made < num_batches:
             pending.append(pool[i % len(pool)])
@@ -156,35 +220,3 @@ def batch_samples(
                 made += 1
                 pending = []
 
-
-# -- worker -> main process hand-off --------------------------------------------------------
-# DataLoader workers send every torch tensor through a new shared-memory segment, a fixed cost of
-# tens of microseconds per tensor that dominates for small fields (labels, ids). Under make_loader
-# such small tensors travel inline as numpy arrays and become tensors again on arrival
-# (``torch.from_numpy``, no copy); large ones (images) keep the shared-memory path.
-INLINE_KEY = "__inline__"
-INLINE_MAX_BYTES = 64 * 1024
-
-
-def pack_for_transport(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
-    import torch
-
-    if not isinstance(batch, dict):
-        return batch
-    inline = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.nbytes <= max_bytes and v.device.type == "cpu"]
-    for k in inline:
-        batch[k] = batch[k].numpy()
-    if inline:
-        batch[INLINE_KEY] = inline
-    return batch
-
-
-def unpack_after_transport(batch: Any, pin: bool = False) -> Any:
-    if not isinstance(batch, dict) or INLINE_KEY not in batch:
-        return batch
-    import torch
-
-    for k in batch.pop(INLINE_KEY):
-        t = torch.from_numpy(batch[k])
-        batch[k] = t.pin_memory() if pin else t
-    return batch

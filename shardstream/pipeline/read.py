@@ -13,6 +13,7 @@ generator hop per stage.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -301,3 +302,36 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
     finally:
         if prefetcher is not None:
             prefetcher.close()
+
+
+SHORT_RANGE = 8  # samples: ranges this short are latency-bound, not bandwidth-bound
+READ_BACK_THREADS = 16
+
+
+def read_scattered(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None,
+                   threads: int = READ_BACK_THREADS) -> Iterator[list[dict[str, Any]]]:
+    """Like ``read_ranges`` (same order, same checks), but runs of short ranges are fetched by a
+    pool of threads: a resumed epoch reads each worker's shuffle buffer back as single samples
+    scattered over the shards, where one request after another would cost a round trip each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ranges = list(ranges)
+    single = copy.copy(source)
+    single.readahead_bytes = 0  # each short range is one small request; no read-ahead thread per range
+
+    def fetch(rng: Range) -> list[list[dict[str, Any]]]:
+        return list(read_ranges(single, [rng], policy=policy))
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardstream-readback") as pool:
+        i = 0
+        while i < len(ranges):
+            short = len(ranges[i]) <= SHORT_RANGE
+            j = i
+            while j < len(ranges) and (len(ranges[j]) <= SHORT_RANGE) == short:
+                j += 1
+            if short:
+                for chunks in pool.map(fetch, ranges[i:j]):
+                    yield from chunks
+            else:
+                yield from read_ranges(source, ranges[i:j], policy=policy)
+            i = j

@@ -57,6 +57,7 @@ class EpochPlan:
     shard_order: tuple[int, ...]
     starts: tuple[int, ...]  # start of each shard_order entry in the laid-out sequence
     compressed_shards: int = 0  # shards read by decompressing from their start (no byte-offset entry)
+    resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/resume.py)
 
     @property
     def samples_per_rank(self) -> int:
@@ -110,6 +111,7 @@ class EpochPlan:
             f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
             + (f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
                "shard's start and skips to it (repack as plain .tar to split cheaply)" if self.compressed_shards else "")
+            + (f"; {self.resumed}" if self.resumed else "")
         )
 
 

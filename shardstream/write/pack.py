@@ -116,7 +116,7 @@ def pack_source(
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
-        for ok, a, b in _load_all(items, workers, storage_options):
+        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options)):
             if not ok:
                 if on_error == "raise":
                     raise SourceError(a, b)
@@ -124,22 +124,19 @@ def pack_source(
                 continue
             try:
                 writer.write_encoded(a, b)
-            except SourceError as exc:
+            except SourceError as exc:  # the writer knows the key; the listing knows the file or line
+                exc = SourceError(f"{where} ({exc.where})", exc.what)
                 if on_error == "raise":
-                    raise
+                    raise exc from None
                 writer.skip(exc.where, exc.what)
                 continue
             if progress is not None:
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
-    manifest = Manifest(
-        shards=writer.shards, extensions=writer.extensions, label_map=writer.label_map,
-        label_counts=writer.label_counts,
-        skipped={"count": writer.skipped_count, "items": writer.skipped},
-    )
+    assert writer.manifest is not None  # the with-block closed the writer without an error
     return PackResult(
-        manifest=manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
+        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
         shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
         seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
     )

@@ -105,6 +105,7 @@ class ShardWriter:
         self._file: BinaryIO | None = None
         self._tmp_path: str | None = None
         self._closed = False
+        self.manifest: Manifest | None = None  # set by close(): the one manifest of this dataset
 
     # -- destination ---------------------------------------------------------------------------
     def _prepare_destination(self, overwrite: bool) -> list[str]:
@@ -119,11 +120,12 @@ class ShardWriter:
         foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
         if not overwrite:
             if MANIFEST_NAME in entries:
-                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); to replace it pass "
+                                       "overwrite=True (shardstream pack: --overwrite)")
             if foreign:
                 raise DestinationError(
                     f"{url} is not empty ({len(foreign)} other entries, e.g. {foreign[0]!r}); "
-                    "choose an empty destination or pass --overwrite"
+                    "choose an empty destination or pass overwrite=True (shardstream pack: --overwrite)"
                 )
             if ours:
                 logger.warning("%s: replacing %d files left by an interrupted pack", url, len(ours))
@@ -274,6 +276,7 @@ class ShardWriter:
         write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), self.storage_options)
         manifest.base_url = self.dest
         manifest.storage_options = dict(self.storage_options)
+        self.manifest = manifest
         return manifest
 
     def abort(self) -> None:

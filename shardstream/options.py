@@ -1,0 +1,167 @@
+"""ShardStream's rare options as small frozen values, each knob documented once, here.
+
+The common call stays one line, ``ShardStream(root, batch_size=64)``; a group of related knobs
+travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
+
+    Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
+    Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True)
+    OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
+    Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False)
+    Cache(dir, limit, verify=True)                         local copies of remote shards
+
+Every value checks itself when built, so a bad option is a ConfigError at the call that made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec.utils
+
+from shardstream.errors import ConfigError
+from shardstream.format.tar import DEFAULT_READ_SIZE
+from shardstream.pipeline.decode import IMAGE_MODES
+from shardstream.policy import ON_ERROR
+
+DEFAULT_READAHEAD = 64 << 20
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    """Buffered sample shuffle within each worker (the shard order is shuffled by the plan).
+
+    ``buffer``: samples held for shuffling (the memory bound; 1 or 0 turns the buffer off).
+    ``initial``: samples held before the first one comes out (default ``buffer // 10``, at least 1):
+    smaller starts sooner, larger mixes the first batches better.
+    """
+
+    buffer: int = 1000
+    initial: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.buffer < 0:
+            raise ConfigError(f"Shuffle(buffer=...) must be >= 0, got {self.buffer}")
+        if self.initial is not None and self.initial < 1:
+            raise ConfigError(f"Shuffle(initial=...) must be >= 1, got {self.initial}")
+
+    @property
+    def initial_fill(self) -> int:
+        return self.initial if self.initial is not None else max(1, self.buffer // 10)
+
+
+@dataclass(frozen=True)
+class Decode:
+    """How sample fields are decoded, by extension.
+
+    ``defaults``: start from the default decoders (images, npy, json, txt, cls, pth); False keeps
+    every field as bytes except those in ``decoders``. ``decoders``: ``{ext: fn(bytes)}`` added to
+    (or overriding) the defaults. ``image``: ``"tensor"`` (uint8 CHW), ``"numpy"`` (HWC) or
+    ``"pil"``. ``draft_size``: ``(w, h)``, decode JPEGs at the smallest 1/2..1/8 scale still covering
+    it. ``required``: extensions every sample must have; a sample without one is a SampleError
+    (raised, or skipped and counted under ``OnError("skip")``).
+    """
+
+    decoders: Mapping[str, Callable[[bytes], Any]] | None = None
+    image: str = "tensor"
+    draft_size: tuple[int, int] | None = None
+    required: tuple[str, ...] = ()
+    defaults: bool = True
+
+    def __post_init__(self) -> None:
+        if self.image not in IMAGE_MODES:
+            raise ConfigError(f"Decode(image=...) must be one of {IMAGE_MODES}, got {self.image!r}")
+        if isinstance(self.required, str):
+            object.__setattr__(self, "required", (self.required,))
+        else:
+            object.__setattr__(self, "required", tuple(self.required))
+        if self.decoders is not None:
+            if not isinstance(self.decoders, Mapping):
+                raise ConfigError(f"Decode(decoders=...) must map extensions to functions, got {type(self.decoders).__name__}")
+            object.__setattr__(self, "decoders", dict(self.decoders))
+
+    @classmethod
+    def of(cls, value: bool | Mapping[str, Callable[[bytes], Any]] | Decode) -> Decode:
+        """The ``decode=`` convenience: True (defaults), False (bytes), a dict (added decoders), or a Decode."""
+        if isinstance(value, Decode):
+            return value
+        if isinstance(value, bool):
+            return cls(defaults=value)
+        if isinstance(value, Mapping):
+            return cls(decoders=value)
+        raise ConfigError(f"decode must be True, False, a dict {{ext: fn}} or a Decode(...), got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class OnError:
+    """What a bad sample or a broken shard range does.
+
+    ``policy="raise"`` stops at the first failure with its error; ``"skip"`` drops it (counted,
+    logged, batches kept equal by repeating recent samples) and still raises after ``tolerance``
+    consecutive failures.
+    """
+
+    policy: str = "raise"
+    tolerance: int = 16
+
+    def __post_init__(self) -> None:
+        if self.policy not in ON_ERROR:
+            raise ConfigError(f"on_error must be one of {ON_ERROR}, got {self.policy!r}")
+        if self.tolerance < 0:
+            raise ConfigError(f"OnError(tolerance=...) must be >= 0, got {self.tolerance}")
+
+    @classmethod
+    def of(cls, value: str | OnError) -> OnError:
+        return value if isinstance(value, OnError) else cls(value)
+
+
+@dataclass(frozen=True)
+class Read:
+    """How shard ranges are read.
+
+    ``read_size``: bytes per read (one ranged GET on S3). ``readahead_bytes``: a background thread
+    fetches up to this many bytes ahead of the parser, across ranges; ``None`` (the default) means
+    64 MiB when any of the dataset's shards is on remote storage (an fsspec URL other than a local
+    path or ``file://``) and 0 when all are on local disk, where the page cache already reads ahead. ``verify_stream``: hash every
+    whole-shard range as it streams (no cache) and compare with the manifest's sha256.
+    """
+
+    read_size: int = DEFAULT_READ_SIZE
+    readahead_bytes: int | None = None
+    verify_stream: bool = False
+
+    def __post_init__(self) -> None:
+        if self.read_size < 1:
+            raise ConfigError(f"Read(read_size=...) must be >= 1 byte, got {self.read_size}")
+        if self.readahead_bytes is not None and self.readahead_bytes < 0:
+            raise ConfigError(f"Read(readahead_bytes=...) must be >= 0, got {self.readahead_bytes}")
+
+    def readahead_for(self, shard_urls: Iterable[str]) -> int:
+        """The read-ahead for a dataset of these shards: the explicit value, else the documented
+        default by where the shards are."""
+        if self.readahead_bytes is not None:
+            return self.readahead_bytes
+        remote = any(fsspec.utils.get_protocol(u) not in LOCAL_PROTOCOLS for u in shard_urls)
+        return DEFAULT_READAHEAD if remote else 0
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Keep remote shards on local disk for later epochs (LRU, shared by a node's workers and ranks).
+
+    ``dir``: where; ``limit``: bytes of local disk it may use (at least the largest shard; give it
+    room for several per worker); ``verify``: check each fill against the manifest's sha256.
+    """
+
+    dir: str
+    limit: int
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ConfigError(f"Cache(limit=...) is bytes of local disk the cache may use, got {self.limit}")
+
+
+__all__ = ["Shuffle", "Decode", "OnError", "Read", "Cache", "DEFAULT_READAHEAD"]

@@ -1,0 +1,95 @@
+"""loader.py: make_loader leaves the dataset as it was; the worker hand-off keeps every batch
+structure and sends small tensors inline."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_dataset
+
+from shardstream import ShardStream, World, make_loader
+from shardstream.loader import INLINE_MAX_BYTES, PACKED, pack_batch, unpack_batch
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return a == b
+
+
+small = torch.arange(6)
+large = torch.zeros(INLINE_MAX_BYTES // 4 + 1, dtype=torch.float32)
+STRUCTURES = [
+    {"cls": small, "img": large, "__key__": ["a", "b"]},
+    (small, large),
+    [small, {"nested": (small.float(), [small])}],
+    Pair(small, large),
+    small,
+    {"arr": np.ones(3), "t": small, "bf": small.to(torch.bfloat16), "none": None},
+    {"nothing": "to inline", "big": large},
+]
+
+
+@pytest.mark.parametrize("batch", STRUCTURES)
+def test_pack_and_unpack_keep_every_structure(batch):
+    packed = pack_batch(batch)
+    assert same(unpack_batch(packed), batch)
+
+
+def test_small_tensors_travel_as_arrays_large_ones_as_tensors():
+    packed = pack_batch({"cls": small, "img": large})
+    assert isinstance(packed["batch"]["cls"], np.ndarray) and packed["batch"]["img"] is large
+    assert packed[PACKED] == {"cls": True}
+    assert pack_batch({"img": large, "k": ["a"]}) == {"img": large, "k": ["a"]}  # nothing small: unchanged
+    user_arrays = {"arr": np.ones(2)}
+    assert isinstance(unpack_batch(pack_batch(user_arrays))["arr"], np.ndarray)  # the user's own arrays stay arrays
+
+
+def to_tuple(samples):
+    return torch.tensor([s["cls"] for s in samples]), [s["__key__"] for s in samples]
+
+
+def to_bare_tensor(samples):
+    return torch.tensor([s["cls"] for s in samples])
+
+
+@pytest.mark.parametrize("collate", [to_tuple, to_bare_tensor, torch.utils.data.default_collate])
+def test_user_collate_results_cross_real_workers_intact(tmp_path, collate):
+    root = write_dataset(tmp_path / "d", 40, max_count=10)
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1), collate=collate)
+    in_process = list(make_loader(ds, num_workers=0))
+    through_workers = list(make_loader(ds, num_workers=2))
+    assert len(through_workers) == len(in_process) == 10
+    key = (lambda b: b[1]) if collate is to_tuple else (lambda b: b.tolist() if isinstance(b, torch.Tensor) else b["__key__"])
+    order = sorted(range(10), key=lambda i: str(key(through_workers[i])))
+    expected = sorted(range(10), key=lambda i: str(key(in_process[i])))
+    for i, j in zip(order, expected):
+        assert same(through_workers[i], in_process[j])
+
+
+def test_make_loader_does_not_change_the_dataset(tmp_path):
+    root = write_dataset(tmp_path / "d", 40, max_count=10)
+    ds = ShardStream(root, batch_size=4, world=World(0, 1))
+    before = {k: v for k, v in vars(ds).items()}
+    loader = make_loader(ds, num_workers=2, collate_fn=lambda b: b)
+    assert vars(ds).keys() == before.keys() and all(vars(ds)[k] is v for k, v in before.items())
+    assert sorted(k for b in loader for k in b["__key__"]) == sorted(k for b in ds for k in b["__key__"])
+    assert vars(ds).keys() == before.keys()
+
+
+def test_loader_map_sees_batches_as_the_dataset_made_them(tmp_path):
+    root = write_dataset(tmp_path / "d", 40, max_count=10)
+    ds = ShardStream(root, batch_size=4, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2).map(lambda b: (type(b["cls"]).__name__, len(b["__key__"])))
+    assert list(loader) == [("Tensor", 4)] * 10
