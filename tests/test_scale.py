@@ -263,11 +263,14 @@ def die_once(arg):
     return {"__key__": f"k{i:03d}", "txt": f"sample {i}" * 3}
 
 
-def test_dask_survives_a_worker_killed_mid_pack(tmp_path, dask_client):
+def test_dask_survives_a_worker_killed_mid_pack(tmp_path, s3_endpoint):
     marker = str(tmp_path / "died")
     inputs = [(marker, i) for i in range(40)]
-    result = pack(die_once, inputs, str(tmp_path / "dask"), max_count=6,
-                  executor=dask_client.get_executor(pure=False, retries=2))
+    # A cluster of its own, closed here: the nanny's restart of the killed worker belongs to this test.
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+                                  host="127.0.0.1") as cluster, distributed.Client(cluster) as client:
+        result = pack(die_once, inputs, str(tmp_path / "dask"), max_count=6,
+                      executor=client.get_executor(pure=False, retries=2))
     assert os.path.exists(marker)  # a worker did die
     assert result.samples == 40
     pack(die_once, inputs, str(tmp_path / "one"), max_count=6)
