@@ -188,7 +188,7 @@ def test_mix_file_on_s3_with_relative_sources(s3, roots):
             w.write(s)
     doc = {"sources": [{"url": "../data/web", "weight": 1, "name": "web"}, {"url": roots[1], "weight": 1, "name": "disk"}]}
     client.put_object(Bucket=bucket, Key="mixes/m.json", Body=json.dumps(doc).encode())
-    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, rank=0, world_size=1, storage_options=options)
+    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, world=World(0, 1), storage_options=options)
     assert ds.mix is not None and ds.mix.manifests[0].base_url == f"s3://{bucket}/data/web"
     assert ds.mix.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
     tags = Counter(t for batch in make_loader(ds, num_workers=0) for t in batch["__source__"])
