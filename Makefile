@@ -14,7 +14,7 @@ $(BIN)/python:
 # would otherwise pull a multi-GB CUDA build.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,dask]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -21,11 +21,11 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
 from shardstream.errors import ConfigError
-from shardstream.format.compression import shard_compression
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.mixing import Mix, Source, open_mix
 from shardstream.options import Cache, Decode, OnError, Read, Shuffle
@@ -210,7 +210,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         else:
             self.manifest = self.mix.manifests[0]
         self.per_batch = per_batch
-        self.counts = [s.samples for s in self.manifest.shards]
+        self.counts = self.manifest.counts  # int64 array, one entry per shard: all that planning needs
         self.world = world if world is not None else World.detect()
         self.steps = _steps(steps, samples_per_epoch, self.world.world_size * batch_size)
         self.batch_size = batch_size
@@ -233,7 +233,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         if cache is not None:
             self.cache = ShardCache(cache.dir, cache.limit, verify=cache.verify)
             for m in manifests:
-                self.cache.check_fits([(s.bytes, m.shard_url(i)) for i, s in enumerate(m.shards)])
+                if len(m.sizes):  # the smallest shard, and every one too large to cache (numpy, not a loop)
+                    picks = {int(m.sizes.argmin()), *(int(i) for i in np.flatnonzero(m.sizes > self.cache.limit))}
+                    self.cache.check_fits([(int(m.sizes[i]), m.shard_url(i)) for i in sorted(picks)])
         self.decode = Decode.of(decode)
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
@@ -299,7 +301,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         plan = plan_epoch(
             self.counts, world_size=self.world.world_size, num_workers=workers,
             batch_size=self.batch_size, seed=self.seed, epoch=epoch, shuffle=self.shuffle, mode=self.mode,
-            compressed_shards=self._compressed_shards(),
+            compressed_shards=int(self.manifest.compressed.sum()),
         )
         # A loaded state pending for this epoch: the summary also says how the epoch resumes
         # (exactly, or elastically with the leftover dropped or repeated).
@@ -308,15 +310,6 @@ class ShardStream(torch.utils.data.IterableDataset):
             if isinstance(resume, ResumePlan):
                 plan = dataclasses.replace(plan, resumed=resume.summary())
         return plan
-
-    def _compressed_shards(self) -> int:
-        """How many shards are compressed (for the plan's summary): counted once, by the shard
-        paths' suffixes (a URL ends as its path does), since plan() runs in every worker and
-        len(); once per call over 10,000 shards cost seconds of start-up."""
-        count = self.__dict__.get("_compressed_count")
-        if count is None:
-            count = self._compressed_count = sum(1 for s in self.manifest.shards if shard_compression(s.path))
-        return count
 
     def stats(self) -> dict[str, int]:
         """Counters summed over this rank's workers since construction (see ``stats.COUNTERS``)."""
@@ -391,7 +384,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     # -- resume (plan/resume.py): Stateful protocol -----------------------------------------------
     def _init_resume(self) -> None:
         self._resume: ResumeState | MixResumeState | None = None  # a loaded state, until its epoch's pass has run
-        self._digest = dataset_digest((s.path, s.samples, s.bytes, s.sha256) for s in self.manifest.shards)
+        m = self.manifest  # from the columns: no ShardInfo per shard
+        self._digest = dataset_digest(zip(m.paths, m.counts.tolist(), m.sizes.tolist(), (m.sha256(i) for i in range(len(m.paths)))))
         # Main-process iteration (num_workers=0, or a plain ``for batch in dataset``): [epoch, batches
         # received, the ResumePlan that pass followed or None]. Workers cannot see what the loop received.
         self._main_pass: list[Any] | None = None
@@ -409,12 +403,12 @@ class ShardStream(torch.utils.data.IterableDataset):
             plan = self.plan(num_workers=workers)
             assert isinstance(plan, MixPlan)
             return MixResumePlan(plan, self._resume)
-        return ResumePlan(self.counts, self._resume, self._segment(workers))
+        return ResumePlan(self.counts.tolist(), self._resume, self._segment(workers))
 
     def _mix_identity(self) -> list[dict[str, Any]]:
         """What a mixed state names: each source's name, manifest digest, size and ask."""
         assert self.mix is not None
-        return [{"name": name, "manifest": dataset_digest((s.path, s.samples, s.bytes, s.sha256) for s in m.shards),
+        return [{"name": name, "manifest": dataset_digest(zip(m.paths, m.counts.tolist(), m.sizes.tolist(), map(m.sha256, range(len(m.paths))))),
                  "samples": m.total_samples, "ask": source.ask().describe()}
                 for name, source, m in zip(self.mix.names, self.mix.sources, self.mix.manifests)]
 
@@ -432,7 +426,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.mix is not None:
             return MixResumeState(tuple(self._mix_identity()), self.seed, self.shuffle, self.per_batch, self.epoch,
                                   self._topology(num_workers), received).to_json()
-        return ResumeState(manifest=self._digest, samples=sum(self.counts),
+        return ResumeState(manifest=self._digest, samples=int(self.counts.sum()),
                            seed=self.seed, shuffle=self.shuffle, mode=self.mode, epoch=self.epoch,
                            segments=(self._segment(num_workers, received),)).to_json()
 
@@ -481,7 +475,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             self.set_epoch(mixed.epoch)
             return
         loaded = ResumeState.from_json(dict(state))
-        loaded.check(manifest=self._digest, samples=sum(self.counts), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
+        loaded.check(manifest=self._digest, samples=int(self.counts.sum()), seed=self.seed, shuffle=self.shuffle, mode=self.mode)
         self._resume = loaded
         self._main_pass = None
         self.set_epoch(loaded.epoch)

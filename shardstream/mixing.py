@@ -73,7 +73,7 @@ class Mix:
 
     def plan(self, *, world_size: int, num_workers: int, batch_size: int, seed: int, epoch: int, shuffle: bool,
              per_batch: str) -> MixPlan:
-        return plan_mix([[s.samples for s in m.shards] for m in self.manifests], [s.ask() for s in self.sources],
+        return plan_mix([m.counts.tolist() for m in self.manifests], [s.ask() for s in self.sources],
                         world_size=world_size, num_workers=num_workers, batch_size=batch_size, names=self.names,
                         seed=seed, epoch=epoch, shuffle=shuffle, per_batch=per_batch)
 

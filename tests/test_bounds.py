@@ -85,7 +85,7 @@ def test_manifest_entries_outside_the_root_are_refused(s3, entry):
     url = write_s3(bucket, options, n=20)
     other = f"{bucket}-o"
     doc = json.loads(client.get_object(Bucket=bucket, Key="ds/index.json")["Body"].read())
-    doc["shards"][0]["path"] = entry.format(other=other)
+    doc["shards"]["path"][0] = entry.format(other=other)  # manifest v2: shards as columns
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with FaultProxy(options["endpoint_url"]) as proxy:
         with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
@@ -98,10 +98,11 @@ def test_allow_list_lets_a_dataset_span_buckets(s3):
     url = write_s3(bucket, options, n=40)
     other = f"{bucket}-o"
     client.create_bucket(Bucket=other)
-    client.copy_object(Bucket=other, Key="x/shard-000001.tar", CopySource={"Bucket": bucket, "Key": "ds/shard-000001.tar"})
+    for name in ("shard-000001.tar", "shard-000001.tar.idx"):  # the shard and its offsets sidecar
+        client.copy_object(Bucket=other, Key=f"x/{name}", CopySource={"Bucket": bucket, "Key": f"ds/{name}"})
     client.delete_object(Bucket=bucket, Key="ds/shard-000001.tar")
     doc = json.loads(client.get_object(Bucket=bucket, Key="ds/index.json")["Body"].read())
-    doc["shards"][1]["path"] = f"s3://{other}/x/shard-000001.tar"
+    doc["shards"]["path"][1] = f"s3://{other}/x/shard-000001.tar"
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with pytest.raises(ManifestError, match="points outside"):
         ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options)
@@ -117,11 +118,11 @@ def test_manifest_and_header_that_lie_about_sizes(tmp_path):
         for s in make_samples(10):
             w.write(s)
     doc = json.loads((root / "index.json").read_text())
-    shard = doc["shards"][0]
+    columns = doc["shards"]
     huge = 1 << 50
-    shard["bytes"] = huge + 4096
-    shard["offsets"][-1] = huge  # the last sample "ends" a petabyte in
-    shard["sha256"] = None
+    columns["bytes"][0] = huge + 4096
+    columns["data_end"][0] = huge  # the last sample "ends" a petabyte in
+    columns["sha256"][0] = None
     (root / "index.json").write_text(json.dumps(doc))
     ds = ShardStream(str(root), batch_size=10, shuffle=False, world=World(0, 1))
     assert sum(len(b["__key__"]) for b in ds) == 10  # the samples themselves are intact
@@ -241,7 +242,7 @@ def test_shard_larger_than_the_limit_is_streamed_not_cached(s3, tmp_path, caplog
             w.write(s)
     url = f"s3://{bucket}/mixed"
     doc = json.loads(client.get_object(Bucket=bucket, Key="mixed/index.json")["Body"].read())
-    small, big = sorted(s["bytes"] for s in doc["shards"])
+    small, big = sorted(doc["shards"]["bytes"])
     cache_dir = tmp_path / "cache"
     with caplog.at_level(logging.WARNING, logger="shardstream"):
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options,
@@ -259,13 +260,13 @@ def test_local_manifest_refuses_climbing_out_and_remote_urls(tmp_path):
     doc = json.loads((root / "index.json").read_text())
     for entry in ("../other/x.tar", "sub/../../x.tar", "s3://bucket/x.tar", "memory://x.tar"):
         bad = json.loads(json.dumps(doc))
-        bad["shards"][0]["path"] = entry
+        bad["shards"]["path"][0] = entry
         (root / "index.json").write_text(json.dumps(bad))
         with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
             ShardStream(str(root), batch_size=4, world=World(0, 1))
     moved = tmp_path / "elsewhere.tar"  # what `shardstream index` writes for a shard outside DEST
     (root / "shard-000000.tar").rename(moved)
-    doc["shards"][0]["path"] = str(moved)
+    doc["shards"]["path"][0] = str(moved)
     (root / "index.json").write_text(json.dumps(doc))
     ds = ShardStream(str(root), batch_size=4, world=World(0, 1))
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(20))

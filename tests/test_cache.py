@@ -70,7 +70,7 @@ def test_next_epoch_reads_from_cache_only(s3, tmp_path):
 def test_eviction_keeps_the_cache_under_its_limit(s3, tmp_path):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
-    shard_bytes = max(s["bytes"] for s in json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"])
+    shard_bytes = max(json.loads(open(_local_manifest(s3, url, tmp_path)).read())["shards"]["bytes"])
     limit = int(shard_bytes * 2.5)
     cache_dir = tmp_path / "cache"
     for epoch in range(2):
@@ -113,7 +113,7 @@ def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
     bucket, options, client = s3
     url = write_dataset(f"s3://{bucket}/c", 20, size=2000, storage_options=options)
     doc = json.loads(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
-    doc["shards"][0]["sha256"] = "0" * 64
+    doc["shards"]["sha256"][0] = "0" * 64
     client.put_object(Bucket=bucket, Key="c/index.json", Body=json.dumps(doc).encode())
     ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
                      cache=Cache(str(tmp_path / "cache"), 10**9))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import tarfile
 import tracemalloc
 
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 
 from shardstream import Decode, ShardStream, ShardWriter, World
 from shardstream.errors import ManifestError, SampleError, ShardFormatError, StorageError
-from shardstream.format.manifest import Manifest
+from shardstream.format.manifest import Manifest, load_manifest
+from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
 from shardstream.storage.scan import scan_shard
 
@@ -74,18 +76,24 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["format", "version", "shards", "total_samples", "path", "samples", "bytes", "offsets", "sha256"]),
                        json_values, max_size=6),
-       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3))
-def test_fuzz_manifest_reader(doc, shards):
-    doc = {"format": "shardstream-index", "version": 1, **doc}
+       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3),
+       st.dictionaries(st.sampled_from(["path", "samples", "bytes", "sha256", "data_start", "data_end", "index"]),
+                       st.lists(json_values, max_size=3), max_size=7),
+       st.sampled_from([1, 2]))
+def test_fuzz_manifest_reader(doc, shards, columns, version):
+    doc = {"format": "shardstream-index", "version": version, **doc}
     if "shards" not in doc:
-        doc["shards"] = shards
+        doc["shards"] = shards if version == 1 else columns
     try:
         manifest = Manifest.from_json(json.loads(json.dumps(doc)), "fuzz/index.json")
     except ManifestError as exc:
         assert str(exc).startswith("fuzz/index.json")
     else:
-        for shard in manifest.shards:
-            assert len(shard.offsets) == shard.samples + 1 and shard.offsets[-1] <= shard.bytes
+        for i, shard in enumerate(manifest.shards):
+            assert shard.span is not None and 0 <= shard.span[0] <= shard.span[1] <= shard.bytes
+            if manifest.version == 1:
+                offsets = manifest.offsets(i)
+                assert len(offsets) == shard.samples + 1 and offsets[-1] <= shard.bytes
 
 
 def test_zero_length_object_and_non_utf8_name(tmp_path):
@@ -107,7 +115,7 @@ def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog):
     root = write_dataset(tmp_path / "d", max_count=10)
     shard = tmp_path / "d" / "shard-000002.tar"
     data = bytearray(shard.read_bytes())
-    offset = json.loads((tmp_path / "d" / "index.json").read_text())["shards"][2]["offsets"][3]
+    offset = int(load_manifest(root).offsets(2)[3])
     data[offset + 10] ^= 0xFF  # the header of the shard's 4th sample
     shard.write_bytes(bytes(data))
     with pytest.raises(ShardFormatError, match=r"shard-000002.tar at byte \d+: tar header checksum mismatch"):
@@ -134,13 +142,21 @@ def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
     root = write_dataset(tmp_path / "d", max_count=10)
     path = tmp_path / "d" / "index.json"
     doc = json.loads(path.read_text())
-    doc["shards"][0]["offsets"][-1] = doc["shards"][0]["bytes"] + 512
+    doc["shards"]["data_end"][0] = doc["shards"]["bytes"][0] + 512
     path.write_text(json.dumps(doc))
-    with pytest.raises(ManifestError, match="past the shard's"):
+    with pytest.raises(ManifestError, match="within the shard's"):
         ShardStream(root, batch_size=4, world=World(0, 1))
-    doc["shards"][0]["offsets"][-1] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
-    doc["shards"][0]["offsets"][5] += 512  # into the middle of a sample
+    doc["shards"]["data_end"][0] -= 512 + 1024  # back to the truth (the data ends before the end-of-archive blocks)
     path.write_text(json.dumps(doc))
+    sidecar = tmp_path / "d" / "shard-000000.tar.idx"
+    offsets = list(struct.unpack("<11Q", sidecar.read_bytes()[16:]))
+    offsets[-1] = doc["shards"]["bytes"][0] + 512
+    sidecar.write_bytes(encode_offsets(offsets))
+    with pytest.raises(ManifestError, match="past the shard's"):  # the sidecar is read for a range inside the shard
+        list(ShardStream(root, batch_size=5, shuffle=False, world=World(0, 12)))
+    offsets[-1] -= 512 + 1024
+    offsets[5] += 512  # into the middle of a sample
+    sidecar.write_bytes(encode_offsets(offsets))
     for rank in (0, 1):  # 12 ranks x 5 samples: rank 0 ends, rank 1 starts at the bad offset
         with pytest.raises(ShardFormatError, match=r"shard-000000.tar at byte \d+"):
             list(ShardStream(root, batch_size=5, shuffle=False, world=World(rank, 12)))

@@ -1,12 +1,13 @@
-"""Start-up work is per shard, not per sample: manifest offsets load as one compact array with
-vectorised checks, and a range's first reads are small so the first batch comes from a few
-hundred KiB rather than a full read block."""
+"""Start-up work is per shard, not per sample: version-1 manifest offsets load as one compact
+array with vectorised checks (version 2 keeps them in sidecars: tests/test_scale.py), and a
+range's first reads are small so the first batch comes from a few hundred KiB rather than a full
+read block."""
 
 from __future__ import annotations
 
-import array
 import json
 
+import numpy as np
 import pytest
 
 from shardstream import ShardStream, ShardWriter, load_manifest
@@ -24,14 +25,25 @@ def write(root, n=300, size=2000):
     return str(root)
 
 
+def version_1(root):
+    """The dataset's manifest in the old format, offsets inline."""
+    m = load_manifest(root)
+    doc = json.loads(m.dumps())
+    doc["version"] = 1
+    doc["shards"] = [{"path": m.paths[i], "samples": int(m.counts[i]), "bytes": int(m.sizes[i]), "sha256": m.sha256(i),
+                      "offsets": m.offsets(i).tolist()} for i in range(len(m.paths))]
+    return doc
+
+
 def test_offsets_load_as_compact_array_with_the_same_values(tmp_path):
     root = write(tmp_path / "d")
-    doc = json.loads((tmp_path / "d" / "index.json").read_text())
-    shard = load_manifest(root).shards[0]
-    assert isinstance(shard.offsets, array.array) and shard.offsets.typecode == "q"
-    assert list(shard.offsets) == doc["shards"][0]["offsets"]
-    assert all(type(o) is int for o in shard.offsets[:3])  # Python ints, not numpy scalars
-    assert json.loads(json.dumps(load_manifest(root).to_json()))["shards"] == doc["shards"]
+    doc = version_1(root)
+    manifest = Manifest.from_json(doc, root)
+    offsets = manifest.offsets(0)
+    assert isinstance(offsets, np.ndarray) and offsets.dtype == np.int64
+    assert offsets.tolist() == doc["shards"][0]["offsets"]
+    assert all(type(o) is int for o in manifest.byte_range(0, 3, 7))  # Python ints, not numpy scalars
+    assert json.loads(json.dumps(manifest.to_json()))["shards"] == json.loads(load_manifest(root).dumps())["shards"]
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -48,7 +60,7 @@ def test_offsets_load_as_compact_array_with_the_same_values(tmp_path):
 ])
 def test_bad_offsets_are_refused_at_load(tmp_path, bad, message):
     root = write(tmp_path / "d", n=20)
-    doc = json.loads((tmp_path / "d" / "index.json").read_text())
+    doc = version_1(root)
     doc["shards"][0]["offsets"] = bad(doc["shards"][0]["offsets"])
     with pytest.raises(ManifestError, match=message):
         Manifest.from_json(doc, root)

@@ -146,7 +146,7 @@ def copies(root: str, batch: int) -> None:
     npy = default_decoders()["npy"]
     with open(path, "rb", buffering=0) as f:
         t0 = clock()
-        fields = [fs["npy"] for batch_ in iter_sample_batches(f.read, url=path, end=shard.offsets[-1]) for _, _, _, fs in batch_]
+        fields = [fs["npy"] for batch_ in iter_sample_batches(f.read, url=path, end=shard.span[1]) for _, _, _, fs in batch_]
         t_parse = clock() - t0  # read + tar parse + member slice
     samples = len(fields)
     t0 = clock()

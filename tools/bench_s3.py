@@ -123,13 +123,20 @@ def main() -> None:
             for i in range(10):
                 w.write_encoded(f"{i:04d}", {"txt": b"x" * 100})
         body = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar")["Body"].read()
+        sidecar = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar.idx")["Body"].read()
+
+        def put(i: int) -> None:
+            client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar", Body=body)
+            client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar.idx", Body=sidecar)
+
         with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda i: client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar", Body=body), range(count)))
+            list(pool.map(put, range(count)))
         import json
 
         doc = json.loads(client.get_object(Bucket="bench", Key="tiny-src/index.json")["Body"].read())
-        template = doc["shards"][0]
-        doc["shards"] = [{**template, "path": f"shard-{i:06d}.tar"} for i in range(count)]
+        template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
+        doc["shards"] = {k: [v] * count for k, v in template.items()}
+        doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(count)]
         doc["total_samples"] = 10 * count
         doc["total_bytes"] = template["bytes"] * count
         manifest = json.dumps(doc).encode()

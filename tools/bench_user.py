@@ -105,7 +105,7 @@ def main() -> None:
         in_memory = []  # the floor's input: every sample already parsed, as {ext: bytes}
         for i, shard in enumerate(manifest.shards):
             with open(manifest.shard_url(i), "rb") as f:
-                in_memory += [fields for _, _, _, fields in iter_samples(f.read, url="x", end=shard.offsets[-1])]
+                in_memory += [fields for _, _, _, fields in iter_samples(f.read, url="x", end=shard.span[1])]
         rows = []
         for workers in [int(w) for w in args.workers.split(",")]:
             for shape, fn in (("dict", to_dict), ("tuple", to_tuple)):

@@ -1,4 +1,5 @@
-"""``shardstream index SHARDS... DEST``: a manifest for shards written by others."""
+"""``shardstream index SHARDS... DEST``: a manifest for shards written by others;
+``shardstream index --upgrade DATASET``: a version-1 manifest to version 2."""
 
 from __future__ import annotations
 
@@ -15,23 +16,39 @@ EPILOG = """examples:
   shardstream index 'a/*.tar' 'b/*.tgz' shards.txt ./all   (several inputs; shards.txt lists URLs)
 DEST is a directory (index.json is written there) or a .json path. Shard paths are stored
 relative to DEST's directory when they are under it (however either is spelled: relative, ./,
-absolute or file://), else as absolute paths or full URLs.
+absolute or file://), else as absolute paths or full URLs. Each shard's offsets go to a sidecar
+(SHARD.idx beside it, or offsets/NNNNNN.idx under DEST for shards elsewhere), written before the
+manifest.
+  shardstream index --upgrade s3://bucket/old-dataset
+turns a version-1 manifest (offsets inline) into version 2 in place, without reading the shards.
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("shards", nargs="+", help="shard URLs (.tar, .tar.gz, .tgz, .tar.zst, ...), brace patterns, globs, "
                    "directories, or text files listing shard URLs")
-    p.add_argument("dest", help="directory or .json path for the manifest")
+    p.add_argument("dest", nargs="?", help="directory or .json path for the manifest")
+    p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest (the one input) as version 2")
     p.add_argument("--threads", type=int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing manifest at DEST")
     add_storage_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardstream.tools.index import write_index
+    from shardstream.tools.index import upgrade_manifest, write_index
 
     options = storage_options_from(args)
+    if args.upgrade:
+        if len(args.shards) + (args.dest is not None) != 1:
+            raise ValueError("index --upgrade takes one dataset root or index.json")
+        manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options)
+        state = "upgraded to version 2" if upgraded else "already version 2, left as it is"
+        print(f"{url}: {state} ({len(manifest.paths)} shards, {manifest.total_samples} samples)")
+        return 0
+    if args.dest is None:  # argparse gives every positional to SHARDS...; the last one is DEST
+        if len(args.shards) < 2:
+            raise ValueError("index needs SHARDS... DEST")
+        args.dest = args.shards.pop()
     manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite)
     print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
     return 0

@@ -15,10 +15,10 @@ import sys
 
 from shardstream.errors import ShardstreamError
 
-from . import bench, index, ls, pack, show, verify
+from . import bench, index, ls, merge, pack, show, verify
 from .options import SuggestingParser
 
-COMMANDS = [pack, ls, show, verify, index, bench]
+COMMANDS = [pack, ls, show, verify, index, merge, bench]
 
 EPILOG = """examples:
   shardstream pack ./images ./shards --label-from-dir --max-count 1000
@@ -27,6 +27,7 @@ EPILOG = """examples:
   shardstream show ./shards -n 3
   shardstream verify s3://bucket/train --endpoint-url http://127.0.0.1:9000
   shardstream index 'wds/train-{000000..000099}.tar' ./wds
+  shardstream merge ./all ./all/day-01 ./all/day-02
   shardstream bench ./shards --workers 2 --seconds 20
 Run 'shardstream COMMAND --help' for a command's options and examples.
 """

@@ -20,6 +20,12 @@ examples:
   shardstream pack ./imagenet/train ./shards --label-from-dir --max-size 256MB --workers 4
   shardstream pack captions.jsonl s3://bucket/captions --endpoint-url http://127.0.0.1:9000
   shardstream pack 's3://old/train-{000000..000099}.tar' ./repacked --shuffle --seed 7
+  shardstream pack s3://raw/laion.jsonl s3://bucket/laion --dask tcp://scheduler:8786 --max-count 10000
+
+--dask ADDRESS runs one task per shard on a Dask cluster (pip install 'shardstream[dask]'); the
+output is byte-identical to --workers 1. Sources must be readable from the workers (S3, a shared
+file system). Under --dask shards are cut by --max-count only (sizes are not known before the
+samples are loaded); --max-size then only warns about shards above it.
 """
 
 
@@ -34,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
     p.add_argument("--workers", type=int, default=1, help="processes loading samples; output is the same for any N")
+    p.add_argument("--dask", metavar="ADDRESS", help="run shard tasks on this Dask scheduler (tcp://host:8786)")
+    p.add_argument("--retries", type=int, default=2, help="with --dask: times a failed task is retried (default 2)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -58,12 +66,21 @@ def run(args: argparse.Namespace) -> int:
                 elapsed = bar.format_dict["elapsed"] or 1e-9
                 bar.set_postfix_str(f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s", refresh=False)
 
+    client = None
+    executor = None
+    if args.dask:
+        try:
+            from distributed import Client
+        except ImportError:
+            raise ValueError("--dask needs Dask's distributed package: pip install 'shardstream[dask]'") from None
+        client = Client(args.dask)
+        executor = client.get_executor(pure=False, retries=args.retries)
     try:
         result = pack(
             args.src, args.dest, kind=args.kind, max_count=args.max_count, max_size=args.max_size,
             shuffle=args.shuffle, seed=args.seed, workers=args.workers, label_from_dir=args.label_from_dir,
             overwrite=args.overwrite, on_error=args.on_error, prefix=args.prefix,
-            storage_options=storage_options_from(args), progress=progress,
+            storage_options=storage_options_from(args), progress=progress, executor=executor,
         )
     except KeyboardInterrupt:
         print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
@@ -71,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+        if client is not None:
+            client.close()
     rate = result.bytes / 1e6 / max(result.seconds, 1e-9)
     print(f"packed {result.samples} samples into {result.shards} shards, {human_bytes(result.bytes)} "
           f"in {result.seconds:.1f} s ({rate:.1f} MB/s, {result.samples / max(result.seconds, 1e-9):.0f} samples/s)")

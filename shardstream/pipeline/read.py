@@ -1,6 +1,7 @@
 """Read planned shard ranges as samples: byte ranges from the manifest's offsets, parsed as tar.
 
-A range [start, stop) of a shard is bytes [offsets[start], offsets[stop]) of its object: one
+A range [start, stop) of a shard is bytes [offsets[start], offsets[stop]) of its object (the
+manifest's span for a whole shard, else from its offset sidecar, ``Manifest.byte_range``): one
 sequential read (a ranged GET on S3) in large blocks, parsed by ``tarformat``. The number of
 samples a range yields is checked against the manifest, so a manifest that lies is an error,
 not silently lost or repeated data.
@@ -87,19 +88,26 @@ class RangeSource:
     def verifies(self, rng: Range) -> bool:
         """A range is hashed while streaming when it is the whole shard, the manifest has its
         sha256, and no cache is in the way (cache fills are checked on their own)."""
-        shard = self.manifest.shards[rng.shard]
-        return (self.verify_stream and self.cache is None and bool(shard.sha256)
-                and rng.start == 0 and rng.stop == shard.samples and not shard_compression(self.manifest.shard_url(rng.shard)))
+        m = self.manifest
+        return (self.verify_stream and self.cache is None and bool(m._has_sha[rng.shard])
+                and rng.start == 0 and rng.stop == int(m.counts[rng.shard]) and not shard_compression(m.paths[rng.shard]))
 
     def opener(self, rng: Range):
-        shard = self.manifest.shards[rng.shard]
-        url = self.manifest.shard_url(rng.shard)
-        if self.verifies(rng):  # every byte of the object, so the hash covers the file
-            start, end = 0, shard.bytes
-        else:
-            start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
-        return lambda: open_range(url, start, end, self.storage_options, self.counters, config=self.config,
-                                  cache=self.cache, shard_size=shard.bytes, sha256=shard.sha256)
+        """A function that opens the range; a range inside a shard fetches the shard's offset
+        sidecar when called (once per process, cached), not when planned."""
+        m = self.manifest
+        url = m.shard_url(rng.shard)
+        size, sha = int(m.sizes[rng.shard]), m.sha256(rng.shard)
+
+        def open_it():
+            if self.verifies(rng):  # every byte of the object, so the hash covers the file
+                start, end = 0, size
+            else:
+                start, end = m.byte_range(rng.shard, rng.start, rng.stop, self.storage_options)
+            return open_range(url, start, end, self.storage_options, self.counters, config=self.config,
+                              cache=self.cache, shard_size=size, sha256=sha)
+
+        return open_it
 
 
 def read_range(
@@ -124,7 +132,7 @@ def read_range(
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
-    start, end = shard.offsets[rng.start], shard.offsets[rng.stop]
+    start, end = manifest.byte_range(rng.shard, rng.start, rng.stop, storage_options)
     if verify and shard_compression(url):
         raise ValueError(f"verify while streaming does not cover compressed shards ({url}): use `shardstream verify`")
     if verify and not (rng.start == 0 and rng.stop == shard.samples and shard.sha256):
@@ -203,7 +211,7 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                 else:
                     read, close = source.opener(rng)()
                 try:
-                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read,
+                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read, storage_options=source.storage_options,
                                             verify=source.verifies(rng), counters=source.counters):
                         delivered += len(chunk)
                         yield chunk

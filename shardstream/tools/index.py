@@ -5,18 +5,23 @@ Inputs, any number of them: a shard URL (plain or compressed tar), a brace patte
 directory (its ``*.tar*`` shards, sorted) or a text file listing shard URLs/patterns one a line
 (``#`` comments). Local paths may be relative, ``./``-prefixed, absolute or ``file://`` URLs, on
 either side: both sides are resolved to absolute paths before deciding what is under DEST.
+
+Each shard's offsets go to a sidecar written before the manifest: ``SHARD.idx`` beside a shard
+under DEST, ``offsets/NNNNNN.idx`` under DEST for shards elsewhere (nothing is written beside
+shards shardstream does not own). ``upgrade_manifest`` turns a version-1 manifest (offsets
+inline) into version 2 the same way, without reading a shard.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from shardstream.errors import DestinationError, SourceError
 from shardstream.format.compression import is_shard_name
-from shardstream.format.manifest import MANIFEST_NAME, Manifest
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest, manifest_url, write_manifest
+from shardstream.format.offsets import SUFFIX
 from shardstream.storage import fs as storage
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import PATTERN_CHARS, expand_urls
@@ -65,8 +70,29 @@ def write_index(pattern: str | Sequence[str], dest: str, *, storage_options: Map
     manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads)
     canonical = _canonical(url)
     base = canonical.rsplit("/", 1)[0] + "/"
-    manifest.shards = [replace(s, path=s.path[len(base):] if s.path.startswith(base) else s.path) for s in manifest.shards]
-    if storage.is_local(fs):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    storage.write_bytes_atomic(fs, path, manifest.dumps())
+    manifest.paths = [p[len(base):] if p.startswith(base) else p for p in manifest.paths]
+    _place_sidecars(manifest)
+    write_manifest(manifest, url, storage_options)  # sidecars first, the manifest last
+    manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
+    manifest.storage_options = dict(storage_options or {})
     return manifest, url
+
+
+def upgrade_manifest(source: str, *, storage_options: Mapping[str, Any] | None = None) -> tuple[Manifest, str, bool]:
+    """Rewrite a version-1 manifest as version 2 in place: sidecars from its inline offsets
+    first, then the manifest (atomically). Returns ``(manifest, url, upgraded)``; a version-2
+    manifest is left alone (``upgraded`` False)."""
+    url = manifest_url(source)
+    manifest = load_manifest(url, storage_options)
+    if manifest.version >= 2:
+        return manifest, url, False
+    _place_sidecars(manifest)
+    write_manifest(manifest, url, storage_options)
+    return manifest, url, True
+
+
+def _place_sidecars(manifest: Manifest) -> None:
+    absolute = [("://" in p or p.startswith("/")) for p in manifest.paths]
+    if any(absolute):
+        manifest._sidecars = [f"offsets/{i:06d}{SUFFIX}" if a else p + SUFFIX
+                              for i, (p, a) in enumerate(zip(manifest.paths, absolute))]

@@ -76,8 +76,9 @@ def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | 
                         return sample
             continue
         fs, path = storage.get_fs(url, storage_options)
-        starts = list(shard.offsets[:-1])
-        ends = [min(a + PROBE_BYTES, b) for a, b in zip(shard.offsets[:-1], shard.offsets[1:])]
+        offsets = manifest.offsets(i, storage_options).tolist() if shard.samples else [0]
+        starts = offsets[:-1]
+        ends = [min(a + PROBE_BYTES, b) for a, b in zip(offsets[:-1], offsets[1:])]
         for batch_start in range(0, len(starts), 1000):
             s, e = starts[batch_start : batch_start + 1000], ends[batch_start : batch_start + 1000]
             try:

@@ -1,5 +1,6 @@
-"""Check every shard against its manifest: exists, size, sha256, sample count, offsets, and
-(deep) that every field decodes. Collects every problem instead of stopping at the first."""
+"""Check every shard against its manifest: exists, size, sha256, sample count, offsets (the
+offset sidecar of a version-2 manifest: size, count, increasing, each offset at a sample's first
+tar header), and (deep) that every field decodes. Collects every problem instead of stopping at the first."""
 
 from __future__ import annotations
 
@@ -62,12 +63,29 @@ def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_
         return problems
     if scan.samples != info.samples:
         problems.append(Problem(url, f"holds {scan.samples} samples, the manifest says {info.samples}"))
-    elif tuple(scan.offsets) != tuple(info.offsets):
-        bad = next(i for i, (a, b) in enumerate(zip(scan.offsets, info.offsets)) if a != b)
-        problems.append(Problem(url, f"offset of sample #{bad} is {scan.offsets[bad]}, the manifest says {info.offsets[bad]}"))
+    else:
+        problems += _check_offsets(manifest, index, scan.offsets, storage_options)
     if info.sha256 and scan.sha256 != info.sha256:
         problems.append(Problem(url, f"sha256 is {scan.sha256}, the manifest says {info.sha256}"))
     return problems
+
+
+def _check_offsets(manifest: Manifest, index: int, found: list[int], storage_options) -> list[Problem]:
+    """The manifest's span and the shard's offsets (its sidecar: size, count, increasing) against
+    the sample starts the scan found, so every offset points at a sample's first tar header."""
+    url = manifest.shard_url(index)
+    span = (int(manifest.spans[index, 0]), int(manifest.spans[index, 1]))
+    if found and span != (found[0], found[-1]):
+        return [Problem(url, f"the manifest's span is {list(span)}, the samples run over {[found[0], found[-1]]}")]
+    where = "the manifest" if manifest.version == 1 else f"the offset sidecar {manifest.sidecar_url(index)}"
+    try:
+        listed = manifest.offsets(index, storage_options).tolist()
+    except ShardstreamError as exc:
+        return [Problem(url, str(exc))]
+    if listed != found:
+        bad = next(i for i, (a, b) in enumerate(zip(found, listed)) if a != b)
+        return [Problem(url, f"offset of sample #{bad} is {found[bad]}, {where} says {listed[bad]}")]
+    return []
 
 
 def verify_dataset(manifest: Manifest, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,

@@ -3,6 +3,11 @@
 The order of samples is fixed by listing (and an optional seeded shuffle) before anything is
 loaded, and results are written in that order whatever the number of workers, so the output is
 byte-identical for any ``workers``.
+
+With an ``executor`` (a process pool, Dask's ``Client.get_executor()``) the work is shard tasks
+instead (``write.tasks``): the driver cuts the listing into shards of ``max_count`` units, workers
+write them, the driver writes the manifest last. ``pack(fn, inputs, dest)`` packs what the user's
+``fn(input)`` returns or yields, the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +27,7 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest
 from shardstream.policy import ErrorPolicy
 from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
+from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
 
 logger = logging.getLogger(__name__)
@@ -46,7 +53,19 @@ def _load_safe(item: Item):
         return False, exc.where, exc.what
 
 
-def pack(
+def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
+    """``pack(src, dest, ...)`` packs a directory tree, JSONL file or shards (``pack_source``);
+    ``pack(fn, inputs, dest, ...)`` packs what ``fn(input)`` returns or yields (``pack_fn``)."""
+    if callable(source):
+        if len(args) != 2:
+            raise TypeError("pack(fn, inputs, dest, ...) takes the inputs and the destination")
+        return pack_fn(source, args[0], args[1], **options)
+    if len(args) != 1:
+        raise TypeError("pack(src, dest, ...) takes one destination")
+    return pack_source(source, args[0], **options)
+
+
+def pack_source(
     src: str,
     dest: str,
     *,
@@ -63,6 +82,8 @@ def pack(
     prefix: str = "shard",
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    executor: Executor | None = None,
+    in_flight: int = DEFAULT_IN_FLIGHT,
 ) -> PackResult:
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
 
@@ -86,6 +107,11 @@ def pack(
         random.Random(seed).shuffle(items)
     if not items and not listing.errors:
         raise SourceError(src, "source holds no samples")
+    if executor is not None:
+        return _pack_tasks(items, None, dest, src=src, executor=executor, max_count=max_count, max_size=max_size,
+                           prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                           label_map=listing.label_map, errors=listing.errors, progress=progress, started=started,
+                           in_flight=in_flight)
     with ShardWriter(
         dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=storage_options,
         overwrite=overwrite, label_map=listing.label_map,
@@ -122,6 +148,85 @@ def _init_worker(storage_options) -> None:
     committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_worker_storage_options(storage_options)
+def pack_fn(
+    fn: Callable[[Any], Any],
+    inputs: Iterable[Any],
+    dest: str,
+    *,
+    max_count: int = DEFAULT_MAX_COUNT,
+    max_size: int = DEFAULT_MAX_SIZE,
+    workers: int = 1,
+    executor: Executor | None = None,
+    overwrite: bool = False,
+    on_error: str = "raise",
+    prefix: str = "shard",
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    in_flight: int = DEFAULT_IN_FLIGHT,
+) -> PackResult:
+    """Pack the samples ``fn(input)`` returns (a dict) or yields (dicts) for every input, in the
+    order of ``inputs``, whatever runs it: here (``workers=1``), a spawned process pool
+    (``workers=N``; ``fn`` must be importable, i.e. defined at module level) or ``executor``.
+
+    Shard ``i`` holds the samples of inputs ``[i * max_count, (i + 1) * max_count)``, so the
+    output is byte-identical for any engine and worker count. An exception from ``fn`` names the
+    input; ``on_error`` decides (``"skip"`` lists it in the manifest).
+    """
+    ErrorPolicy(on_error, log=False)  # raises ConfigError on a bad on_error
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
+    started = time.perf_counter()
+    units = list(inputs)
+    if not units:
+        raise SourceError(repr(fn), "no inputs to pack")
+    where = getattr(fn, "__qualname__", repr(fn))
+    if executor is None and workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return _pack_tasks(units, fn, dest, src=where, executor=pool, max_count=max_count, max_size=max_size,
+                               prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                               label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
+    return _pack_tasks(units, fn, dest, src=where, executor=executor, max_count=max_count, max_size=max_size,
+                       prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                       label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
+
+
+def _pack_tasks(units: Sequence[Any], fn: Callable[[Any], Any] | None, dest: str, *, src: str, executor: Executor | None,
+                max_count: int, max_size: int, prefix: str, storage_options: Mapping[str, Any] | None, overwrite: bool,
+                on_error: str, label_map: dict[str, int] | None, errors: list[tuple[str, str]],
+                progress: Callable[[int, int], None] | None, started: float, in_flight: int) -> PackResult:
+    """The driver of a task pack: prepare the destination, run one task per shard, adopt the
+    results in shard order, write the manifest last (``ShardWriter.close``)."""
+    options = dict(storage_options or {})
+    keys: set[str] = set()
+    with ShardWriter(dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=options,
+                     overwrite=overwrite, label_map=label_map) as writer:
+        for where, what in errors:
+            writer.skip(where, what)
+        tasks = (ShardTask(dest=writer.dest, name=f"{prefix}-{i:06d}.tar", index=i, first=r.start,
+                           units=units[r.start:r.stop], fn=fn, on_error=on_error, storage_options=options)
+                 for i, r in enumerate(cut_shards(len(units), max_count)))
+        for result in run_tasks(executor, tasks, in_flight=in_flight):
+            for where, what in result.skipped:
+                writer.skip(where, what)
+            clash = next((k for k in result.keys if k in keys), None)
+            if clash is not None:  # across shards: found only once both are written, so never skipped
+                raise SourceError(f"key {clash!r}", f"duplicate key: appears again in {result.info.path}")
+            keys.update(result.keys)
+            writer.add_shard(result.info, result.extensions, result.label_counts)
+            if result.info.bytes > max_size:
+                logger.warning("%s is %d bytes, above max_size %d (under an executor shards are cut by "
+                               "max_count only: lower it)", result.info.path, result.info.bytes, max_size)
+            if progress is not None:
+                progress(writer.samples_written, writer.bytes_written)
+        if writer.samples_written == 0:
+            raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
+        writer.remove_partials()  # left by attempts the engine killed and retried elsewhere
+    assert writer.manifest is not None  # the with-block closed the writer without an error
+    return PackResult(
+        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
+        shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
+        seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
+    )
 
 
 def _load_all(items: list[Item], workers: int, storage_options):

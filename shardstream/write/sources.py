@@ -161,20 +161,21 @@ def _list_shards(src: str, storage_options) -> Listing:
     items: list[Item] = []
     listing = Listing(items)
 
-    def add(url: str, info=None) -> None:
+    def add(url: str, offsets: list[int] | None = None) -> None:
         source = url
         if shard_compression(url):
             source = _decompressed_copy(url, storage_options, listing)
-            info = None  # offsets of the copy are those of the decompressed stream: scanned below
-        if info is None:
-            info = scan_shard(source, storage_options if source == url else None)
-        for j in range(info.samples):
-            items.append((f"{url} sample #{j}", ("tar", source, info.offsets[j], info.offsets[j + 1])))
+            offsets = None  # offsets of the copy are those of the decompressed stream: scanned below
+        if offsets is None:
+            offsets = list(scan_shard(source, storage_options if source == url else None).offsets or ())
+        for j in range(len(offsets) - 1):
+            items.append((f"{url} sample #{j}", ("tar", source, offsets[j], offsets[j + 1])))
 
     if not is_shard_pattern(src):
         manifest = load_manifest(src, storage_options)
-        for i, shard in enumerate(manifest.shards):
-            add(manifest.shard_url(i), shard)
+        for i in range(len(manifest.paths)):
+            url = manifest.shard_url(i)
+            add(url, None if shard_compression(url) else manifest.offsets(i).tolist())
         listing.label_map = manifest.label_map
         return listing
     urls = expand_urls(src, storage_options)

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from shardstream.errors import ConfigError, DestinationError, SourceError
-from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, write_manifest
+from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
+from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
 from shardstream.storage import fs as storage
 from shardstream.write.encode import check_key, encode_sample
@@ -31,6 +33,25 @@ DEFAULT_MAX_SIZE = 256 * 1000**2
 MAX_SKIPPED_LISTED = 100
 _FLUSH_BYTES = 1 << 20
 _PARTIAL_MARK = ".partial-"
+
+
+def _is_leftover(name: str) -> bool:
+    """A temporary file of an interrupted pack: a shard's (``.partial-``), or a sidecar's or the
+    manifest's (``write_bytes_atomic``'s ``.tmp-``)."""
+    return _PARTIAL_MARK in name or ".tmp-" in name
+
+
+def encode_members(key: str, fields: Mapping[str, bytes]) -> tuple[list[bytes], int]:
+    """A sample's tar members (header, data, padding per field, sorted by extension) and their size."""
+    pieces: list[bytes] = []
+    size = 0
+    for ext in sorted(fields):
+        data = fields[ext]
+        hdr = member_header(f"{key}.{ext}", len(data))
+        pad = padding(len(data))
+        pieces += (hdr, data, pad) if pad else (hdr, data)
+        size += len(hdr) + len(data) + len(pad)
+    return pieces, size
 
 
 class ShardWriter:
@@ -68,9 +89,10 @@ class ShardWriter:
         self.max_size = max_size
         self.prefix = prefix
         self.label_map = dict(label_map) if label_map is not None else None
+        self.storage_options = dict(storage_options or {})
         self.fs, self.root = storage.get_fs(self.dest, storage_options)
         self._local = storage.is_local(self.fs)
-        self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar")
+        self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar(" + re.escape(SIDECAR_SUFFIX) + ")?")
         self._stale = self._prepare_destination(overwrite)
         if not self._local:
             reclaim_temp_partials()
@@ -96,7 +118,7 @@ class ShardWriter:
         except FileNotFoundError:
             entries = []
         url = storage.full_url(self.fs, self.root)
-        ours = [e for e in entries if self._shard_re.fullmatch(e) or _PARTIAL_MARK in e]
+        ours = [e for e in entries if self._shard_re.fullmatch(e) or _is_leftover(e)]
         foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
         if not overwrite:
             if MANIFEST_NAME in entries:
@@ -115,9 +137,9 @@ class ShardWriter:
             self.fs.rm_file(storage.join(self.root, MANIFEST_NAME))
         stale = [storage.join(self.root, e) for e in ours]
         for path in stale:
-            if _PARTIAL_MARK in path:
+            if _is_leftover(path):
                 self.fs.rm_file(path)
-        return [p for p in stale if _PARTIAL_MARK not in p]
+        return [p for p in stale if not _is_leftover(p)]
 
     # -- writing -------------------------------------------------------------------------------
     def write(self, sample: Mapping[str, Any]) -> None:
@@ -133,14 +155,7 @@ class ShardWriter:
             if key in self._keys:
                 raise SourceError(f"key {key!r}", "duplicate key: two samples would share one key")
             self._keys.add(key)
-        pieces: list[bytes] = []
-        size = 0
-        for ext in sorted(fields):
-            data = fields[ext]
-            hdr = member_header(f"{key}.{ext}", len(data))
-            pad = padding(len(data))
-            pieces += (hdr, data, pad) if pad else (hdr, data)
-            size += len(hdr) + len(data) + len(pad)
+        pieces, size = encode_members(key, fields)
         if self._file is not None and (
             self._count >= self.max_count or self._size + size + len(END_OF_ARCHIVE) > self.max_size
         ):
@@ -161,6 +176,35 @@ class ShardWriter:
             self._label_counts[label] = self._label_counts.get(label, 0) + 1
         self.samples_written += 1
         self.bytes_written += size
+
+    def add_shard(self, info: ShardInfo, extensions: Mapping[str, int], label_counts: Mapping[int, int]) -> None:
+        """Adopt a shard written elsewhere (a task of ``write.tasks``) as the next one, with its
+        sidecar already published under ``info.index``; the manifest lists it when this closes."""
+        if self._file is not None:
+            raise ValueError("add_shard between samples written here would break the shard order")
+        expected = f"{self.prefix}-{len(self.shards):06d}.tar"
+        if info.path != expected:
+            raise ValueError(f"shard {info.path!r} added where {expected!r} comes next")
+        self.shards.append(info)
+        for ext, n in extensions.items():
+            self.extensions[ext] = self.extensions.get(ext, 0) + n
+        for label, n in label_counts.items():
+            self._label_counts[label] = self._label_counts.get(label, 0) + n
+        self.samples_written += info.samples
+        self.bytes_written += info.bytes
+
+    def remove_partials(self) -> None:
+        """Delete temporary files of shards that were never published (a killed task's)."""
+        try:
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if _is_leftover(entry.rsplit("/", 1)[-1]):
+                try:
+                    self.fs.rm_file(entry)
+                except FileNotFoundError:
+                    pass
 
     def skip(self, where: str, error: str) -> None:
         """Record a sample left out under the skip policy (counted and listed in the manifest)."""
@@ -205,9 +249,12 @@ class ShardWriter:
         dest_path = storage.join(self.root, self._name)
         storage.publish_file(self.fs, self._tmp_path, dest_path)
         self._tmp_path = None
-        self.shards.append(
-            ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(), tuple(self._offsets))
-        )
+        # The offsets go to the shard's sidecar now (before the manifest), not into memory: a
+        # billion-sample pack keeps O(shards) here.
+        sidecar = self._name + SIDECAR_SUFFIX
+        storage.write_bytes_atomic(self.fs, storage.join(self.root, sidecar), encode_offsets(self._offsets))
+        self.shards.append(ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(),
+                                     index=sidecar, span=(self._offsets[0], self._offsets[-1])))
         logger.debug("published %s (%d samples, %d bytes)", dest_path, self._count, self._size)
 
     # -- closing -------------------------------------------------------------------------------
@@ -218,7 +265,7 @@ class ShardWriter:
         if self._file is not None:
             self._finish_shard()
         self._closed = True
-        kept = {storage.join(self.root, s.path) for s in self.shards}
+        kept = {storage.join(self.root, p) for s in self.shards for p in (s.path, s.index or "")}
         for path in self._stale:
             if path not in kept:
                 self.fs.rm_file(path)
@@ -229,8 +276,9 @@ class ShardWriter:
             label_counts=self.label_counts,
             skipped={"count": self.skipped_count, "items": list(self.skipped)},
         )
-        storage.write_bytes_atomic(self.fs, storage.join(self.root, MANIFEST_NAME), manifest.dumps())
+        write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), self.storage_options)
         manifest.base_url = self.dest
+        manifest.storage_options = dict(self.storage_options)
         self.manifest = manifest
         return manifest
 
@@ -293,4 +341,4 @@ def reclaim_temp_partials(tmpdir: str | None = None) -> int:
     return removed
 
 
-__all__ = ["ShardWriter", "check_key", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]
+__all__ = ["ShardWriter", "encode_members", "check_key", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]

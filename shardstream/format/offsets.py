@@ -1,0 +1,115 @@
+"""Offset sidecars: where each sample of a shard starts, in a small binary file next to the shard.
+
+A version-2 manifest keeps one line per shard; the per-sample byte offsets live in one sidecar
+per shard (``shard-000000.tar.idx``), fetched only when a read starts or ends inside a shard.
+Layout (all little-endian):
+
+    bytes 0..8     magic ``b"SSOFFS\\x00\\x01"`` (format 1)
+    bytes 8..16    uint64 sample count n
+    bytes 16..     n + 1 uint64 offsets: each sample's first tar header, then where the last
+                   sample's data ends
+
+So a sidecar is exactly ``16 + 8 * (n + 1)`` bytes. Fetched sidecars are kept in a bounded,
+least-recently-used cache per process (``OFFSET_CACHE``), so a worker that starts and ends its
+slice inside the same shards reads each sidecar once.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from shardstream.errors import ManifestError
+
+MAGIC = b"SSOFFS\x00\x01"
+HEADER = struct.Struct("<8sQ")
+SUFFIX = ".idx"
+DEFAULT_CACHE_BYTES = 64 << 20
+
+
+def sidecar_size(samples: int) -> int:
+    return HEADER.size + 8 * (samples + 1)
+
+
+def encode_offsets(offsets: Sequence[int] | np.ndarray) -> bytes:
+    """The sidecar bytes for ``samples + 1`` offsets."""
+    arr = np.asarray(offsets, dtype="<u8")
+    if arr.ndim != 1 or len(arr) < 1:
+        raise ValueError("offsets need samples + 1 >= 1 entries")
+    return HEADER.pack(MAGIC, len(arr) - 1) + arr.tobytes()
+
+
+def check_offsets(offsets: np.ndarray, samples: int, size: int) -> str | None:
+    """What is wrong with ``offsets`` for a shard of ``samples`` samples and ``size`` bytes, or None."""
+    if len(offsets) != samples + 1:
+        return f"holds {len(offsets) - 1} sample offsets, the manifest says {samples} samples"
+    if samples and not bool(np.all(offsets[1:] > offsets[:-1])):
+        bad = int(np.argmin(offsets[1:] > offsets[:-1]))
+        return f"offsets are not strictly increasing (sample #{bad + 1} starts at {int(offsets[bad + 1])})"
+    if int(offsets[-1]) > size:
+        return f"offsets run to byte {int(offsets[-1])}, past the shard's {size} bytes"
+    return None
+
+
+def decode_offsets(data: bytes, url: str, samples: int, size: int) -> np.ndarray:
+    """Parse and check a sidecar (``url`` names it in errors); int64 array of samples + 1 offsets."""
+    if len(data) < HEADER.size:
+        raise ManifestError(f"{url}: offset sidecar is {len(data)} bytes, too short for its header")
+    magic, count = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ManifestError(f"{url}: not a shardstream offset sidecar (bad magic {magic!r})")
+    if count != samples:
+        raise ManifestError(f"{url}: offset sidecar is for {count} samples, the manifest says {samples}; "
+                            "re-run `shardstream index` to rebuild it")
+    if len(data) != sidecar_size(samples):
+        raise ManifestError(f"{url}: offset sidecar is {len(data)} bytes, expected {sidecar_size(samples)} "
+                            f"for {samples} samples (truncated or overwritten)")
+    offsets = np.frombuffer(data, dtype="<u8", offset=HEADER.size).astype(np.int64)
+    problem = check_offsets(offsets, samples, size)
+    if problem is not None:
+        raise ManifestError(f"{url}: {problem}")
+    return offsets
+
+
+class OffsetCache:
+    """Least-recently-used sidecars of this process, bounded by the bytes they hold.
+
+    Thread-safe (read-ahead opens ranges from a background thread). ``fetches`` counts sidecars
+    read from storage, so tests can prove that whole-shard reads need none.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.fetches = 0
+        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str, load: Callable[[], np.ndarray]) -> np.ndarray:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit
+        value = load()  # outside the lock: a slow GET must not hold up other shards' hits
+        with self._lock:
+            self.fetches += 1
+            if key not in self._entries:
+                self._entries[key] = value
+                self._bytes += value.nbytes
+            while self._bytes > self.max_bytes and len(self._entries) > 1:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+OFFSET_CACHE = OffsetCache()
