@@ -92,17 +92,19 @@ def test_first_reads_are_small_then_grow_to_read_size(tmp_path, monkeypatch):
     assert len(keys) == len(set(keys)) == 960  # the rest of the epoch still reads every planned sample once
 
 
-def test_shard_suffixes_are_looked_at_once_not_per_plan(tmp_path, monkeypatch):
-    import shardstream.dataset as dataset_module
+def test_plans_do_not_look_at_every_shard_url(tmp_path, monkeypatch):
+    """plan() runs at construction, in len(), in make_loader and in every worker: it must not join
+    or inspect every shard's URL (over 10,000 shards that cost seconds). Which shards are
+    compressed is a manifest column, computed once when the manifest is loaded."""
+    from shardstream.format.manifest import Manifest
 
     with ShardWriter(str(tmp_path / "d"), max_count=2) as w:
         for i in range(60):
             w.write_encoded(f"{i:06d}", {"cls": str(i).encode()})
-    calls = []
-    real = dataset_module.shard_compression
-    monkeypatch.setattr(dataset_module, "shard_compression", lambda url: calls.append(url) or real(url))
     ds = ShardStream(str(tmp_path / "d"), batch_size=4, world=World(0, 1))
-    for epoch in range(3):
-        ds.plan(epoch=epoch)
-    assert len(ds) == 15 and sum(len(b["__key__"]) for b in ds) == 60
-    assert len(calls) == 30  # one look per shard (30 shards), however often the plan is made
+    calls = []
+    real = Manifest.shard_url
+    monkeypatch.setattr(Manifest, "shard_url", lambda self, i: calls.append(i) or real(self, i))
+    plans = [ds.plan(epoch=epoch) for epoch in range(3)]
+    assert calls == [] and len(ds) == 15 and all(p.compressed_shards == 0 for p in plans)
+    assert sum(len(b["__key__"]) for b in ds) == 60
