@@ -219,7 +219,7 @@ def test_pack_fn_same_bytes_for_any_worker_count_and_error_policy(tmp_path):
 @pytest.fixture(scope="module")
 def dask_client(s3_endpoint):
     """Two worker processes, one thread each; started after moto's credentials are in the environment."""
-    cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+    cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
                                        host="127.0.0.1")
     client = distributed.Client(cluster)
     yield client
@@ -267,7 +267,7 @@ def test_dask_survives_a_worker_killed_mid_pack(tmp_path, s3_endpoint):
     marker = str(tmp_path / "died")
     inputs = [(marker, i) for i in range(40)]
     # A cluster of its own, closed here: the nanny's restart of the killed worker belongs to this test.
-    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address=None,
+    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
                                   host="127.0.0.1") as cluster, distributed.Client(cluster) as client:
         result = pack(die_once, inputs, str(tmp_path / "dask"), max_count=6,
                       executor=client.get_executor(pure=False, retries=2))

@@ -71,7 +71,7 @@ def main() -> None:
         clusters = {}
         t = time.perf_counter()
         for n in (1, 2):
-            cluster = distributed.LocalCluster(n_workers=n, processes=True, threads_per_worker=1, dashboard_address=None,
+            cluster = distributed.LocalCluster(n_workers=n, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
                                                host="127.0.0.1")
             clusters[n] = (cluster, distributed.Client(cluster))
         startup = (time.perf_counter() - t) / 2
