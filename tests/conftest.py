@@ -4,6 +4,7 @@ every test, that it leaves no thread or child process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -176,3 +177,38 @@ def no_leaks():
     leaked = _leaked_threads(threads)
     if leaked or procs:
         pytest.fail(f"test left running: threads {[t.name for t in leaked]}, child processes {sorted(procs)}")
+
+
+# -- real multi-process runs (gloo DDP tests) -----------------------------------------------------
+@contextlib.contextmanager
+def spawned_ranks(target, world: int, args: tuple):
+    """``world`` spawned processes running ``target(rank, *args)``; any still alive when the block
+    ends is killed, so a hung rank never outlives its test."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def run_ranks(target, world: int, args: tuple, timeout: float = 180) -> None:
+    """Run ``target(rank, *args)`` on ``world`` ranks to the end; every rank must exit 0."""
+    with spawned_ranks(target, world, args) as procs:
+        for p in procs:
+            p.join(timeout=timeout)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def rank_results(prefix: str, world: int) -> list:
+    """The JSON each rank wrote to ``{prefix}.{rank}`` (results travel through files, not collectives)."""
+    out = []
+    for r in range(world):
+        with open(f"{prefix}.{r}") as f:
+            out.append(json.load(f))
+    return out

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 
 import pytest
-from conftest import write_dataset
+from conftest import rank_results, run_ranks, write_dataset
 
 
 def _rank_main(rank: int, world: int, store: str, source: str, options: dict, out: str) -> None:
@@ -47,24 +46,9 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, ou
 
 
 def run_ddp(world: int, source: str, options: dict, tmp_path) -> dict:
-    ctx = multiprocessing.get_context("spawn")
     out = str(tmp_path / "result.json")
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, source, options, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=180)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    ranks = []
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            ranks.append(json.load(f))
+    run_ranks(_rank_main, world, (world, str(tmp_path / "store"), source, options, out))
+    ranks = rank_results(out, world)
     return {"ranks": ranks, "plan": ranks[0]["plan"]}
 
 

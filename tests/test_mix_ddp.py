@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 
 import pytest
-from conftest import make_samples
+from conftest import make_samples, rank_results, run_ranks
 
 from shardstream import ShardWriter
 from shardstream.options import Shuffle
@@ -68,23 +67,9 @@ def test_ddp_mix_local_and_s3(s3, tmp_path):
     write(local, 150, "disk-")
     write(remote, 90, "s3-", options)
     world = 2
-    ctx = multiprocessing.get_context("spawn")
-    out, store = str(tmp_path / "result"), str(tmp_path / "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, local, remote, options, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    ranks = []
-    for r in range(world):
-        with open(f"{out}.{r}") as f:
-            ranks.append(json.load(f))
+    out = str(tmp_path / "result")
+    run_ranks(_rank_main, world, (world, str(tmp_path / "store"), local, remote, options, out), timeout=240)
+    ranks = rank_results(out, world)
     for epoch in ("0", "1"):
         per_rank = [r["epochs"][epoch] for r in ranks]
         assert len({r["batches"] for r in per_rank}) == 1 and all(r["batches"] == r["len"] for r in per_rank)

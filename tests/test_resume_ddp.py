@@ -12,7 +12,7 @@ import os
 import signal
 
 import pytest
-from conftest import make_samples
+from conftest import make_samples, spawned_ranks
 
 from shardstream import ShardStream, ShardWriter, make_loader
 from shardstream.options import Shuffle
@@ -73,11 +73,7 @@ def launch(world: int, source: str, options: dict, work: str, phase: str) -> dic
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     store = os.path.join(work, f"{phase}.store")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store, source, options, work, phase, ready))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
+    with spawned_ranks(_rank_main, world, (world, store, source, options, work, phase, ready)) as procs:
         if phase == "crash":
             for _ in range(world):
                 ready.get(timeout=120)
@@ -90,10 +86,6 @@ def launch(world: int, source: str, options: dict, work: str, phase: str) -> dic
             for p in procs:
                 p.join(timeout=180)
             assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     result: dict[int, dict[int, list]] = {}
     for r in range(world):
         with open(os.path.join(work, f"{phase}.keys.{r}")) as f:

@@ -39,9 +39,12 @@ def _stack(values: list[Any]) -> Any:
     if isinstance(v, bool):
         return torch.tensor(values, dtype=torch.bool) if all(type(x) is bool for x in values) else values
     if isinstance(v, numbers.Integral):
-        return torch.tensor(values, dtype=torch.int64) if all(isinstance(x, numbers.Integral) for x in values) else values
+        # exact-type check first: an ABC isinstance per sample costs ~1 us, a third of the small-sample budget
+        ints = all(type(x) is int for x in values) or all(isinstance(x, numbers.Integral) for x in values)
+        return torch.tensor(values, dtype=torch.int64) if ints else values
     if isinstance(v, numbers.Real):
-        return torch.tensor(values, dtype=torch.float64) if all(isinstance(x, numbers.Real) for x in values) else values
+        reals = all(type(x) is float for x in values) or all(isinstance(x, numbers.Real) for x in values)
+        return torch.tensor(values, dtype=torch.float64) if reals else values
     if type(v).__module__ == "numpy" and hasattr(v, "shape"):
 
         return stack_arrays(values) if all(x.shape == v.shape for x in values) else values
