@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from shardstream.buffers import BufferPool
 from shardstream.errors import ConfigError
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.mixing import Mix, Source, open_mix
@@ -342,6 +343,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             if fn is not None and hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(self.epoch, rank, worker)
         counters = self._stats.counters(worker)
+        buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
         resume = self.resume_plan(num_workers)
@@ -349,20 +351,18 @@ class ShardStream(torch.utils.data.IterableDataset):
         if isinstance(resume, MixResumePlan):  # the rest of a saved mixed epoch (plan/mixresume.py)
             continued_mix = resume.worker(rank, worker)
             num_batches = continued_mix.num_batches
-            sources = self._range_sources(counters)
+            sources = self._range_sources(counters, buffers)
             streams = continued_mix.samples(lambda i, rs: read_ranges(sources[i], rs, policy=policy))
             assert self.mix is not None
             samples = merge_sources(streams, continued_mix.pattern, self.mix.names)
         elif resume is not None:  # the rest of a saved epoch (plan/resume.py): buffer rebuilt, RNG restored
-            source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read.read_size,
-                                 counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                                 verify_stream=self.read.verify_stream, config=self.storage)
+            source = self._range_source(self.manifest, self.storage_options, self.readahead_bytes, counters, buffers)
             continued = resume.worker(rank, worker)
             num_batches = continued.num_batches
             samples = continued.samples(resume.ids, lambda rs: read_scattered(source, rs, policy=policy))
         else:
             samples = itertools.chain.from_iterable(
-                self._read(p, begin, end, rank, worker, counters, policy) for p, begin, end in windows
+                self._read(p, begin, end, rank, worker, counters, policy, buffers) for p, begin, end in windows
             )
         decoder, transform = _bind_per_sample(self.decoder, self.transform)
         samples = decode_samples(samples, decoder, policy)
@@ -370,7 +370,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if transform is not None:
             samples = transform_samples(samples, transform, counters, filtered)
         batches = batch_samples(samples, batch_size=self.batch_size, num_batches=num_batches,
-                                collate=self.collate, stats=stats) if num_batches else iter(())
+                                collate=self.collate, stats=stats, buffers=buffers) if num_batches else iter(())
         if get_worker_info() is None:
             batches = self._count_received(batches, plan.epoch, resume)
         else:
@@ -492,7 +492,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             record[1], record[2] = len(self), None  # the epoch is complete under this topology
 
     def _read(self, plan: EpochPlan | MixPlan, begin: int, end: int, rank: int, worker: int, counters: Any,
-              policy: ErrorPolicy):
+              policy: ErrorPolicy, buffers: BufferPool | None = None):
         """Samples of positions [begin, end) of an epoch's sequence, shuffled (per source in a mix)."""
         def shuffled(samples, rng: random.Random):
             if self.shuffle_buffer <= 1:
@@ -500,25 +500,27 @@ class ShardStream(torch.utils.data.IterableDataset):
             return shuffle_samples(samples, buffer_size=self.shuffle_buffer, initial=self.shuffle_initial, rng=rng)
 
         if isinstance(plan, EpochPlan):
-            source = RangeSource(self.manifest, storage_options=self.storage_options, read_size=self.read.read_size,
-                                 counters=counters, cache=self.cache, readahead_bytes=self.readahead_bytes,
-                                 verify_stream=self.read.verify_stream, config=self.storage)
+            source = self._range_source(self.manifest, self.storage_options, self.readahead_bytes, counters, buffers)
             samples = read_ranges(source, plan.ranges_between(begin, end, self.counts), policy=policy)
             yield from shuffled(samples, worker_rng(self.seed, plan.epoch, rank, worker))
             return
         assert self.mix is not None
         ranges, pattern = plan.reads(begin, end)
         streams = [shuffled(read_ranges(source, ranges[i], policy=policy), source_rng(self.seed, plan.epoch, rank, worker, i))
-                   for i, source in enumerate(self._range_sources(counters))]
+                   for i, source in enumerate(self._range_sources(counters, buffers))]
         yield from merge_sources(streams, pattern, self.mix.names)
 
-    def _range_sources(self, counters: Any) -> list[RangeSource]:
+    def _range_sources(self, counters: Any, buffers: BufferPool | None = None) -> list[RangeSource]:
         """Where each source of a mix is read from (its own storage options and read-ahead)."""
         assert self.mix is not None
-        return [RangeSource(manifest, storage_options=self.mix.storage_options[i], read_size=self.read.read_size,
-                            counters=counters, cache=self.cache, readahead_bytes=self.readahead[i],
-                            verify_stream=self.read.verify_stream, config=self.storage)
+        return [self._range_source(manifest, self.mix.storage_options[i], self.readahead[i], counters, buffers)
                 for i, manifest in enumerate(self.mix.manifests)]
+
+    def _range_source(self, manifest: Manifest, storage_options: Any, readahead: int, counters: Any,
+                      buffers: BufferPool | None = None) -> RangeSource:
+        return RangeSource(manifest, storage_options=storage_options, read_size=self.read.read_size, counters=counters,
+                           cache=self.cache, readahead_bytes=readahead, verify_stream=self.read.verify_stream,
+                           config=self.storage, keep_buffers=self.decoder.viewing_exts(), buffers=buffers)
 
     # -- pickling (DataLoader spawn, copies) ----------------------------------------------------
     def __getstate__(self):

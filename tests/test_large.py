@@ -112,3 +112,143 @@ def test_batches_equal_np_load_and_stack_and_are_shared_when_made_in_workers(tmp
         # In a worker the batch is written straight into shared memory, so the hand-off to the
         # main process passes a handle and copies nothing; in the main process it need not be.
         assert batch["made_in_shared_memory"] is (workers > 0)
+
+
+# -- large members: read into a buffer of their own, one copy -----------------------------------
+
+def _tar(path, members):
+    """A real tar file (Python's tarfile) of (name, bytes) members."""
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+class _CountingFile:
+    """A local file's read/readinto, counting the bytes each one moved."""
+
+    def __init__(self, path, into=True):
+        self.file = open(path, "rb", buffering=0)
+        self.read_bytes = self.into_bytes = 0
+        if into:
+            self.readinto = self._readinto
+
+    def __call__(self, n):
+        data = self.file.read(n)
+        self.read_bytes += len(data)
+        return data
+
+    def _readinto(self, view):
+        n = self.file.readinto(view)
+        self.into_bytes += n
+        return n
+
+
+def _members(seed=0, n=24):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        big = int(rng.integers(1, 3 << 20)) if i % 3 else int(rng.integers(0, 3000))
+        out.append((f"{i:04d}.npy", rng.bytes(big)))
+        out.append((f"{i:04d}.cls", str(i).encode()))
+    return out
+
+
+@pytest.mark.parametrize("into", [True, False])
+@pytest.mark.parametrize("read_size", [100_000, 4 << 20])
+def test_large_members_are_read_whole_and_equal_what_tarfile_reads(tmp_path, into, read_size):
+    from shardstream.format.tar import iter_samples
+
+    members = _members()
+    path = _tar(tmp_path / "a.tar", members)
+    f = _CountingFile(path, into)
+    size = path.stat().st_size
+    got = {}
+    for key, _start, _end, fields in iter_samples(f, url="a.tar", end=size, read_size=read_size, keep_buffers={"npy"}):
+        for ext, value in fields.items():
+            got[f"{key}.{ext}"] = value
+    assert {k: bytes(v) for k, v in got.items()} == dict(members)
+    for name, value in got.items():
+        large = name.endswith(".npy") and len(value) >= (1 << 20)
+        # kept extensions stay the member's own writable buffer; everything else is bytes
+        assert type(value) is (memoryview if large else bytes), (name, type(value))
+        assert not large or not value.readonly
+    assert f.read_bytes + f.into_bytes == size - 1024 or f.read_bytes + f.into_bytes == size
+    if into:
+        large = [len(d) for _, d in members if len(d) >= (1 << 20)]
+        # every byte of the large members went straight into its own buffer, but for the first
+        # read block and the start of each one read in the short read that follows a large member
+        assert f.into_bytes >= sum(large) - read_size - len(large) * (128 << 10)
+
+
+def test_large_members_not_kept_are_bytes(tmp_path):
+    from shardstream.format.tar import iter_samples
+
+    members = [("a.bin", b"x" * (3 << 20)), ("a.npy", b"y" * (2 << 20)), ("b.bin", b"z" * 10)]
+    path = _tar(tmp_path / "b.tar", members)
+    samples = list(iter_samples(_CountingFile(path), url="b.tar", end=path.stat().st_size))
+    assert [(k, {e: (type(v), len(v)) for e, v in f.items()}) for k, _, _, f in samples] == [
+        ("a", {"bin": (bytes, 3 << 20), "npy": (bytes, 2 << 20)}), ("b", {"bin": (bytes, 10)})]
+
+
+def test_a_truncated_large_member_is_an_error_naming_the_offset(tmp_path):
+    from shardstream.errors import ShardFormatError
+    from shardstream.format.tar import iter_samples
+
+    path = _tar(tmp_path / "c.tar", [("a.npy", bytes(3 << 20)), ("a.cls", b"1")])
+    data = path.read_bytes()
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[: 2 << 20])
+    with pytest.raises(ShardFormatError, match="truncated"):
+        # the manifest says the range is the whole original size: the stream ends early
+        list(iter_samples(_CountingFile(cut), url="cut.tar", end=len(data), keep_buffers={"npy"}))
+
+
+def test_a_corrupt_large_member_header_is_refused_before_its_bytes_are_read(tmp_path):
+    from shardstream.errors import ShardFormatError
+    from shardstream.format.tar import iter_samples
+
+    path = _tar(tmp_path / "d.tar", [("a.cls", b"1"), ("a.npy", bytes(8 << 20))])
+    data = bytearray(path.read_bytes())
+    data[1024 + 3] ^= 0x20  # the second header's name: its checksum no longer matches
+    path.write_bytes(data)
+    f = _CountingFile(path)
+    with pytest.raises(ShardFormatError, match="checksum"):
+        list(iter_samples(f, url="d.tar", end=len(data), read_size=64 << 10))
+    assert f.read_bytes + f.into_bytes <= 256 << 10
+
+
+def _npy_noting_buffer(data):
+    """The default .npy decoder, plus what it was handed: the member's own writable buffer (viewed in
+    place, no copy) or bytes."""
+    from shardstream.pipeline.decode import load_npy
+
+    return {"array": torch.from_numpy(load_npy(data)), "own_buffer": type(data) is memoryview and not data.readonly}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_large_npy_fields_reach_viewing_decoders_as_their_own_buffer(tmp_path, workers, monkeypatch):
+    from shardstream.pipeline import decode
+
+    monkeypatch.setattr(decode, "VIEWING_DECODERS", decode.VIEWING_DECODERS | {_npy_noting_buffer})
+    root, arrays = write_npy(tmp_path / "d", n=6, shape=(600, 600))  # 1.4 MB members
+    ds = ShardStream(root, batch_size=3, shuffle=False, world=World(0, 1), decode={"npy": _npy_noting_buffer})
+    batches = list(make_loader(ds, num_workers=workers))
+    assert len(batches) == 2
+    for batch in batches:
+        for key, field in zip(batch["__key__"], batch["npy"]):
+            assert torch.equal(field["array"], torch.from_numpy(arrays[int(key)]))
+            assert field["own_buffer"] is True
+
+    # the default decoder gives the same batches; with no decoder the fields arrive as bytes
+    plain = ShardStream(root, batch_size=3, shuffle=False, world=World(0, 1))
+    for a, b in zip(make_loader(plain, num_workers=workers), batches):
+        assert torch.equal(a["npy"], torch.stack([f["array"] for f in b["npy"]]))
+    raw = ShardStream(root, batch_size=3, shuffle=False, decode=False, world=World(0, 1))
+    fields = [v for b in make_loader(raw, num_workers=workers) for v in b["npy"]]
+    assert len(fields) == 6 and all(type(v) is bytes for v in fields)
+    assert all(np.array_equal(np.load(io.BytesIO(v)), a) for v, a in zip(fields, arrays))

@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import re
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import numpy as np
 
+from shardstream.buffers import BufferPool
 from shardstream.errors import ShardFormatError
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 DEFAULT_READ_SIZE = 4 << 20
+# A member at least this large that is not all in the current read block gets a buffer of its own,
+# filled straight from the stream (``readinto``): its bytes are copied once, not read into a block,
+# joined and cut out again. After one, reads restart at AFTER_LARGE_READ bytes and double back up
+# to read_size, so little of the next large member lands in a shared block.
+LARGE_MEMBER = 1 << 20
+AFTER_LARGE_READ = 64 << 10
+FILL_PIECE = 8 << 20  # read(n) size when a stream has no readinto
 MAX_OCTAL_SIZE = 0o77777777777
 
 # Fixed header fields: mode 0644, uid/gid 0, mtime 0, empty owner names (deterministic output).
@@ -293,6 +301,34 @@ def _verify_checksums(buf: bytes, positions: list[int], url: str, base: int) -> 
             raise ShardFormatError(url, base + pos, "tar header checksum mismatch (corrupt or not a tar file)")
 
 
+def _fill(view: memoryview, read: Callable[[int], bytes], readinto: Callable[[memoryview], int] | None,
+          url: str, at: int, end: int) -> None:
+    """Fill ``view`` from the stream: ``readinto`` when the stream has one (one copy, kernel or
+    network buffer to ``view``), else ``read`` pieces copied in."""
+    got, n = 0, len(view)
+    while got < n:
+        if readinto is not None:
+            k = readinto(view[got:])
+        else:
+            piece = read(min(n - got, FILL_PIECE))
+            k = len(piece)
+            view[got : got + k] = piece
+        if not k:
+            raise ShardFormatError(url, at + got, f"stream ended at byte {at + got}, expected {end} (truncated shard)")
+        got += k
+
+
+def _own_buffer(size: int, buffers: BufferPool | None) -> memoryview:
+    """A writable buffer for one large member, seen as a plain byte ``memoryview``: from the pass's
+    pool (memory already mapped) or numpy's allocator (no zero-fill, as ``bytearray(n)`` does)."""
+    array = buffers.take(size) if buffers is not None else np.empty(size, np.uint8)
+    return memoryview(array)  # type: ignore[arg-type]  # ndarray has the buffer protocol
+
+
+def _sparse_pax(pax: dict[str, str] | None) -> bool:
+    return pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax)
+
+
 def iter_sample_batches(
     read: Callable[[int], bytes],
     *,
@@ -301,6 +337,9 @@ def iter_sample_batches(
     end: int,
     read_size: int = DEFAULT_READ_SIZE,
     require_end_marker: bool = False,
+    keep_buffers: Container[str] = (),
+    large_member: int = LARGE_MEMBER,
+    buffers: BufferPool | None = None,
 ) -> Iterator[list[tuple[str, int, int, dict[str, Any]]]]:
     """Yield lists of complete samples ``(key, offset, end, {ext: data})`` from bytes ``[start, end)``.
 
@@ -315,7 +354,12 @@ def iter_sample_batches(
 
     A member larger than one read is assembled from the pieces ``read`` returns in one join
     when all of it is there: every byte is copied a fixed number of times, whatever the number
-    of pieces (linear in the member size).
+    of pieces (linear in the member size). A member of ``large_member`` bytes or more that is not
+    all in the current block is read into a buffer of its own, with ``read.readinto`` when the
+    stream has one: one copy per byte. Its value is that buffer (a writable ``memoryview``) when
+    its extension is in ``keep_buffers`` (decoders that view a writable buffer in place, e.g. ``.npy``), else
+    ``bytes`` (one more copy): fields stay ``bytes`` for everyone else. ``buffers`` (a pass's
+    ``BufferPool``) supplies those buffers, reusing the memory of members no longer referenced.
 
     Errors (ShardFormatError, naming ``url`` and the byte offset): a size larger than the bytes
     left before ``end`` (checked before anything is allocated), a stream that ends early, a bad
@@ -336,6 +380,9 @@ def iter_sample_batches(
     key_offset = key_end = 0
     fields: dict[str, Any] = {}
     seen: set[str] = set()
+    readinto = getattr(read, "readinto", None)
+    read_next = read_size  # bytes asked for by the next refill (smaller right after a large member)
+    big: memoryview | None = None  # the current member's data, when it was read into its own buffer
     while True:
         out: list[tuple[str, int, int, dict[str, Any]]] = []
         headers: list[int] = []
@@ -372,8 +419,23 @@ def iter_sample_batches(
                         url, base + pos, f"member claims {size} bytes but only {limit - data_start} remain (truncated or corrupt)"
                     )
                 if padded_end > buflen:
-                    need = padded_end - pos
-                    break
+                    kind = buf[pos + 156]
+                    if size < large_member or kind == 83 or kind not in _DATA_KINDS or _sparse_pax(pax):
+                        need = padded_end - pos
+                        break
+                    # A large member: its own buffer, the part already in this block copied in,
+                    # the rest read straight into it; then its padding is skipped.
+                    _verify_checksums(buf, [pos], url, base)  # a corrupt size is not a reason to read megabytes
+                    big = _own_buffer(size, buffers)
+                    have = min(size, buflen - data_start)
+                    big[:have] = memoryview(buf)[data_start : data_start + have]
+                    _fill(big[have:], read, readinto, url, fetched, end)
+                    fetched += size - have
+                    pad = padded_end - max(data_end, buflen)
+                    if pad > 0:
+                        _fill(memoryview(bytearray(pad)), read, None, url, fetched, end)
+                        fetched += pad
+                    read_next = AFTER_LARGE_READ
                 headers.append(pos)
                 kind = buf[pos + 156]
                 if kind == 48 or kind == 0 or kind == 55 or kind == 83:  # '0', NUL, '7': regular file; 'S': old GNU sparse
@@ -385,7 +447,7 @@ def iter_sample_batches(
                         here = base + pos
                         if name[:1] == "/" or ".." in name or "\0" in name:
                             _check_name(name, url, here)
-                        value = buf[data_start:data_end]
+                        value = buf[data_start:data_end] if big is None else big
                         if kind == 83:
                             name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
                     else:
@@ -393,8 +455,8 @@ def iter_sample_batches(
                         name = override or long_name or _header_name(buf, pos)
                         here = member_start if member_start is not None else base + pos
                         _check_name(name, url, base + pos)
-                        value = buf[data_start:data_end]
-                        if pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax):
+                        value = buf[data_start:data_end] if big is None else big
+                        if pax is not None and _sparse_pax(pax):
                             name, value = _pax_sparse(pax, value, name, url, here)
                             _check_name(name, url, here)
                         elif kind == 83:
@@ -409,6 +471,14 @@ def iter_sample_batches(
                             ext = ext.lower()
                     else:  # a hidden last component or no extension: webdataset's regex decides
                         k, ext = split_name(name)  # type: ignore[assignment]
+                    if size >= large_member:  # a large member: kept as a writable buffer, or bytes
+                        if big is not None:
+                            if ext not in keep_buffers:
+                                value = bytes(big)
+                            big = None
+                        elif ext in keep_buffers and type(value) is bytes:
+                            value = _own_buffer(size, buffers)
+                            value[:] = memoryview(buf)[data_start:data_end]
                     if k is not None and (name[:2] != "__" or not is_meta_name(name)):  # else not sample data (as in webdataset)
                         if k != key:
                             if key is not None:
@@ -468,10 +538,12 @@ def iter_sample_batches(
         # Refill: keep the unparsed tail and read at least ``need`` more bytes (a whole pending
         # member), collecting the pieces and joining once, so a member that arrives in many
         # pieces is copied once, not once per piece.
-        missing = need - (buflen - pos)
+        # (pos is past buflen after a large member read into its own buffer.)
+        missing = need - max(0, buflen - pos)
         parts = [buf[pos:]] if pos < buflen else []
         while True:
-            chunk = read(min(max(read_size, missing), end - fetched))
+            chunk = read(min(max(read_next, missing), end - fetched))
+            read_next = min(2 * read_next, read_size)
             if not chunk:
                 raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
             fetched += len(chunk)

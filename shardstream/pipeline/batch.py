@@ -13,6 +13,7 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from shardstream.buffers import BufferPool, active_pool, batch_buffers
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,9 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
         storage = torch.UntypedStorage._new_shared(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage).view(shape)
     if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
-        return torch.from_numpy(np.empty(nbytes, np.uint8)).view(dtype).view(shape)
+        pool = active_pool()  # the pass's pool: memory of batches nobody holds any more
+        memory = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)
+        return torch.from_numpy(memory).view(dtype).view(shape)
     return torch.empty(shape, dtype=dtype)
 
 
@@ -188,8 +191,10 @@ def batch_samples(
     num_batches: int,
     collate: Callable[[list[Any]], Any] = default_collate,
     stats: BatchStats | None = None,
+    buffers: BufferPool | None = None,
 ) -> Iterator[Any]:
-    """Yield exactly ``num_batches`` collated batches of ``batch_size`` samples."""
+    """Yield exactly ``num_batches`` collated batches of ``batch_size`` samples. While ``collate``
+    runs, the default collate takes batch buffers from ``buffers`` (outside DataLoader workers)."""
     pending: list[dict[str, Any]] = []
     recent: list[dict[str, Any]] = []  # the last full batch: material to refill from
     made = 0
@@ -199,7 +204,9 @@ def batch_samples(
         start = 0
         while len(pending) - start >= batch_size:
             recent = pending[start : start + batch_size]
-            yield collate(recent)
+            with batch_buffers(buffers):
+                batch = collate(recent)
+            yield batch
             start += batch_size
             made += 1
             if made == num_batches:
@@ -220,7 +227,9 @@ def batch_samples(
             pending.append(pool[i % len(pool)])
             i += 1
             if len(pending) == batch_size:
-                yield collate(pending)
+                with batch_buffers(buffers):
+                    batch = collate(pending)
+                yield batch
                 made += 1
                 pending = []
 

@@ -122,7 +122,15 @@ def _decode_npz(data: bytes) -> dict[str, Any]:
 def _decode_tenbin(data: bytes) -> list[Any]:
     from webdataset import tenbin  # webdataset's tensor container format, read by its own reader
 
+    if not isinstance(data, bytes):  # a large member's own buffer: the arrays view it in place
+        return [_as_tensor(a) for a in tenbin.decode_buffer(memoryview(data))]
     return [_as_tensor(a) for a in tenbin.decode_buffer(data)]
+
+
+# Decoders that view a writable buffer in place rather than copying it: the tar parser hands
+# them a large member's own buffer (a writable ``memoryview``) (``Decoder.viewing_exts``); every other decoder, and
+# every undecoded field, gets ``bytes``.
+VIEWING_DECODERS = frozenset({_decode_npy, _decode_tenbin})
 
 
 def _decode_msgpack(data: bytes):
@@ -321,6 +329,10 @@ class Decoder:
             self._cache[ext] = fn
             return fn
 
+    def viewing_exts(self) -> _ViewingExts:
+        """The extensions whose decoder views a writable buffer in place (``in`` works on it)."""
+        return _ViewingExts(self)
+
     def _plan(self, names: tuple[str, ...]) -> list[tuple[str, Callable[[bytes], Any]]]:
         plan = [(ext, self._lookup(ext)) for ext in names if ext[:2] != "__"]
         return [(ext, fn) for ext, fn in plan if fn is not None]
@@ -342,6 +354,22 @@ class Decoder:
                 raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"),
                                   f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}") from exc
         return sample
+
+
+class _ViewingExts:
+    """``ext in this``: is ``ext``'s decoder one of VIEWING_DECODERS (answers cached)."""
+
+    def __init__(self, decoder: Decoder):
+        self._decoder = decoder
+        self._known: dict[str, bool] = {}
+
+    def __contains__(self, ext: object) -> bool:
+        if not isinstance(ext, str):
+            return False
+        known = self._known.get(ext)
+        if known is None:
+            known = self._known[ext] = self._decoder._lookup(ext) in VIEWING_DECODERS
+        return known
 
 
 def decode_samples(chunks: Iterable[list[dict[str, Any]]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[list[dict[str, Any]]]:

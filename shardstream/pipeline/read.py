@@ -16,9 +16,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
+from shardstream.buffers import BufferPool
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
@@ -70,13 +71,17 @@ def open_range(
 
 
 class RangeSource:
-    """Where a worker's ranges come from: storage options, counters, cache, read sizes, and
-    whether whole-shard ranges are hashed as they stream (``verify_stream``)."""
+    """Where a worker's ranges come from: storage options, counters, cache, read sizes, whether
+    whole-shard ranges are hashed as they stream (``verify_stream``), and the extensions whose
+    large members may stay writable buffers (``keep_buffers``: decoders that view them in place)."""
 
     def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
                  read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
-                 readahead_bytes: int = 0, verify_stream: bool = False, config: StorageConfig = DEFAULT_STORAGE):
+                 readahead_bytes: int = 0, verify_stream: bool = False, config: StorageConfig = DEFAULT_STORAGE,
+                 keep_buffers: Container[str] = (), buffers: BufferPool | None = None):
         self.manifest = manifest
+        self.keep_buffers = keep_buffers
+        self.buffers = buffers
         self.config = config
         self.storage_options = storage_options
         self.read_size = read_size
@@ -119,6 +124,8 @@ def read_range(
     counters: Any = None,
     read: Callable[[int], bytes] | None = None,
     verify: bool = False,
+    keep_buffers: Container[str] = (),
+    buffers: BufferPool | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """Yield the samples of one planned range, a list per read block; the count is checked
     against the manifest. ``read`` supplies the range's bytes (read-ahead); else it is opened.
@@ -127,7 +134,11 @@ def read_range(
     (bytes [0, size)): every byte is hashed, and after the last sample the rest of the object is
     read and the sha256 compared with the manifest's. A mismatch raises ChecksumError once the
     shard's samples have been handed on: streaming cannot take them back (a cache fill, checked
-    before use, can)."""
+    before use, can).
+
+    Large members (``format.tar.LARGE_MEMBER``) are read into buffers of their own (from
+    ``buffers``, a pass's pool, when given); those of the extensions in ``keep_buffers`` stay
+    writable memoryviews for decoders that view them in place, all others are ``bytes``."""
     shard = manifest.shards[rng.shard]
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
@@ -149,7 +160,8 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for batch in iter_sample_batches(_first_reads_small(read), url=url, start=start, end=end, read_size=read_size):
+        for batch in iter_sample_batches(_FirstReadsSmall(read), url=url, start=start, end=end, read_size=read_size,
+                                         keep_buffers=keep_buffers, buffers=buffers):
             got += len(batch)
             if got > expected:
                 break
@@ -176,18 +188,24 @@ def read_range(
             counters.add("shards_verified")
 
 
-def _first_reads_small(read: Callable[[int], bytes]) -> Callable[[int], bytes]:
-    """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for."""
-    cap = FIRST_READ
+class _FirstReadsSmall:
+    """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for.
+    ``readinto`` (large members filled in place) passes straight through when the stream has it."""
 
-    def read_growing(n: int) -> bytes:
-        nonlocal cap
-        if n <= cap:
-            return read(n)
-        cap *= 2
-        return read(cap // 2)
+    __slots__ = ("_read", "_cap", "readinto")
 
-    return read_growing
+    def __init__(self, read: Callable[[int], bytes]):
+        self._read = read
+        self._cap = FIRST_READ
+        into = getattr(read, "readinto", None)
+        if into is not None:
+            self.readinto = into
+
+    def __call__(self, n: int) -> bytes:
+        if n <= self._cap:
+            return self._read(n)
+        self._cap *= 2
+        return self._read(self._cap // 2)
 
 
 def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
@@ -212,7 +230,8 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                     read, close = source.opener(rng)()
                 try:
                     for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read, storage_options=source.storage_options,
-                                            verify=source.verifies(rng), counters=source.counters):
+                                            verify=source.verifies(rng), counters=source.counters,
+                                            keep_buffers=source.keep_buffers, buffers=source.buffers):
                         delivered += len(chunk)
                         yield chunk
                         if policy is not None:

@@ -80,7 +80,7 @@ def open_range(
         f = _open_local(url, path, start, hint)
         # A raw read(n) allocates n bytes before reading: cap n at the file's real size, so a manifest
         # and a header that lie about sizes end in the parser's ShardFormatError, not a MemoryError.
-        return _counting(f.read, counters, os.fstat(f.fileno()).st_size), f.close
+        return FileReader(f, counters, os.fstat(f.fileno()).st_size), f.close
 
     if cache is not None and shard_size is not None:
         def download(write: Callable[[bytes], None]) -> None:
@@ -93,7 +93,7 @@ def open_range(
         if handle is not None:
             f, lock = handle
             f.seek(start)
-            return f.read, lambda: ShardCache.release(f, lock)
+            return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
     return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint), _noop
 
 
@@ -136,13 +136,31 @@ def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, c
         close()
 
 
-def _counting(read: Read, counters: Any, cap: int) -> Read:
-    def read_counted(n: int) -> bytes:
-        data = read(n if n <= cap else cap)
-        counters.add("bytes_read", len(data))
+class FileReader:
+    """``read(n)`` over an open local file, plus ``readinto(view)`` (the tar parser fills large
+    members straight from the file with it: one copy). ``cap`` limits n to the file's real size
+    (a raw read(n) allocates n bytes first); reads are counted as ``bytes_read`` when given
+    counters."""
+
+    __slots__ = ("_file", "_counters", "_cap")
+
+    def __init__(self, file: Any, counters: Any, cap: int | None):
+        self._file = file
+        self._counters = counters
+        self._cap = cap
+
+    def __call__(self, n: int) -> bytes:
+        cap = self._cap
+        data = self._file.read(n if cap is None or n <= cap else cap)
+        if self._counters is not None:
+            self._counters.add("bytes_read", len(data))
         return data
 
-    return read_counted
+    def readinto(self, view: memoryview) -> int:
+        n = self._file.readinto(view) or 0
+        if self._counters is not None:
+            self._counters.add("bytes_read", n)
+        return n
 
 
 def _noop() -> None:

@@ -74,28 +74,58 @@ class Prefetcher:
             self._bytes -= len(value)
         self._cond.notify_all()
 
-    def reader(self, index: int) -> Callable[[int], bytes]:
-        """``read(n)`` over range ``index``'s bytes; raises what fetching it raised."""
-        pending = b""
-        ended = False
-
-        def read(n: int) -> bytes:
-            nonlocal pending, ended
-            if not pending and not ended:
-                value = self._take(index)
-                if isinstance(value, BaseException):
-                    ended = True
-                    raise value
-                if value is None:
-                    ended = True
-                else:
-                    pending = value
-            out, pending = pending[:n], pending[n:]
-            return out
-
-        return read
+    def reader(self, index: int) -> _RangeReader:
+        """``read(n)`` over range ``index``'s bytes (and ``readinto(view)``); raises what fetching
+        it raised."""
+        return _RangeReader(self, index)
 
     def close(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+
+
+class _RangeReader:
+    """The consumer's side of one range: fetched blocks handed out as they are (no copy when the
+    reader asks for a whole block or more), or copied into the caller's buffer (``readinto``)."""
+
+    __slots__ = ("_owner", "_index", "_pending", "_at", "_ended")
+
+    def __init__(self, owner: Prefetcher, index: int):
+        self._owner = owner
+        self._index = index
+        self._pending: bytes = b""
+        self._at = 0  # bytes of _pending already handed out
+        self._ended = False
+
+    def _next_block(self) -> bool:
+        if self._ended:
+            return False
+        value = self._owner._take(self._index)
+        if isinstance(value, BaseException):
+            self._ended = True
+            raise value
+        if value is None:
+            self._ended = True
+            return False
+        self._pending, self._at = value, 0
+        return True
+
+    def __call__(self, n: int) -> bytes:
+        if self._at >= len(self._pending) and not self._next_block():
+            return b""
+        pending, at = self._pending, self._at
+        if at == 0 and n >= len(pending):
+            self._at = len(pending)
+            return pending
+        out = pending[at : at + n]
+        self._at = at + len(out)
+        return out
+
+    def readinto(self, view: memoryview) -> int:
+        if self._at >= len(self._pending) and not self._next_block():
+            return 0
+        k = min(len(view), len(self._pending) - self._at)
+        view[:k] = memoryview(self._pending)[self._at : self._at + k]
+        self._at += k
+        return k
