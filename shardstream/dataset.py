@@ -520,7 +520,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                       buffers: BufferPool | None = None) -> RangeSource:
         return RangeSource(manifest, storage_options=storage_options, read_size=self.read.read_size, counters=counters,
                            cache=self.cache, readahead_bytes=readahead, verify_stream=self.read.verify_stream,
-                           config=self.storage, keep_buffers=self.decoder.viewing_exts(), buffers=buffers)
+                           config=self.storage, keep_buffers=self.decoder.viewing_exts(), buffers=buffers,
+                           readahead_threads=self.read.readahead_threads)
 
     # -- pickling (DataLoader spawn, copies) ----------------------------------------------------
     def __getstate__(self):

@@ -252,3 +252,23 @@ def test_large_npy_fields_reach_viewing_decoders_as_their_own_buffer(tmp_path, w
     fields = [v for b in make_loader(raw, num_workers=workers) for v in b["npy"]]
     assert len(fields) == 6 and all(type(v) is bytes for v in fields)
     assert all(np.array_equal(np.load(io.BytesIO(v)), a) for v, a in zip(fields, arrays))
+
+
+def test_fields_are_bytes_when_the_stream_hands_over_bytearrays(tmp_path):
+    """S3 reads come back as bytearrays; the fields cut from them are bytes all the same."""
+    from shardstream.format.tar import iter_samples
+
+    members = _members(seed=3, n=9)
+    path = _tar(tmp_path / "e.tar", members)
+    f = open(path, "rb", buffering=0)
+
+    def read(n):
+        return bytearray(f.read(n))
+
+    got = {}
+    for key, _s, _e, fields in iter_samples(read, url="e.tar", end=path.stat().st_size, read_size=200_000):
+        for ext, value in fields.items():
+            assert type(value) is bytes, (key, ext, type(value))
+            got[f"{key}.{ext}"] = value
+    f.close()
+    assert got == dict(members)

@@ -11,7 +11,7 @@ import torch
 from conftest import write_dataset
 
 from shardstream import ShardStream, World, make_loader
-from shardstream.loader import INLINE_MAX_BYTES, PACKED, pack_batch, unpack_batch
+from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED_BYTES_MIN, pack_batch, unpack_batch
 
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -25,7 +25,7 @@ def same(a, b) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    return a == b
+    return type(a) is type(b) and a == b
 
 
 small = torch.arange(6)
@@ -38,6 +38,7 @@ STRUCTURES = [
     small,
     {"arr": np.ones(3), "t": small, "bf": small.to(torch.bfloat16), "none": None},
     {"nothing": "to inline", "big": large},
+    {"raw": [b"x" * SHARED_BYTES_MIN, b"small", bytearray(b"y" * (SHARED_BYTES_MIN + 3))], "one": b"z" * (2 * SHARED_BYTES_MIN)},
 ]
 
 
@@ -54,6 +55,37 @@ def test_small_tensors_travel_as_arrays_large_ones_as_tensors():
     assert pack_batch({"img": large, "k": ["a"]}) == {"img": large, "k": ["a"]}  # nothing small: unchanged
     user_arrays = {"arr": np.ones(2)}
     assert isinstance(unpack_batch(pack_batch(user_arrays))["arr"], np.ndarray)  # the user's own arrays stay arrays
+
+
+def test_large_bytes_cross_in_shared_memory_and_arrive_as_the_same_type():
+    data = bytes(range(256)) * (SHARED_BYTES_MIN // 256 + 1)
+    packed = pack_batch({"raw": [data, b"tiny"], "k": ["a", "b"]})
+    sent = packed["batch"]["raw"][0]
+    assert isinstance(sent, torch.Tensor) and sent.is_shared() and packed["batch"]["raw"][1] == b"tiny"
+    back = unpack_batch(packed)["raw"]
+    assert type(back[0]) is bytes and back[0] == data and back[1] == b"tiny"
+
+
+def _raw_fields(tmp_path):
+    from shardstream import ShardWriter
+
+    rng = np.random.default_rng(1)
+    fields = [rng.bytes(SHARED_BYTES_MIN + int(rng.integers(0, 5000))) for _ in range(8)]
+    with ShardWriter(str(tmp_path / "raw"), max_count=2) as w:
+        for i, f in enumerate(fields):
+            w.write_encoded(f"{i:03d}", {"bin": f, "cls": str(i).encode()})
+    return str(tmp_path / "raw"), fields
+
+
+def test_large_undecoded_fields_cross_real_workers_as_bytes(tmp_path):
+    root, fields = _raw_fields(tmp_path)
+    ds = ShardStream(root, batch_size=2, shuffle=False, decode=False, world=World(0, 1))
+    got = {}
+    for batch in make_loader(ds, num_workers=2):
+        for key, value in zip(batch["__key__"], batch["bin"]):
+            assert type(value) is bytes
+            got[int(key)] = value
+    assert got == dict(enumerate(fields))
 
 
 def to_tuple(samples):

@@ -65,3 +65,51 @@ def test_abandoned_range_is_skipped_and_errors_arrive_with_their_range():
         assert drain(p.reader(2)) == b"c" * 50
     finally:
         p.close()
+
+
+def test_several_threads_fetch_ranges_at_once_and_hand_them_over_in_order():
+    import time
+
+    started: list[float] = []
+    lock = threading.Lock()
+
+    def slow_opener(data: bytes):
+        def open_():
+            with lock:
+                started.append(time.monotonic())
+            time.sleep(0.2)  # a round trip
+            return io.BytesIO(data).read, lambda: None
+        return open_
+
+    datas = [bytes([i]) * (10 + i) for i in range(8)]
+    p = Prefetcher([slow_opener(d) for d in datas], block_size=4, max_bytes=1 << 20, threads=4)
+    try:
+        assert [drain(p.reader(i)) for i in range(8)] == datas
+    finally:
+        p.close()
+    # the first four ranges were opened together, not one round trip after another
+    assert max(started[:4]) - min(started[:4]) < 0.15
+
+
+def test_with_threads_memory_stays_bounded_and_the_front_range_never_stalls():
+    log: list[int] = []
+    big = [b"x" * 5_000, b"y" * 5_000, b"z" * 5_000]
+    p = Prefetcher([opener(d, log=log) for d in big], block_size=100, max_bytes=1_000, threads=3)
+    try:
+        threading.Event().wait(0.2)  # every thread runs ahead as far as it may
+        assert sum(log) <= 1_000 + 3 * 100
+        assert [drain(p.reader(i)) for i in range(3)] == big
+    finally:
+        p.close()
+
+
+def test_with_threads_an_abandoned_range_stops_and_errors_stay_with_their_range():
+    p = Prefetcher([opener(b"a" * 500), opener(b"b" * 300, fail_after=100), opener(b"c" * 50)], block_size=50,
+                   max_bytes=10_000, threads=3)
+    try:
+        assert p.reader(0)(50) == b"a" * 50
+        with pytest.raises(OSError, match="reset"):
+            drain(p.reader(1))
+        assert drain(p.reader(2)) == b"c" * 50
+    finally:
+        p.close()

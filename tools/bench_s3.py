@@ -44,6 +44,19 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise SystemExit("moto_server did not start")
 
 
+def _get_all(endpoint: str, keys: list[str]) -> int:
+    """One process's share of the reference: streamed get_object of each key, body read to the end."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    total = 0
+    for key in keys:
+        body = client.get_object(Bucket="bench", Key=key)["Body"]
+        while chunk := body.read(1 << 20):
+            total += len(chunk)
+    return total
+
+
 def main() -> None:
     import boto3
     import webdataset as wds
@@ -53,7 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", type=int, default=40_000)
-    parser.add_argument("--large", type=int, default=48)
+    parser.add_argument("--large", type=int, default=48, help="4 MB samples; larger sizes get the same bytes")
+    parser.add_argument("--large-mb", default="4", help="sample sizes in MB, e.g. 4,64,500")
     parser.add_argument("--manifest-shards", type=int, default=10_000)
     args = parser.parse_args()
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
@@ -63,28 +77,43 @@ def main() -> None:
         client = boto3.client("s3", endpoint_url=endpoint)
         client.create_bucket(Bucket="bench")
         rng = np.random.default_rng(0)
-        with ShardWriter("s3://bench/large", max_size=16_000_000, storage_options=options) as w:
-            for i in range(args.large):
-                w.write({"__key__": f"{i:06d}", "npy": rng.standard_normal((1024, 1024), dtype=np.float32)})
+        sizes_mb = [int(v) for v in args.large_mb.split(",") if v]
+        kinds = []  # (prefix, samples, read_size, batch)
+        for mb in sizes_mb:
+            count = max(2, (args.large * 4) // mb)  # about the same bytes per size (at least 2 samples)
+            side = int((mb * (1 << 20) // 4) ** 0.5)
+            with ShardWriter(f"s3://bench/large{mb}", max_size=max(16_000_000, mb << 20), storage_options=options) as w:
+                for i in range(count):
+                    w.write({"__key__": f"{i:06d}", "npy": np.full((side, side), i, dtype=np.float32)})
+            kinds.append((f"large{mb}", count, max(16 << 20, (mb + 1) << 20), 4 if mb < 64 else 1))
         with ShardWriter("s3://bench/small", max_count=5_000, storage_options=options) as w:
             for i in range(args.small):
                 w.write_encoded(f"{i:08d}", {"bin": rng.bytes(int(rng.integers(1000, 2000))), "cls": b"1"})
+        kinds.append(("small", args.small, 16 << 20, 50))
         rows = []
-        for kind in ("large", "small"):
+        for kind, n, read_size, batch in kinds:
             keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix=f"{kind}/")["Contents"]
                           if o["Key"].endswith(".tar"))
             total = sum(client.head_object(Bucket="bench", Key=k)["ContentLength"] for k in keys)
-            n = args.large if kind == "large" else args.small
 
             def raw():
                 for key in keys:
                     client.get_object(Bucket="bench", Key=key)["Body"].read()
                 return n
 
-            def ours(workers):
+            def raw_processes():
+                # the same process count as shardstream with 2 workers: two processes, half the objects each
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+                    assert sum(pool.map(_get_all, [endpoint, endpoint], [keys[0::2], keys[1::2]])) == total
+                return n
+
+            def ours(workers, readahead=None):
                 def run():
-                    ds = ShardStream(f"s3://bench/{kind}", batch_size=4 if kind == "large" else 50, shuffle=False,
-                                     decode=False, world=World(0, 1), storage_options=options, read=Read(read_size=16 << 20))
+                    ds = ShardStream(f"s3://bench/{kind}", batch_size=batch, shuffle=False, decode=False, world=World(0, 1),
+                                     storage_options=options, read=Read(read_size=read_size, readahead_bytes=readahead))
                     return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
                 return run
 
@@ -94,12 +123,15 @@ def main() -> None:
                     urls = [client.generate_presigned_url("get_object", Params={"Bucket": "bench", "Key": k}, ExpiresIn=3600)
                             for k in keys]
                     ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only,
-                                        workersplitter=wds.split_by_worker, empty_check=False).batched(64, partial=True)
+                                        workersplitter=wds.split_by_worker, empty_check=False).batched(batch, partial=True)
                     return sum(len(b["__key__"]) for b in wds.WebLoader(ds, batch_size=None, num_workers=workers))
                 return run
 
-            contenders = {"boto3 GET (1 thread)": raw, "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2),
+            contenders = {"boto3 GET (1 thread)": raw, "boto3 GET (2 processes)": raw_processes,
+                          "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2),
                           "webdataset, 0 workers": webdataset_run(0), "webdataset, 2 workers": webdataset_run(2)}
+            if kind.startswith("large") and int(kind[5:]) >= 64:
+                contenders["shardstream, 0 workers, read-ahead off"] = ours(0, 0)
             times = {name: [] for name in contenders}
             for _ in range(args.repeats):
                 for name, fn in contenders.items():
@@ -108,14 +140,15 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t)
                     assert got == n, (name, got, n)
             ref = statistics.median(times["boto3 GET (1 thread)"])
+            ref2 = statistics.median(times["boto3 GET (2 processes)"])
             for name, values in times.items():
                 med = statistics.median(values)
-                rows.append((kind, name, n / med, total / med / 1e6, ref / med))
-        print("| samples | reader | samples/s | MB/s | vs boto3 GET |")
-        print("|---|---|---|---|---|")
-        for kind, name, sps, mbs, ratio in rows:
-            print(f"| {kind} | {name} | {sps:,.0f} | {mbs:,.1f} | {ratio:.0%} |")
-        print(f"(medians of {args.repeats} interleaved passes; large = 4 MB float32 arrays, small = ~1.5 KB)")
+                rows.append((kind, name, n / med, total / med / 1e6, ref / med, ref2 / med))
+        print("| samples | reader | samples/s | MB/s | vs boto3 GET, 1 process | vs boto3 GET, 2 processes |")
+        print("|---|---|---|---|---|---|")
+        for kind, name, sps, mbs, ratio, ratio2 in rows:
+            print(f"| {kind} | {name} | {sps:,.0f} | {mbs:,.1f} | {ratio:.0%} | {ratio2:.0%} |")
+        print(f"(medians of {args.repeats} interleaved passes; largeN = N MB float32 arrays, small = ~1.5 KB)")
 
         # time to first batch with a manifest of many shards
         count = args.manifest_shards

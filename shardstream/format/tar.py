@@ -325,6 +325,22 @@ def _own_buffer(size: int, buffers: BufferPool | None) -> memoryview:
     return memoryview(array)  # type: ignore[arg-type]  # ndarray has the buffer protocol
 
 
+def _read_joined(head: bytes, left: int, read: Callable[[int], bytes], url: str, at: int, end: int) -> bytes:
+    """``head`` and the next ``left`` bytes of the stream as one ``bytes``: the rest asked for in one
+    read (one request on S3), the pieces joined once."""
+    pieces = [head] if head else []
+    while left > 0:
+        piece = read(left)
+        if not piece:
+            raise ShardFormatError(url, at, f"stream ended at byte {at}, expected {end} (truncated shard)")
+        pieces.append(piece)
+        left -= len(piece)
+        at += len(piece)
+    if len(pieces) == 1 and type(pieces[0]) is bytes:
+        return pieces[0]
+    return b"".join(pieces)
+
+
 def _sparse_pax(pax: dict[str, str] | None) -> bool:
     return pax is not None and ("GNU.sparse.major" in pax or "GNU.sparse.map" in pax or "GNU.sparse.size" in pax)
 
@@ -355,10 +371,11 @@ def iter_sample_batches(
     A member larger than one read is assembled from the pieces ``read`` returns in one join
     when all of it is there: every byte is copied a fixed number of times, whatever the number
     of pieces (linear in the member size). A member of ``large_member`` bytes or more that is not
-    all in the current block is read into a buffer of its own, with ``read.readinto`` when the
-    stream has one: one copy per byte. Its value is that buffer (a writable ``memoryview``) when
-    its extension is in ``keep_buffers`` (decoders that view a writable buffer in place, e.g. ``.npy``), else
-    ``bytes`` (one more copy): fields stay ``bytes`` for everyone else. ``buffers`` (a pass's
+    all in the current block is read on its own. When its extension is in ``keep_buffers``
+    (decoders that view a writable buffer in place, e.g. ``.npy``) it is read into a buffer of its
+    own, with ``read.readinto`` when the stream has one (one copy per byte), and its value is that
+    buffer (a writable ``memoryview``); otherwise its rest is asked for in one read and the pieces
+    joined once into ``bytes``. Every other field is ``bytes`` too. ``buffers`` (a pass's
     ``BufferPool``) supplies those buffers, reusing the memory of members no longer referenced.
 
     Errors (ShardFormatError, naming ``url`` and the byte offset): a size larger than the bytes
@@ -382,7 +399,7 @@ def iter_sample_batches(
     seen: set[str] = set()
     readinto = getattr(read, "readinto", None)
     read_next = read_size  # bytes asked for by the next refill (smaller right after a large member)
-    big: memoryview | None = None  # the current member's data, when it was read into its own buffer
+    big: memoryview | bytes | None = None  # the current member's data, when it was read on its own
     while True:
         out: list[tuple[str, int, int, dict[str, Any]]] = []
         headers: list[int] = []
@@ -423,13 +440,17 @@ def iter_sample_batches(
                     if size < large_member or kind == 83 or kind not in _DATA_KINDS or _sparse_pax(pax):
                         need = padded_end - pos
                         break
-                    # A large member: its own buffer, the part already in this block copied in,
-                    # the rest read straight into it; then its padding is skipped.
+                    # A large member, read on its own: the part already in this block, then the
+                    # rest straight from the stream; then its padding is skipped.
                     _verify_checksums(buf, [pos], url, base)  # a corrupt size is not a reason to read megabytes
-                    big = _own_buffer(size, buffers)
                     have = min(size, buflen - data_start)
-                    big[:have] = memoryview(buf)[data_start : data_start + have]
-                    _fill(big[have:], read, readinto, url, fetched, end)
+                    early = (pax.get("path") if pax is not None else None) or long_name or _header_name(buf, pos)
+                    if split_name(early)[1] in keep_buffers:  # a writable buffer of its own, filled in place
+                        big = _own_buffer(size, buffers)
+                        big[:have] = memoryview(buf)[data_start : data_start + have]
+                        _fill(big[have:], read, readinto, url, fetched, end)
+                    else:  # bytes: the pieces as they come (one request for the rest), joined once
+                        big = _read_joined(buf[data_start : data_start + have], size - have, read, url, fetched, end)
                     fetched += size - have
                     pad = padded_end - max(data_end, buflen)
                     if pad > 0:
@@ -473,8 +494,6 @@ def iter_sample_batches(
                         k, ext = split_name(name)  # type: ignore[assignment]
                     if size >= large_member:  # a large member: kept as a writable buffer, or bytes
                         if big is not None:
-                            if ext not in keep_buffers:
-                                value = bytes(big)
                             big = None
                         elif ext in keep_buffers and type(value) is bytes:
                             value = _own_buffer(size, buffers)
@@ -551,7 +570,8 @@ def iter_sample_batches(
             missing -= len(chunk)
             if missing <= 0 or fetched >= end:
                 break
-        buf = parts[0] if len(parts) == 1 else b"".join(parts)
+        # (always bytes: a stream may hand over bytearrays, and fields cut from them must be bytes)
+        buf = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
         base += pos
         pos = 0
 

@@ -78,8 +78,9 @@ class RangeSource:
     def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
                  read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
                  readahead_bytes: int = 0, verify_stream: bool = False, config: StorageConfig = DEFAULT_STORAGE,
-                 keep_buffers: Container[str] = (), buffers: BufferPool | None = None):
+                 keep_buffers: Container[str] = (), buffers: BufferPool | None = None, readahead_threads: int = 1):
         self.manifest = manifest
+        self.readahead_threads = readahead_threads
         self.keep_buffers = keep_buffers
         self.buffers = buffers
         self.config = config
@@ -219,7 +220,7 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
     prefetcher = None
     if source.readahead_bytes > 0 and ranges:
         prefetcher = Prefetcher([source.opener(r) for r in ranges], block_size=source.read_size,
-                                max_bytes=source.readahead_bytes)
+                                max_bytes=source.readahead_bytes, threads=source.readahead_threads)
     try:
         for index, rng in enumerate(ranges):
             delivered = 0

@@ -1,4 +1,4 @@
-"""Read-ahead: fetch the next blocks (and the next ranges) in a background thread while the
+"""Read-ahead: fetch the next blocks (and the next ranges) in background threads while the
 worker parses the current ones. Memory is bounded by ``max_bytes`` of fetched, unparsed blocks
 (one block may exceed it, so a block larger than the bound cannot stall the stream).
 """
@@ -13,66 +13,92 @@ Opener = Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]
 
 
 class Prefetcher:
-    """Fetch ``openers`` (one per range, in order) block by block ahead of the consumer."""
+    """Fetch ``openers`` (one per range, in order) block by block ahead of the consumer.
 
-    def __init__(self, openers: Sequence[Opener], *, block_size: int, max_bytes: int):
+    ``threads`` ranges are fetched at once (each range by one thread, front to back): many small
+    ranges (small shards, a resumed epoch's scattered samples) then cost one round trip per
+    ``threads`` ranges rather than one each. Memory stays bounded by ``max_bytes`` of fetched,
+    unparsed blocks, except that the range the consumer is waiting on may always hand over one
+    block (so neither a block larger than the bound nor ranges further ahead can stall it).
+    """
+
+    def __init__(self, openers: Sequence[Opener], *, block_size: int, max_bytes: int, threads: int = 1):
         self._openers = list(openers)
         self._block = block_size
         self._max = max_bytes
-        self._items: deque = deque()  # (range index, bytes | None at range end | exception)
+        self._queues: list[deque] = [deque() for _ in self._openers]  # bytes, None at range end, or exception
         self._bytes = 0
+        self._next = 0  # the next range a fetch thread starts
+        self._front = 0  # the range the consumer reads (earlier ones are done or abandoned)
         self._cond = threading.Condition()
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="shardstream-readahead", daemon=True)
-        self._thread.start()
+        count = max(1, min(threads, len(self._openers)))
+        self._threads = [threading.Thread(target=self._run, name="shardstream-readahead", daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
 
-    def _put(self, item) -> bool:
-        size = len(item[1]) if isinstance(item[1], (bytes, bytearray)) else 0
+    def _put(self, index: int, item) -> bool:
+        """Queue a block (or the end, or an error) of range ``index``; False: stop fetching it."""
+        size = len(item) if isinstance(item, (bytes, bytearray)) else 0
+        queue = self._queues[index]
         with self._cond:
-            while not self._stop and self._items and self._bytes + size > self._max:
+            while (not self._stop and index >= self._front and self._bytes + size > self._max
+                   and not (index == self._front and not queue)):
                 self._cond.wait()
-            if self._stop:
+            if self._stop or index < self._front:  # closed, or the consumer moved past this range
                 return False
-            self._items.append(item)
+            queue.append(item)
             self._bytes += size
             self._cond.notify_all()
             return True
 
     def _run(self) -> None:
-        for index, opener in enumerate(self._openers):
+        while True:
+            with self._cond:
+                if self._stop or self._next >= len(self._openers):
+                    return
+                index = self._next
+                self._next += 1
             try:
-                read, close = opener()
+                read, close = self._openers[index]()
+                wanted = True
                 try:
-                    while True:
+                    while wanted:
                         data = read(self._block)
                         if not data:
                             break
-                        if not self._put((index, data)):
-                            return
+                        wanted = self._put(index, data)
                 finally:
                     close()
-                if not self._put((index, None)):
-                    return
+                if wanted:
+                    self._put(index, None)
             except Exception as exc:  # noqa: BLE001 - handed to the consumer of that range, in order
-                if not self._put((index, exc)):
-                    return
+                self._put(index, exc)
 
     def _take(self, index: int):
         with self._cond:
-            while True:
-                while self._items and self._items[0][0] < index:  # leftovers of an abandoned range
-                    self._drop_first()
-                if self._items:
-                    item = self._items[0]
-                    self._drop_first()
-                    return item[1]
+            if index > self._front:  # ranges abandoned before their end: their blocks are dropped
+                for skipped in range(self._front, index):
+                    self._drop(skipped)
+                self._front = index
+                self._cond.notify_all()
+            queue = self._queues[index]
+            while not queue:
                 self._cond.wait()
+            value = queue.popleft()
+            if isinstance(value, (bytes, bytearray)):
+                self._bytes -= len(value)
+            else:  # the range's end or its error: the next range is the front now
+                self._front = index + 1
+            self._cond.notify_all()
+            return value
 
-    def _drop_first(self) -> None:
-        _, value = self._items.popleft()
-        if isinstance(value, (bytes, bytearray)):
-            self._bytes -= len(value)
-        self._cond.notify_all()
+    def _drop(self, index: int) -> None:
+        queue = self._queues[index]
+        while queue:
+            value = queue.popleft()
+            if isinstance(value, (bytes, bytearray)):
+                self._bytes -= len(value)
 
     def reader(self, index: int) -> _RangeReader:
         """``read(n)`` over range ``index``'s bytes (and ``readinto(view)``); raises what fetching
