@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--small", type=int, default=40_000)
     parser.add_argument("--large", type=int, default=48, help="4 MB samples; larger sizes get the same bytes")
     parser.add_argument("--large-mb", default="4", help="sample sizes in MB, e.g. 4,64,500")
-    parser.add_argument("--manifest-shards", type=int, default=10_000)
+    parser.add_argument("--manifest-shards", type=int, default=10_000, help="0: skip the time-to-first-batch part")
+    parser.add_argument("--threads-ab", action="store_true", help="also run shardstream with one read-ahead thread")
     args = parser.parse_args()
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
@@ -110,10 +111,11 @@ def main() -> None:
                     assert sum(pool.map(_get_all, [endpoint, endpoint], [keys[0::2], keys[1::2]])) == total
                 return n
 
-            def ours(workers, readahead=None):
+            def ours(workers, readahead=None, threads=4):
                 def run():
                     ds = ShardStream(f"s3://bench/{kind}", batch_size=batch, shuffle=False, decode=False, world=World(0, 1),
-                                     storage_options=options, read=Read(read_size=read_size, readahead_bytes=readahead))
+                                     storage_options=options, read=Read(read_size=read_size, readahead_bytes=readahead,
+                                                                        readahead_threads=threads))
                     return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
                 return run
 
@@ -130,6 +132,9 @@ def main() -> None:
             contenders = {"boto3 GET (1 thread)": raw, "boto3 GET (2 processes)": raw_processes,
                           "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2),
                           "webdataset, 0 workers": webdataset_run(0), "webdataset, 2 workers": webdataset_run(2)}
+            if args.threads_ab:
+                contenders["shardstream, 0 workers, 1 read-ahead thread"] = ours(0, threads=1)
+                contenders["shardstream, 2 workers, 1 read-ahead thread"] = ours(2, threads=1)
             if kind.startswith("large") and int(kind[5:]) >= 64:
                 contenders["shardstream, 0 workers, read-ahead off"] = ours(0, 0)
             times = {name: [] for name in contenders}
@@ -150,40 +155,41 @@ def main() -> None:
             print(f"| {kind} | {name} | {sps:,.0f} | {mbs:,.1f} | {ratio:.0%} | {ratio2:.0%} |")
         print(f"(medians of {args.repeats} interleaved passes; largeN = N MB float32 arrays, small = ~1.5 KB)")
 
-        # time to first batch with a manifest of many shards
-        count = args.manifest_shards
-        with ShardWriter("s3://bench/tiny-src", max_count=10, storage_options=options) as w:
-            for i in range(10):
-                w.write_encoded(f"{i:04d}", {"txt": b"x" * 100})
-        body = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar")["Body"].read()
-        sidecar = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar.idx")["Body"].read()
+        if args.manifest_shards:
+            # time to first batch with a manifest of many shards
+            count = args.manifest_shards
+            with ShardWriter("s3://bench/tiny-src", max_count=10, storage_options=options) as w:
+                for i in range(10):
+                    w.write_encoded(f"{i:04d}", {"txt": b"x" * 100})
+            body = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar")["Body"].read()
+            sidecar = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar.idx")["Body"].read()
 
-        def put(i: int) -> None:
-            client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar", Body=body)
-            client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar.idx", Body=sidecar)
+            def put(i: int) -> None:
+                client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar", Body=body)
+                client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar.idx", Body=sidecar)
 
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(put, range(count)))
-        import json
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(put, range(count)))
+            import json
 
-        doc = json.loads(client.get_object(Bucket="bench", Key="tiny-src/index.json")["Body"].read())
-        template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
-        doc["shards"] = {k: [v] * count for k, v in template.items()}
-        doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(count)]
-        doc["total_samples"] = 10 * count
-        doc["total_bytes"] = template["bytes"] * count
-        manifest = json.dumps(doc).encode()
-        client.put_object(Bucket="bench", Key="tiny/index.json", Body=manifest)
-        firsts, constructs = [], []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            ds = ShardStream("s3://bench/tiny", batch_size=32, world=World(0, 1), storage_options=options)
-            constructs.append(time.perf_counter() - t)
-            next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
-            firsts.append(time.perf_counter() - t)
-        print(f"\ntime to first batch, {count}-shard manifest ({len(manifest) / 1e6:.1f} MB JSON), 2 workers: "
-              f"{statistics.median(firsts):.2f} s median (of which manifest read + validate + plan "
-              f"{statistics.median(constructs):.2f} s)")
+            doc = json.loads(client.get_object(Bucket="bench", Key="tiny-src/index.json")["Body"].read())
+            template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
+            doc["shards"] = {k: [v] * count for k, v in template.items()}
+            doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(count)]
+            doc["total_samples"] = 10 * count
+            doc["total_bytes"] = template["bytes"] * count
+            manifest = json.dumps(doc).encode()
+            client.put_object(Bucket="bench", Key="tiny/index.json", Body=manifest)
+            firsts, constructs = [], []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                ds = ShardStream("s3://bench/tiny", batch_size=32, world=World(0, 1), storage_options=options)
+                constructs.append(time.perf_counter() - t)
+                next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
+                firsts.append(time.perf_counter() - t)
+            print(f"\ntime to first batch, {count}-shard manifest ({len(manifest) / 1e6:.1f} MB JSON), 2 workers: "
+                  f"{statistics.median(firsts):.2f} s median (of which manifest read + validate + plan "
+                  f"{statistics.median(constructs):.2f} s)")
     finally:
         proc.terminate()
         proc.wait(timeout=10)
