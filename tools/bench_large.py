@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/dev/shm/ssbench-large")
     parser.add_argument("--copies", action="store_true", help="time each step against a memcpy instead")
     parser.add_argument("--keep", action="store_true", help="keep the dataset in --workdir for the next run")
+    parser.add_argument("--passes", type=int, default=1, help="passes per timing (a fresh loader each): a longer run")
     args = parser.parse_args()
     root = os.path.join(args.workdir, "npy")
     if not os.path.exists(os.path.join(root, "index.json")):
@@ -219,9 +220,9 @@ def main() -> None:
             rates: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
             rates = {"floor: readinto of the shard files": [], **rates}
             for _ in range(args.repeats):
-                rates["floor: readinto of the shard files"].append(timed(lambda: floor_read(root)))
+                rates["floor: readinto of the shard files"].append(timed(lambda: sum(floor_read(root) for _ in range(args.passes))))
                 for name, make in contenders.items():  # interleaved: noise hits all alike
-                    rates[name].append(timed(lambda: consume(make())))
+                    rates[name].append(timed(lambda: sum(consume(make()) for _ in range(args.passes))))
             ref = statistics.median(r[1] for r in rates["webdataset, np.load"])
             for name, values in rates.items():
                 wall = statistics.median(r[0] for r in values)

@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=48, help="4 MB samples; larger sizes get the same bytes")
     parser.add_argument("--large-mb", default="4", help="sample sizes in MB, e.g. 4,64,500")
     parser.add_argument("--manifest-shards", type=int, default=10_000, help="0: skip the time-to-first-batch part")
-    parser.add_argument("--threads-ab", action="store_true", help="also run shardstream with one read-ahead thread")
+    parser.add_argument("--threads-ab", action="store_true", help="also run shardstream with 4 read-ahead threads")
     args = parser.parse_args()
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
@@ -111,7 +111,7 @@ def main() -> None:
                     assert sum(pool.map(_get_all, [endpoint, endpoint], [keys[0::2], keys[1::2]])) == total
                 return n
 
-            def ours(workers, readahead=None, threads=4):
+            def ours(workers, readahead=None, threads=1):
                 def run():
                     ds = ShardStream(f"s3://bench/{kind}", batch_size=batch, shuffle=False, decode=False, world=World(0, 1),
                                      storage_options=options, read=Read(read_size=read_size, readahead_bytes=readahead,
@@ -133,8 +133,8 @@ def main() -> None:
                           "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2),
                           "webdataset, 0 workers": webdataset_run(0), "webdataset, 2 workers": webdataset_run(2)}
             if args.threads_ab:
-                contenders["shardstream, 0 workers, 1 read-ahead thread"] = ours(0, threads=1)
-                contenders["shardstream, 2 workers, 1 read-ahead thread"] = ours(2, threads=1)
+                contenders["shardstream, 0 workers, 4 read-ahead threads"] = ours(0, threads=4)
+                contenders["shardstream, 2 workers, 4 read-ahead threads"] = ours(2, threads=4)
             if kind.startswith("large") and int(kind[5:]) >= 64:
                 contenders["shardstream, 0 workers, read-ahead off"] = ours(0, 0)
             times = {name: [] for name in contenders}

@@ -1,6 +1,7 @@
 """Small samples through the user's own pipeline: a user per-sample function and a user collate
 (torch's default_collate on dicts, on tuples), ShardStream vs webdataset vs the floor (the same
-function and collate over the samples already in memory), side by side, interleaved, medians.
+function and collate over the samples already in memory), side by side, interleaved, medians;
+litData too when it is importable (not a dependency of shardstream).
 
     OMP_NUM_THREADS=1 python tools/bench_user.py [--repeats 5] [--samples 100000] [--workers 0]
 
@@ -73,6 +74,31 @@ def webdataset_run(root: str, fn, workers: int) -> int:
     return sum(len(b[1] if isinstance(b, (list, tuple)) else b["y"]) for b in wds.WebLoader(ds, batch_size=None, num_workers=workers))
 
 
+def _identity(sample):
+    return sample
+
+
+def make_litdata(out: str, samples: list) -> bool:
+    """The same samples in litData's format, when litdata is installed (it is not a dependency:
+    run this script from an environment that has it, e.g. a venv with shardstream on PYTHONPATH)."""
+    try:
+        import litdata
+    except ImportError:
+        return False
+    if not os.path.exists(os.path.join(out, "index.json")):
+        litdata.optimize(fn=_identity, inputs=samples, output_dir=out, chunk_bytes="64MB", num_workers=2, mode="overwrite")
+    return True
+
+
+def litdata_run(out: str, fn, workers: int) -> int:
+    import litdata
+    from torch.utils.data import default_collate
+
+    ds = litdata.StreamingDataset(input_dir=out, transform=fn)
+    loader = litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=default_collate)
+    return sum(len(b[1] if isinstance(b, (list, tuple)) else b["y"]) for b in loader)
+
+
 def floor_run(samples: list, fn) -> int:
     from torch.utils.data import default_collate
 
@@ -106,12 +132,16 @@ def main() -> None:
         for i, shard in enumerate(manifest.shards):
             with open(manifest.shard_url(i), "rb") as f:
                 in_memory += [fields for _, _, _, fields in iter_samples(f.read, url="x", end=shard.span[1])]
+        lit = os.path.join(args.workdir, "litdata")
+        have_litdata = make_litdata(lit, in_memory)
         rows = []
         for workers in [int(w) for w in args.workers.split(",")]:
             for shape, fn in (("dict", to_dict), ("tuple", to_tuple)):
                 contenders = {"floor (in-memory list)": lambda: floor_run(in_memory, fn),
                               "shardstream": lambda: shardstream_run(root, fn, workers),
                               "webdataset": lambda: webdataset_run(root, fn, workers)}
+                if have_litdata:
+                    contenders["litData"] = lambda: litdata_run(lit, fn, workers)
                 rates: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
                 for _ in range(args.repeats):
                     for name, run in contenders.items():  # interleaved
