@@ -93,9 +93,9 @@ def run_child(*args: str) -> dict:
 
 def first_batch_on_moto(shards: int, repeats: int) -> None:
     import boto3
-    from bench_s3 import start_moto  # type: ignore[import-not-found]
+    from bench_s3 import many_shards, start_moto  # type: ignore[import-not-found]
 
-    from shardstream import ShardStream, ShardWriter, World, make_loader
+    from shardstream import ShardStream, World, make_loader
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
@@ -103,26 +103,7 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
     try:
         client = boto3.client("s3", endpoint_url=endpoint)
         client.create_bucket(Bucket="bench")
-        with ShardWriter("s3://bench/src", max_count=10, storage_options=options) as w:
-            for i in range(10):
-                w.write_encoded(f"{i:04d}", {"txt": b"x" * 100, "cls": b"1"})
-        body = client.get_object(Bucket="bench", Key="src/shard-000000.tar")["Body"].read()
-        sidecar = client.get_object(Bucket="bench", Key="src/shard-000000.tar.idx")["Body"].read()
-        from concurrent.futures import ThreadPoolExecutor
-
-        def put(i: int) -> None:
-            client.put_object(Bucket="bench", Key=f"many/shard-{i:06d}.tar", Body=body)
-            client.put_object(Bucket="bench", Key=f"many/shard-{i:06d}.tar.idx", Body=sidecar)
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(put, range(shards)))
-        doc = json.loads(client.get_object(Bucket="bench", Key="src/index.json")["Body"].read())
-        template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
-        doc["shards"] = {k: [v] * shards for k, v in template.items()}
-        doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(shards)]
-        doc["total_samples"] = 10 * shards
-        doc["total_bytes"] = template["bytes"] * shards
-        client.put_object(Bucket="bench", Key="many/index.json", Body=json.dumps(doc).encode())
+        many_shards(client, options, "many", shards, {"txt": b"x" * 100, "cls": b"1"})
         firsts, constructs = [], []
         for _ in range(repeats):
             t = time.perf_counter()

@@ -57,6 +57,36 @@ def _get_all(endpoint: str, keys: list[str]) -> int:
     return total
 
 
+def many_shards(client, options: dict, prefix: str, count: int, sample: dict | None = None) -> bytes:
+    """``count`` copies of one 10-sample shard (and its offset sidecar) under s3://bench/PREFIX, with
+    their manifest; returns the manifest's JSON. Copies are server-side puts of the same bytes."""
+    import json
+
+    from shardstream import ShardWriter
+
+    with ShardWriter(f"s3://bench/{prefix}-src", max_count=10, storage_options=options) as w:
+        for i in range(10):
+            w.write_encoded(f"{i:04d}", sample or {"txt": b"x" * 100})
+    body = client.get_object(Bucket="bench", Key=f"{prefix}-src/shard-000000.tar")["Body"].read()
+    sidecar = client.get_object(Bucket="bench", Key=f"{prefix}-src/shard-000000.tar.idx")["Body"].read()
+
+    def put(i: int) -> None:
+        client.put_object(Bucket="bench", Key=f"{prefix}/shard-{i:06d}.tar", Body=body)
+        client.put_object(Bucket="bench", Key=f"{prefix}/shard-{i:06d}.tar.idx", Body=sidecar)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, range(count)))
+    doc = json.loads(client.get_object(Bucket="bench", Key=f"{prefix}-src/index.json")["Body"].read())
+    template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
+    doc["shards"] = {k: [v] * count for k, v in template.items()}
+    doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(count)]
+    doc["total_samples"] = 10 * count
+    doc["total_bytes"] = template["bytes"] * count
+    manifest = json.dumps(doc).encode()
+    client.put_object(Bucket="bench", Key=f"{prefix}/index.json", Body=manifest)
+    return manifest
+
+
 def main() -> None:
     import boto3
     import webdataset as wds
@@ -158,28 +188,7 @@ def main() -> None:
         if args.manifest_shards:
             # time to first batch with a manifest of many shards
             count = args.manifest_shards
-            with ShardWriter("s3://bench/tiny-src", max_count=10, storage_options=options) as w:
-                for i in range(10):
-                    w.write_encoded(f"{i:04d}", {"txt": b"x" * 100})
-            body = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar")["Body"].read()
-            sidecar = client.get_object(Bucket="bench", Key="tiny-src/shard-000000.tar.idx")["Body"].read()
-
-            def put(i: int) -> None:
-                client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar", Body=body)
-                client.put_object(Bucket="bench", Key=f"tiny/shard-{i:06d}.tar.idx", Body=sidecar)
-
-            with ThreadPoolExecutor(16) as pool:
-                list(pool.map(put, range(count)))
-            import json
-
-            doc = json.loads(client.get_object(Bucket="bench", Key="tiny-src/index.json")["Body"].read())
-            template = {k: v[0] for k, v in doc["shards"].items() if v is not None}
-            doc["shards"] = {k: [v] * count for k, v in template.items()}
-            doc["shards"]["path"] = [f"shard-{i:06d}.tar" for i in range(count)]
-            doc["total_samples"] = 10 * count
-            doc["total_bytes"] = template["bytes"] * count
-            manifest = json.dumps(doc).encode()
-            client.put_object(Bucket="bench", Key="tiny/index.json", Body=manifest)
+            manifest = many_shards(client, options, "tiny", count)
             firsts, constructs = [], []
             for _ in range(args.repeats):
                 t = time.perf_counter()
