@@ -49,10 +49,6 @@ def _to_shared(data: bytes | bytearray) -> torch.Tensor:
     return out
 
 
-def _large_bytes(v: Any) -> bool:
-    return type(v) is bytes and len(v) >= SHARED_BYTES_MIN
-
-
 def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
     """(structure with small CPU tensors as numpy arrays, spec or None if nothing changed)."""
     if isinstance(obj, (bytes, bytearray)):
@@ -72,7 +68,7 @@ def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
         spec: dict[Any, Any] = {}
         changed: dict[Any, Any] = {}
         for k, v in obj.items():
-            if isinstance(v, _SCALARS) and not _large_bytes(v):
+            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
             nv, s = _pack(v, max_bytes)
             if s is not None:
@@ -87,7 +83,7 @@ def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
         spec = {}
         items: list[Any] | None = None
         for i, v in enumerate(obj):
-            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):
+            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
             nv, s = _pack(v, max_bytes)
             if s is not None:

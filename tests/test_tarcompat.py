@@ -455,3 +455,23 @@ def test_webdataset_tarwriter_tgz_read_from_bare_urls(tmp_path):
     stream = ShardStream.from_urls(str(path), batch_size=3, shuffle=False, decode=False, world=World(0, 1),
                          collate=lambda samples: samples)
     assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for b in stream for s in b] == expected
+
+
+@needs_gnu_tar
+def test_a_large_sparse_member_kept_as_a_buffer_holds_its_expanded_contents(tmp_path):
+    from shardstream.format.tar import iter_samples
+
+    path = tmp_path / "src" / "big.bin"
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))  # 1 MiB stored...
+        f.truncate(3 << 20)  # ...and a 2 MiB hole after it
+    contents = path.read_bytes()
+    out = tmp_path / "big.tar"
+    subprocess.run([GNU_TAR, "--format=pax", "--sparse", "-cf", str(out), "big.bin"], cwd=tmp_path / "src", check=True)
+    data = out.read_bytes()
+    reader = io.BytesIO(data)
+    samples = list(iter_samples(reader.read, url="big.tar", end=len(data), read_size=8 << 20, keep_buffers={"bin"}))
+    assert [k for k, _, _, _ in samples] == ["big"]
+    value = samples[0][3]["bin"]
+    assert isinstance(value, memoryview) and bytes(value) == contents

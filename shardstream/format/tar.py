@@ -37,7 +37,6 @@ DEFAULT_READ_SIZE = 4 << 20
 # to read_size, so little of the next large member lands in a shared block.
 LARGE_MEMBER = 1 << 20
 AFTER_LARGE_READ = 64 << 10
-FILL_PIECE = 8 << 20  # read(n) size when a stream has no readinto
 MAX_OCTAL_SIZE = 0o77777777777
 
 # Fixed header fields: mode 0644, uid/gid 0, mtime 0, empty owner names (deterministic output).
@@ -301,18 +300,30 @@ def _verify_checksums(buf: bytes, positions: list[int], url: str, base: int) -> 
             raise ShardFormatError(url, base + pos, "tar header checksum mismatch (corrupt or not a tar file)")
 
 
+def _pieces(read: Callable[[int], bytes], left: int, url: str, at: int, end: int) -> Iterator[bytes]:
+    """The next ``left`` bytes of the stream as the pieces ``read`` hands over, all of the rest
+    asked for each time (one request on S3); a stream that ends first is a truncated shard."""
+    while left > 0:
+        piece = read(left)
+        if not piece:
+            raise ShardFormatError(url, at, f"stream ended at byte {at}, expected {end} (truncated shard)")
+        yield piece
+        left -= len(piece)
+        at += len(piece)
+
+
 def _fill(view: memoryview, read: Callable[[int], bytes], readinto: Callable[[memoryview], int] | None,
           url: str, at: int, end: int) -> None:
     """Fill ``view`` from the stream: ``readinto`` when the stream has one (one copy, kernel or
     network buffer to ``view``), else ``read`` pieces copied in."""
     got, n = 0, len(view)
+    if readinto is None:
+        for piece in _pieces(read, n, url, at, end):
+            view[got : got + len(piece)] = piece
+            got += len(piece)
+        return
     while got < n:
-        if readinto is not None:
-            k = readinto(view[got:])
-        else:
-            piece = read(min(n - got, FILL_PIECE))
-            k = len(piece)
-            view[got : got + k] = piece
+        k = readinto(view[got:])
         if not k:
             raise ShardFormatError(url, at + got, f"stream ended at byte {at + got}, expected {end} (truncated shard)")
         got += k
@@ -326,16 +337,9 @@ def _own_buffer(size: int, buffers: BufferPool | None) -> memoryview:
 
 
 def _read_joined(head: bytes, left: int, read: Callable[[int], bytes], url: str, at: int, end: int) -> bytes:
-    """``head`` and the next ``left`` bytes of the stream as one ``bytes``: the rest asked for in one
-    read (one request on S3), the pieces joined once."""
+    """``head`` and the next ``left`` bytes of the stream as one ``bytes``, the pieces joined once."""
     pieces = [head] if head else []
-    while left > 0:
-        piece = read(left)
-        if not piece:
-            raise ShardFormatError(url, at, f"stream ended at byte {at}, expected {end} (truncated shard)")
-        pieces.append(piece)
-        left -= len(piece)
-        at += len(piece)
+    pieces += _pieces(read, left, url, at, end)
     if len(pieces) == 1 and type(pieces[0]) is bytes:
         return pieces[0]
     return b"".join(pieces)
@@ -435,8 +439,8 @@ def iter_sample_batches(
                     raise ShardFormatError(
                         url, base + pos, f"member claims {size} bytes but only {limit - data_start} remain (truncated or corrupt)"
                     )
+                kind = buf[pos + 156]
                 if padded_end > buflen:
-                    kind = buf[pos + 156]
                     if size < large_member or kind == 83 or kind not in _DATA_KINDS or _sparse_pax(pax):
                         need = padded_end - pos
                         break
@@ -458,7 +462,6 @@ def iter_sample_batches(
                         fetched += pad
                     read_next = AFTER_LARGE_READ
                 headers.append(pos)
-                kind = buf[pos + 156]
                 if kind == 48 or kind == 0 or kind == 55 or kind == 83:  # '0', NUL, '7': regular file; 'S': old GNU sparse
                     if long_name is None and pax is None:
                         nul = buf.find(0, pos, pos + 100)
@@ -492,12 +495,12 @@ def iter_sample_batches(
                             ext = ext.lower()
                     else:  # a hidden last component or no extension: webdataset's regex decides
                         k, ext = split_name(name)  # type: ignore[assignment]
-                    if size >= large_member:  # a large member: kept as a writable buffer, or bytes
-                        if big is not None:
-                            big = None
-                        elif ext in keep_buffers and type(value) is bytes:
-                            value = _own_buffer(size, buffers)
-                            value[:] = memoryview(buf)[data_start:data_end]
+                    if big is not None:  # read on its own above: already the right type
+                        big = None
+                    elif len(value) >= large_member and ext in keep_buffers:  # all in this block: a buffer of its own
+                        own = _own_buffer(len(value), buffers)
+                        own[:] = value  # (the expanded contents, for a sparse member)
+                        value = own
                     if k is not None and (name[:2] != "__" or not is_meta_name(name)):  # else not sample data (as in webdataset)
                         if k != key:
                             if key is not None:
