@@ -61,3 +61,38 @@ def test_forked_children_start_from_the_parents_session(s3, monkeypatch):
     child.join(60)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "rotated")  # credentials resolve again under a new environment
     assert storage.shared_s3_session(options) is not session
+
+
+def test_every_s3_filesystem_shares_the_session(s3):
+    # the readers' filesystems carry their own retry policy in config_kwargs; they once made a
+    # botocore session (and parsed its models) of their own in every process
+    from shardstream.storage.config import StorageConfig
+    from shardstream.storage.ranges import resolve
+
+    bucket, options, _ = s3
+    session = storage.shared_s3_session(options)
+    assert storage.get_fs(f"s3://{bucket}/x", options)[0].session is session
+    assert resolve(f"s3://{bucket}/x", options, StorageConfig())[0].session is session
+    user_retries = {**options, "config_kwargs": {"retries": {"max_attempts": 2}}}
+    assert storage.get_fs(f"s3://{bucket}/x", user_retries)[0].session is session
+
+
+def test_workers_make_no_botocore_session_of_their_own(s3, tmp_path, monkeypatch):
+    import botocore.session
+
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/w", 40, max_count=5, storage_options=options)
+    log = tmp_path / "sessions"
+    parent, original = os.getpid(), botocore.session.Session.__init__
+
+    def init(self, *args, **kwargs):
+        if os.getpid() != parent:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(botocore.session.Session, "__init__", init)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options)
+    keys = [k for b in make_loader(ds, num_workers=2, multiprocessing_context="fork") for k in b["__key__"]]
+    assert len(keys) == len(set(keys)) == 40
+    assert not log.exists(), f"workers made botocore sessions: {log.read_text()}"
