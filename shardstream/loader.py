@@ -38,22 +38,39 @@ SHARED_BYTES_MIN = 1 << 20
 # thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
 PACKED = "__shardstream_inline__"
+SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
 
-def _to_shared(data: bytes | bytearray) -> torch.Tensor:
-    """The bytes in a new shared-memory uint8 tensor (DataLoader sends its handle, not the bytes)."""
-    storage = torch.UntypedStorage._new_shared(len(data))
-    out = torch.empty(0, dtype=torch.uint8).set_(storage)
-    out.numpy()[:] = np.frombuffer(data, np.uint8)
-    return out
+class SharedFields:
+    """Every large bytes field of one batch, end to end in one new shared-memory uint8 tensor.
+    DataLoader sends the tensor's handle, not its bytes: one handle per batch (each is a file
+    descriptor that the worker's resource-sharer thread passes over a socket). Not a tensor in
+    the batch structure itself, so the pin-memory thread leaves it alone: these fields become
+    ``bytes`` again, never device tensors."""
+
+    def __init__(self, fields: list[bytes | bytearray]):
+        self.ends = np.cumsum([len(f) for f in fields]).tolist()
+        storage = torch.UntypedStorage._new_shared(self.ends[-1])
+        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        arena = self.tensor.numpy()
+        start = 0
+        for data, end in zip(fields, self.ends):
+            arena[start:end] = np.frombuffer(data, np.uint8)
+            start = end
+
+    def view(self, index: int) -> np.ndarray:
+        return self.tensor.numpy()[self.ends[index - 1] if index else 0 : self.ends[index]]
 
 
-def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
-    """(structure with small CPU tensors as numpy arrays, spec or None if nothing changed)."""
+def _pack(obj: Any, max_bytes: int, large: list[bytes | bytearray]) -> tuple[Any, Any]:
+    """(structure with small CPU tensors as numpy arrays, spec or None if nothing changed). Large
+    bytes fields are appended to ``large`` and leave None behind; their spec is (type, index in
+    ``large``)."""
     if isinstance(obj, (bytes, bytearray)):
         if len(obj) >= SHARED_BYTES_MIN:
-            return _to_shared(obj), ("bytes" if isinstance(obj, bytes) else "bytearray")
+            large.append(obj)
+            return None, ("bytes" if isinstance(obj, bytes) else "bytearray", len(large) - 1)
         return obj, None
     if isinstance(obj, torch.Tensor):
         if obj.nbytes <= max_bytes and obj.device.type == "cpu" and not obj.requires_grad:
@@ -70,7 +87,7 @@ def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
         for k, v in obj.items():
             if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
-            nv, s = _pack(v, max_bytes)
+            nv, s = _pack(v, max_bytes, large)
             if s is not None:
                 spec[k] = s
                 changed[k] = nv
@@ -85,7 +102,7 @@ def _pack(obj: Any, max_bytes: int) -> tuple[Any, Any]:
         for i, v in enumerate(obj):
             if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
-            nv, s = _pack(v, max_bytes)
+            nv, s = _pack(v, max_bytes, large)
             if s is not None:
                 if items is None:
                     items = list(obj)
@@ -117,25 +134,31 @@ def _rebuild(obj: list | tuple, items: list[Any]) -> Any:
 def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
     """In a worker: small CPU tensors anywhere in ``batch`` become numpy arrays and large bytes
     shared-memory tensors, marked for unpack_batch."""
-    packed, spec = _pack(batch, max_bytes)
-    return batch if spec is None else {PACKED: spec, "batch": packed}
+    large: list[bytes | bytearray] = []
+    packed, spec = _pack(batch, max_bytes, large)
+    if spec is None:
+        return batch
+    out = {PACKED: spec, "batch": packed}
+    if large:
+        out[SHARED] = SharedFields(large)
+    return out
 
 
-def _restore(obj: Any, spec: Any, pin: bool) -> Any:
+def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None) -> Any:
     if spec is True:
         t = torch.from_numpy(obj)
         return t.pin_memory() if pin else t
-    if spec == "bytes":
-        return obj.numpy().tobytes()
-    if spec == "bytearray":
-        return bytearray(obj.numpy())
+    if type(spec) is tuple:  # (type, index) in the batch's SharedFields
+        assert shared is not None
+        view = shared.view(spec[1])
+        return view.tobytes() if spec[0] == "bytes" else bytearray(view)
     if isinstance(obj, (list, tuple)):
         items = list(obj)
         for i, s in spec.items():
-            items[i] = _restore(items[i], s, pin)
+            items[i] = _restore(items[i], s, pin, shared)
         return _rebuild(obj, items)
     for k, s in spec.items():  # a mapping: the worker's copy, ours to change
-        obj[k] = _restore(obj[k], s, pin)
+        obj[k] = _restore(obj[k], s, pin, shared)
     return obj
 
 
@@ -143,7 +166,7 @@ def unpack_batch(batch: Any, pin: bool = False) -> Any:
     """In the main process: undo pack_batch (numpy -> tensor without a copy; pinned if asked)."""
     if type(batch) is not dict or PACKED not in batch:
         return batch
-    return _restore(batch["batch"], batch[PACKED], pin)
+    return _restore(batch["batch"], batch[PACKED], pin, batch.get(SHARED))
 
 
 class PackInWorker:

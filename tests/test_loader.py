@@ -11,7 +11,7 @@ import torch
 from conftest import write_dataset
 
 from shardstream import ShardStream, World, make_loader
-from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED_BYTES_MIN, pack_batch, unpack_batch
+from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED, SHARED_BYTES_MIN, pack_batch, unpack_batch
 
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -59,11 +59,16 @@ def test_small_tensors_travel_as_arrays_large_ones_as_tensors():
 
 def test_large_bytes_cross_in_shared_memory_and_arrive_as_the_same_type():
     data = bytes(range(256)) * (SHARED_BYTES_MIN // 256 + 1)
-    packed = pack_batch({"raw": [data, b"tiny"], "k": ["a", "b"]})
-    sent = packed["batch"]["raw"][0]
-    assert isinstance(sent, torch.Tensor) and sent.is_shared() and packed["batch"]["raw"][1] == b"tiny"
-    back = unpack_batch(packed)["raw"]
-    assert type(back[0]) is bytes and back[0] == data and back[1] == b"tiny"
+    other = bytearray(b"\x07" * (SHARED_BYTES_MIN + 5))
+    packed = pack_batch({"raw": [data, b"tiny", data[::-1]], "k": ["a", "b", "c"], "ba": other})
+    # every large field of the batch in one shared segment (one handle to pass), none left in the structure
+    sent = packed[SHARED]
+    assert sent.tensor.is_shared() and sent.tensor.numel() == 2 * len(data) + len(other)
+    assert packed["batch"]["raw"] == [None, b"tiny", None] and packed["batch"]["ba"] is None
+    assert not any(isinstance(v, torch.Tensor) for v in packed.values())  # the pin-memory thread has nothing to pin
+    back = unpack_batch(packed)
+    assert type(back["raw"][0]) is bytes and back["raw"] == [data, b"tiny", data[::-1]]
+    assert type(back["ba"]) is bytearray and back["ba"] == other and back["k"] == ["a", "b", "c"]
 
 
 def _raw_fields(tmp_path):
