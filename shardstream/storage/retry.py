@@ -66,39 +66,44 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
 
-    async def get(a: int, b: int, out: bytearray) -> None:
+    async def get(a: int, b: int, out: bytearray, got: list[int]) -> None:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
         body = resp["Body"]
+        view = memoryview(out)
         try:
-            while len(out) < b - a:
-                chunk = await body.read(chunk_size)
-                if not chunk:
+            while got[0] < b - a:
+                n = await body.readinto(view[got[0] : got[0] + chunk_size])
+                if not n:
                     break
-                out += chunk
+                got[0] += n
         finally:
+            view.release()
             body.close()
 
-    async def get_bounded(a: int, b: int, out: bytearray, timeout: float | None) -> None:
+    async def get_bounded(a: int, b: int, out: bytearray, got: list[int], timeout: float | None) -> None:
         if timeout is None:
-            await get(a, b, out)
+            await get(a, b, out, got)
             return
         try:
-            await asyncio.wait_for(get(a, b, out), timeout)
+            await asyncio.wait_for(get(a, b, out, got), timeout)
         except TimeoutError as exc:
             if exc.args:  # botocore/aiohttp's own read or connect timeout
                 raise
             raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
 
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        out = bytearray()
+        # The body is read into one buffer of the range's size: appending to a growing bytearray
+        # copied the block again at each of its reallocations (about 1/8 growth each).
+        out = bytearray(b - a)
+        got = [0]
         try:
-            fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, timeout)
+            fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, got, timeout)
         except Exception as exc:  # classified by the caller; the bytes that arrived are kept
-            if out and classify(exc) in TRANSIENT:
-                raise PartialRead(bytes(out[: b - a]), exc) from exc
+            if got[0] and classify(exc) in TRANSIENT:
+                raise PartialRead(bytes(out[: got[0]]), exc) from exc
             raise
-        if len(out) > b - a:
-            del out[b - a :]
+        if got[0] < b - a:  # the object ended early (the caller reports a short read)
+            del out[got[0] :]
         return out  # a bytearray: no extra copy of a large block
 
     return fetch
