@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -86,3 +87,45 @@ def batch_buffers(pool: BufferPool | None) -> Iterator[None]:
 
 def active_pool() -> BufferPool | None:
     return getattr(_active, "pool", None)
+
+
+def new_shared(nbytes: int) -> Any:
+    """A new shared-memory ``torch.UntypedStorage`` of ``nbytes`` (what a DataLoader worker sends
+    as a handle), with its pages mapped up front.
+
+    Filling a fresh shared segment takes one page fault per 4 KiB page, and in this VM each is
+    dear: 128 MiB took 104-114 ms to fill, against 16 ms once its pages are mapped. One
+    ``madvise(MADV_POPULATE_WRITE)`` call maps them all for 52-61 ms (Linux 5.14 and later;
+    elsewhere, or if it is refused, the pages fault in as before)."""
+    import torch
+
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    if nbytes >= _POPULATE_MIN and _madvise is not None:
+        start = storage.data_ptr() & ~(_PAGE - 1)  # the mapping may start before the data (a header)
+        _madvise(start, storage.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE)  # a refusal only costs the faults
+    return storage
+
+
+_POPULATE_MIN = 1 << 20
+_MADV_POPULATE_WRITE = 23  # linux/mman.h
+_PAGE = 4096
+
+
+def _libc_madvise() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import mmap
+
+    global _PAGE
+    _PAGE = mmap.PAGESIZE
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()

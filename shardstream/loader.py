@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import webdataset
 
+from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class SharedFields:
 
     def __init__(self, fields: list[bytes | bytearray]):
         self.ends = np.cumsum([len(f) for f in fields]).tolist()
-        storage = torch.UntypedStorage._new_shared(self.ends[-1])
+        storage = new_shared(self.ends[-1])
         self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
         arena = self.tensor.numpy()
         start = 0

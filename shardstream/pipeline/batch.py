@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.buffers import BufferPool, active_pool, batch_buffers
+from shardstream.buffers import BufferPool, active_pool, batch_buffers, new_shared
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
     from torch.utils.data import get_worker_info
 
     if nbytes >= SHARED_MIN_BYTES and get_worker_info() is not None:
-        storage = torch.UntypedStorage._new_shared(nbytes)
+        storage = new_shared(nbytes)
         return torch.empty(0, dtype=dtype).set_(storage).view(shape)
     if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
         pool = active_pool()  # the pass's pool: memory of batches nobody holds any more
