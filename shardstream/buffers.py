@@ -17,6 +17,7 @@ as usual), and the pool lives as long as the pass that made it.
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 from collections.abc import Iterator
@@ -108,17 +109,14 @@ def new_shared(nbytes: int) -> Any:
 
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 
 
 def _libc_madvise() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
-    import mmap
 
-    global _PAGE
-    _PAGE = mmap.PAGESIZE
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
