@@ -27,7 +27,6 @@ def moto_server():
     """The moto server of bench_s3 (its own process, stopped by PID)."""
     from bench_s3 import start_moto
 
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, url = start_moto()
     try:
         yield url

@@ -34,7 +34,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2,4,8")
     args = parser.parse_args()
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
     try:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")

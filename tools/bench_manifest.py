@@ -97,7 +97,6 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
 
     from shardstream import ShardStream, World, make_loader
 
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
     options = {"endpoint_url": endpoint}
     try:

@@ -102,7 +102,6 @@ def main() -> None:
         if not args.no_s3:
             import boto3
 
-            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
             proc, endpoint = start_moto()
             boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
             options = {"endpoint_url": endpoint}

@@ -28,6 +28,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto server on a free loopback port, with moto's fake credentials in this process's
+    environment (botocore, s3fs and forked workers read them from there)."""
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -101,7 +104,6 @@ def main() -> None:
     parser.add_argument("--manifest-shards", type=int, default=10_000, help="0: skip the time-to-first-batch part")
     parser.add_argument("--threads-ab", action="store_true", help="also run shardstream with 4 read-ahead threads")
     args = parser.parse_args()
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     proc, endpoint = start_moto()
     options = {"endpoint_url": endpoint}
     try:
