@@ -12,6 +12,8 @@ tensors therefore travel inline as numpy arrays, anywhere in the batch (dict, tu
 namedtuple, nested, or a bare tensor), and become tensors again on arrival (``torch.from_numpy``,
 no copy); large ones (images) keep the shared-memory path. Large undecoded ``bytes`` fields
 (``SHARED_BYTES_MIN`` and up) cross in shared memory too, and are ``bytes`` again on arrival.
+Under make_loader a worker writes its large batches into segments it used before, once the main
+process is done with them, and sends those by number (segments.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import webdataset
 
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
+from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, tensor_from, worker_pool
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ SHARED_BYTES_MIN = 1 << 20
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
 PACKED = "__shardstream_inline__"
 SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
+SEGMENTS = "__shardstream_segments__"  # the batch's segments.Handoff, if tensors lie on pooled segments
+_ON_SEGMENT = "segment"  # the spec of a tensor replaced by a segments.PooledTensor
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
 
@@ -50,10 +55,10 @@ class SharedFields:
     the batch structure itself, so the pin-memory thread leaves it alone: these fields become
     ``bytes`` again, never device tensors."""
 
-    def __init__(self, fields: list[bytes | bytearray]):
+    def __init__(self, fields: list[bytes | bytearray], take: Callable[[int], Any] = new_shared):
         self.ends = np.cumsum([len(f) for f in fields]).tolist()
-        storage = new_shared(self.ends[-1])
-        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        storage = take(self.ends[-1])  # maybe larger: a pooled segment
+        self.tensor: Any = torch.empty(0, dtype=torch.uint8).set_(storage)[: self.ends[-1]]
         arena = self.tensor.numpy()
         start = 0
         for data, end in zip(fields, self.ends):
@@ -64,22 +69,40 @@ class SharedFields:
         return self.tensor.numpy()[self.ends[index - 1] if index else 0 : self.ends[index]]
 
 
-def _pack(obj: Any, max_bytes: int, large: list[bytes | bytearray]) -> tuple[Any, Any]:
+class _Packing:
+    """One batch's pack step: the large bytes fields met, and the worker's segment pool (if any)
+    with the segments that tensors of the batch lie on."""
+
+    __slots__ = ("max_bytes", "large", "pool", "found")
+
+    def __init__(self, max_bytes: int, pool: WorkerPool | None):
+        self.max_bytes, self.pool = max_bytes, pool
+        self.large: list[bytes | bytearray] = []
+        self.found: set[int] = set()
+
+
+def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
     """(structure with small CPU tensors as numpy arrays, spec or None if nothing changed). Large
-    bytes fields are appended to ``large`` and leave None behind; their spec is (type, index in
-    ``large``)."""
+    bytes fields are appended to ``ctx.large`` and leave None behind; their spec is (type, index in
+    ``ctx.large``). Tensors on the worker's pooled segments become PooledTensor markers."""
     if isinstance(obj, (bytes, bytearray)):
         if len(obj) >= SHARED_BYTES_MIN:
-            large.append(obj)
-            return None, ("bytes" if isinstance(obj, bytes) else "bytearray", len(large) - 1)
+            ctx.large.append(obj)
+            return None, ("bytes" if isinstance(obj, bytes) else "bytearray", len(ctx.large) - 1)
         return obj, None
     if isinstance(obj, torch.Tensor):
-        if obj.nbytes <= max_bytes and obj.device.type == "cpu" and not obj.requires_grad:
+        if obj.device.type != "cpu" or obj.requires_grad:
+            return obj, None
+        if obj.nbytes <= ctx.max_bytes:
             try:
                 return obj.numpy(), True
             except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
                 return obj, None
-        return obj, None
+        marker = ctx.pool.find(obj) if ctx.pool is not None else None
+        if marker is None:
+            return obj, None
+        ctx.found.add(marker.segment)
+        return marker, _ON_SEGMENT
     if isinstance(obj, _SCALARS):
         return obj, None
     if isinstance(obj, Mapping):
@@ -88,7 +111,7 @@ def _pack(obj: Any, max_bytes: int, large: list[bytes | bytearray]) -> tuple[Any
         for k, v in obj.items():
             if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
-            nv, s = _pack(v, max_bytes, large)
+            nv, s = _pack(v, ctx)
             if s is not None:
                 spec[k] = s
                 changed[k] = nv
@@ -103,7 +126,7 @@ def _pack(obj: Any, max_bytes: int, large: list[bytes | bytearray]) -> tuple[Any
         for i, v in enumerate(obj):
             if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
                 continue
-            nv, s = _pack(v, max_bytes, large)
+            nv, s = _pack(v, ctx)
             if s is not None:
                 if items is None:
                     items = list(obj)
@@ -132,22 +155,36 @@ def _rebuild(obj: list | tuple, items: list[Any]) -> Any:
     return tuple(items) if type(obj) is tuple else type(obj)(items)
 
 
-def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES) -> Any:
-    """In a worker: small CPU tensors anywhere in ``batch`` become numpy arrays and large bytes
-    shared-memory tensors, marked for unpack_batch."""
-    large: list[bytes | bytearray] = []
-    packed, spec = _pack(batch, max_bytes, large)
+def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool | None = None) -> Any:
+    """In a worker: small CPU tensors anywhere in ``batch`` become numpy arrays, large bytes
+    shared-memory tensors, and tensors on ``pool``'s segments markers; all marked for
+    unpack_batch."""
+    ctx = _Packing(max_bytes, pool)
+    packed, spec = _pack(batch, ctx)
+    shared = None
+    if ctx.large:
+        shared = SharedFields(ctx.large, pool.take if pool is not None else new_shared)
+        marker = pool.find(shared.tensor) if pool is not None else None
+        if marker is not None:
+            shared.tensor = marker
+            ctx.found.add(marker.segment)
+    handoff = pool.sent(ctx.found) if pool is not None else None
     if spec is None:
         return batch
     out = {PACKED: spec, "batch": packed}
-    if large:
-        out[SHARED] = SharedFields(large)
+    if shared is not None:
+        out[SHARED] = shared
+    if handoff is not None:
+        out[SEGMENTS] = handoff
     return out
 
 
-def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None) -> Any:
+def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None, views: dict[int, Any]) -> Any:
     if spec is True:
         t = torch.from_numpy(obj)
+        return t.pin_memory() if pin else t
+    if type(spec) is str:  # _ON_SEGMENT (a string after pickling: compared by type, not identity)
+        t = tensor_from(views[obj.segment], obj)
         return t.pin_memory() if pin else t
     if type(spec) is tuple:  # (type, index) in the batch's SharedFields
         assert shared is not None
@@ -156,18 +193,28 @@ def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None) -> Any
     if isinstance(obj, (list, tuple)):
         items = list(obj)
         for i, s in spec.items():
-            items[i] = _restore(items[i], s, pin, shared)
+            items[i] = _restore(items[i], s, pin, shared, views)
         return _rebuild(obj, items)
     for k, s in spec.items():  # a mapping: the worker's copy, ours to change
-        obj[k] = _restore(obj[k], s, pin, shared)
+        obj[k] = _restore(obj[k], s, pin, shared, views)
     return obj
 
 
-def unpack_batch(batch: Any, pin: bool = False) -> Any:
-    """In the main process: undo pack_batch (numpy -> tensor without a copy; pinned if asked)."""
+def unpack_batch(batch: Any, pin: bool = False, channels: Channels | None = None) -> Any:
+    """In the main process: undo pack_batch (numpy -> tensor without a copy; pinned if asked).
+    ``channels`` maps the batch's pooled segments (see segments.py)."""
     if type(batch) is not dict or PACKED not in batch:
         return batch
-    return _restore(batch["batch"], batch[PACKED], pin, batch.get(SHARED))
+    handoff: Handoff | None = batch.get(SEGMENTS)
+    views: dict[int, Any] = {}
+    if handoff is not None:
+        if channels is None:
+            raise RuntimeError("a batch on pooled segments needs the loader's channels to unpack")
+        views = channels.receive(handoff)
+    shared = batch.get(SHARED)
+    if shared is not None and isinstance(shared.tensor, PooledTensor):
+        shared.tensor = tensor_from(views[shared.tensor.segment], shared.tensor)
+    return _restore(batch["batch"], batch[PACKED], pin, shared, views)
 
 
 class PackInWorker:
@@ -181,7 +228,19 @@ class PackInWorker:
     def __call__(self, batch: Any) -> Any:
         if self.fn is not None:
             batch = self.fn(batch)
-        return pack_batch(batch, self.max_bytes)
+        return pack_batch(batch, self.max_bytes, worker_pool())
+
+
+class WorkerStart:
+    """The loader's worker_init_fn: the worker's segment pool, then the user's function."""
+
+    def __init__(self, channels: Channels, fn: Callable[[int], Any] | None = None):
+        self.channels, self.fn = channels, fn
+
+    def __call__(self, worker_id: int) -> None:
+        self.channels.start_worker(worker_id)
+        if self.fn is not None:
+            self.fn(worker_id)
 
 
 def _passthrough(batch: Any) -> Any:
@@ -191,28 +250,38 @@ def _passthrough(batch: Any) -> Any:
 
 class UnpackStage:
     """The loader's first pipeline stage: unpack_batch on every batch, so stages added later
-    (``loader.map(...)``) see the batches as the dataset made them."""
+    (``loader.map(...)``) see the batches as the dataset made them. When a pass ends, the segments
+    of its workers are unmapped, unless the workers persist into the next pass."""
 
-    def __init__(self, pin: bool):
-        self.pin = pin
+    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False):
+        self.pin, self.channels, self.persistent = pin, channels, persistent
 
     def __call__(self, batches):
-        pin = self.pin
-        for batch in batches:
-            yield unpack_batch(batch, pin)
+        pin, channels = self.pin, self.channels
+        tokens: set[int] = set()
+        try:
+            for batch in batches:
+                if type(batch) is dict and SEGMENTS in batch:
+                    tokens.add(batch[SEGMENTS].token)
+                yield unpack_batch(batch, pin, channels)
+        finally:
+            if channels is not None and not self.persistent:
+                channels.forget(tokens)
 
 
 class ShardLoader(webdataset.WebLoader):
     """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
 
-    def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, **kwargs: Any):
+    def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, channels: Channels | None = None,
+                 **kwargs: Any):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
         self.log_interval = log_interval
-        self.append(UnpackStage(bool(kwargs.get("pin_memory"))))
-        self._pass: list[Any] | None = None  # [epoch, batches received, ResumePlan or None] of the last pass
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
+        self.channels = channels
+        self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers))
+        self._pass: list[Any] | None = None  # [epoch, batches received, ResumePlan or None] of the last pass
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -266,6 +335,8 @@ class ShardLoader(webdataset.WebLoader):
         # The wrapped DataLoader keeps persistent workers in ``_iterator``; dropping it shuts them
         # down, and the next pass starts workers holding the dataset as it is now.
         self.pipeline[0]._iterator = None
+        if self.channels is not None:
+            self.channels.forget(set(self.channels.mapped))
 
     def stats(self) -> dict[str, int]:
         return self.dataset.stats()
@@ -282,6 +353,7 @@ def make_loader(
     prefetch_factor: int | None = 2,
     persistent_workers: bool = False,
     log_interval: float | None = 60.0,
+    reuse_shared_memory: bool = True,
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
@@ -290,11 +362,21 @@ def make_loader(
     to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch). Every
     ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
     level; ``loader.stats()`` reads them any time. The dataset is not changed.
+
+    With ``reuse_shared_memory`` (forked workers), each worker keeps up to
+    ``segments.MAX_SEGMENTS`` shared-memory segments for its large batches and writes a segment
+    again only once the main process no longer holds any tensor on it; a fresh segment per batch
+    measured 2x slower. Pass False to give each batch a fresh segment (memory returned as soon as
+    batches are dropped, at that cost).
     """
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
     collate_fn = kwargs.pop("collate_fn", None)
+    channels = None
     if num_workers > 0:
         collate_fn = PackInWorker(collate_fn)
+        if reuse_shared_memory:
+            channels = Channels(num_workers)
+            kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
     return ShardLoader(
         dataset,
         batch_size=None,
@@ -304,5 +386,6 @@ def make_loader(
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         persistent_workers=persistent_workers and num_workers > 0,
         log_interval=log_interval,
+        channels=channels,
         **kwargs,
     )

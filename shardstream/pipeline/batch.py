@@ -13,8 +13,9 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.buffers import BufferPool, active_pool, batch_buffers, new_shared
+from shardstream.buffers import BufferPool, active_pool, batch_buffers
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
+from shardstream.segments import take_shared
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
     """One uninitialised tensor for a whole batch field.
 
     In a DataLoader worker it is in shared memory (as torch's own default_collate does), so the
-    hand-off to the main process sends a handle, not the bytes. Elsewhere it comes from numpy's
+    hand-off to the main process sends a handle, not the bytes; under make_loader the segment is
+    one the worker used before, once the main process is done with it (segments.py). Elsewhere it comes from numpy's
     allocator, which asks the kernel for huge pages on large arrays (``madvise``): filling a fresh
     256 MB batch then takes ~500 page faults instead of ~65,000, about half the CPU time.
     """
@@ -128,8 +130,8 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
     from torch.utils.data import get_worker_info
 
     if nbytes >= SHARED_MIN_BYTES and get_worker_info() is not None:
-        storage = new_shared(nbytes)
-        return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+        storage = take_shared(nbytes)  # maybe larger than asked: a segment of the worker's pool
+        return torch.empty(0, dtype=dtype).set_(storage)[: nbytes // torch.empty(0, dtype=dtype).element_size()].view(shape)
     if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
         pool = active_pool()  # the pass's pool: memory of batches nobody holds any more
         memory = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)

@@ -1,0 +1,295 @@
+"""Shared-memory segments that a DataLoader worker fills again once the main process is done with
+them: both ends of the protocol.
+
+A worker hands a large batch to the main process through shared memory. Made fresh for every
+batch, a segment costs more than the copy into it: the kernel zeroes and maps every page in the
+worker, the main process maps it again, and its file descriptor crosses a socket. Measured with 2
+workers handing over 128 MiB batches: 1.6-2.0 GB/s with fresh segments, 3.8-4.7 GB/s with reused
+ones. So each worker keeps a small pool (``WorkerPool``), and the main process keeps each
+segment mapped (``Channels``) once it has seen it.
+
+A segment is written again only when nobody can still read it:
+
+- The main process never gives the user its own mapping. Every batch gets a fresh numpy view of
+  it, and every tensor of that batch on that segment holds this view. A finalizer on the view
+  fires when the last of those tensors (and every view of them) is gone, or at once after a
+  pinned copy. Only then is the segment released.
+- A release is a message on a pipe, one per worker, from the main process to the worker. A pipe,
+  not a flag in shared memory: writing and reading it are system calls, which order every write
+  the main process made to the segment before the worker's next ones (on arm64 a plain flag
+  would not).
+- In the worker, a released segment is handed out again only if no tensor of the worker still
+  uses it (its storage's use count).
+- A segment that reached the main process some other way (inside an object the hand-off does
+  not walk, so torch sent it by file descriptor as usual) is not seen by the worker's pack step:
+  the pool lets go of it and never reuses it.
+
+The first time a segment is sent, its storage goes with the batch (torch passes the file
+descriptor). Later, only the worker's token and the segment's number go: the main process has it
+mapped, and the release it sent proves that. Tokens are random per worker process, so messages
+meant for an earlier worker (non-persistent workers are new every pass; pids are reused) match
+nothing.
+
+Without fork (spawned workers), or where a pipe is full, segments are simply fresh, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import weakref
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_MESSAGE = struct.Struct("<II")  # (worker token, segment number)
+# At most this many segments per worker. In flight at once: the batch being built, the prefetched
+# ones (2 by default), the ones the main loop holds and a pinned copy; beyond this, fresh segments.
+MAX_SEGMENTS = 8
+_PAGE = 4096
+
+
+def _use_count(storage: Any) -> int:
+    import torch
+
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def _capacity(nbytes: int) -> int:
+    """``nbytes`` rounded up to a size class (at most 1/8 larger), so fields of varying sizes can
+    reuse the same segments."""
+    step = max(_PAGE, 1 << max(0, nbytes.bit_length() - 4))
+    return -(-nbytes // step) * step
+
+
+class PooledTensor:
+    """What replaces a tensor on a pooled segment in a packed batch: where it lies, not its bytes.
+    No ``pin_memory`` attribute, so DataLoader's pin thread leaves it alone."""
+
+    __slots__ = ("segment", "dtype", "size", "stride", "offset")
+
+    def __init__(self, segment: int, dtype: Any, size: tuple[int, ...], stride: tuple[int, ...], offset: int):
+        self.segment, self.dtype, self.size, self.stride, self.offset = segment, dtype, size, stride, offset
+
+    def __reduce__(self) -> Any:
+        return PooledTensor, (self.segment, self.dtype, self.size, self.stride, self.offset)
+
+
+class Handoff:
+    """A batch's segments: (number, storage on first sending else None), and the numbers the worker
+    let go of (the main process unmaps them)."""
+
+    __slots__ = ("token", "worker", "segments", "dropped")
+
+    def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int]):
+        self.token, self.worker, self.segments, self.dropped = token, worker, segments, dropped
+
+    def __reduce__(self) -> Any:
+        return Handoff, (self.token, self.worker, self.segments, self.dropped)
+
+
+class _Segment:
+    __slots__ = ("number", "storage", "capacity", "taken", "pending", "known")
+
+    def __init__(self, number: int, storage: Any, capacity: int):
+        self.number, self.storage, self.capacity = number, storage, capacity
+        self.taken = False  # handed out since the last pack step
+        self.pending = 0  # sendings the main process has not released yet
+        self.known = False  # the main process has it mapped (it released it once)
+
+
+class WorkerPool:
+    """A worker's segments. ``take`` hands one out; ``pack`` (the loader's collate step, once per
+    batch) swaps the tensors on them for ``PooledTensor`` and says what was sent."""
+
+    def __init__(self, release_fd: int, worker: int, max_segments: int = MAX_SEGMENTS):
+        self.fd, self.worker, self.max_segments = release_fd, worker, max_segments
+        self.token = int.from_bytes(os.urandom(4), "little")
+        self.segments: list[_Segment] = []
+        self._numbers = 0
+        self._dropped: list[int] = []
+        self._rest = b""
+        self.reused = self.made = 0
+
+    def _drain(self) -> None:
+        data = self._rest
+        while True:
+            try:
+                chunk = os.read(self.fd, 64 * _MESSAGE.size)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # the pipe is gone: nothing will be released any more
+                break
+            if not chunk:
+                break
+            data += chunk
+        whole = len(data) - len(data) % _MESSAGE.size
+        self._rest = data[whole:]
+        if not whole:
+            return
+        mine = {s.number: s for s in self.segments}
+        for token, number in _MESSAGE.iter_unpack(data[:whole]):
+            seg = mine.get(number) if token == self.token else None
+            if seg is not None and seg.pending:
+                seg.pending -= 1
+                seg.known = True
+
+    def _free(self, seg: _Segment) -> bool:
+        return not seg.taken and not seg.pending and _use_count(seg.storage) == 1
+
+    def take(self, nbytes: int) -> Any:
+        """A shared ``UntypedStorage`` of at least ``nbytes``, maybe written before."""
+        from shardstream.buffers import new_shared
+
+        self._drain()
+        best = None
+        for seg in self.segments:
+            if nbytes <= seg.capacity <= 2 * nbytes and self._free(seg) and (best is None or seg.capacity < best.capacity):
+                best = seg
+        if best is not None:
+            best.taken = True
+            self.reused += 1
+            return best.storage
+        if len(self.segments) >= self.max_segments:
+            victim = next((s for s in self.segments if self._free(s)), None)
+            if victim is None:  # all in use: a fresh one, not kept
+                return new_shared(nbytes)
+            self._let_go(victim)
+        capacity = _capacity(nbytes)
+        seg = _Segment(self._numbers, new_shared(capacity), capacity)
+        self._numbers += 1
+        seg.taken = True
+        self.segments.append(seg)
+        self.made += 1
+        return seg.storage
+
+    def _let_go(self, seg: _Segment) -> None:
+        self.segments.remove(seg)
+        if seg.known:
+            self._dropped.append(seg.number)
+
+    def find(self, tensor: Any) -> PooledTensor | None:
+        """The marker for ``tensor`` if it lies on one of this pool's segments."""
+        ptr = tensor.untyped_storage().data_ptr()
+        for seg in self.segments:
+            if seg.storage.data_ptr() == ptr:
+                return PooledTensor(seg.number, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                                    tensor.storage_offset())
+        return None
+
+    def sent(self, numbers: set[int]) -> Handoff | None:
+        """After a batch was packed: ``numbers`` are the segments its markers name. Segments handed
+        out but not named may have left inside something the pack step does not walk: never
+        reused."""
+        out = []
+        for seg in list(self.segments):
+            if seg.number in numbers:
+                out.append((seg.number, None if seg.known else seg.storage))
+                seg.pending += 1
+                seg.taken = False
+            elif seg.taken:
+                seg.taken = False
+                self._let_go(seg)
+        if not out:  # nothing to tell now: what was let go goes with the next batch that names segments
+            return None
+        dropped, self._dropped = self._dropped, []
+        return Handoff(self.token, self.worker, out, dropped)
+
+
+_pool: WorkerPool | None = None
+
+
+def worker_pool() -> WorkerPool | None:
+    """This worker's pool (None in the main process, in spawned workers, or without make_loader)."""
+    return _pool
+
+
+def take_shared(nbytes: int) -> Any:
+    """A shared storage for a batch buffer made in a worker: from the pool where there is one."""
+    from shardstream.buffers import new_shared
+
+    return _pool.take(nbytes) if _pool is not None else new_shared(nbytes)
+
+
+class Channels:
+    """One loader's release pipes (one per worker) and, in the main process, the segments it has
+    mapped. Made by make_loader; forked workers inherit it with the loader."""
+
+    def __init__(self, num_workers: int):
+        self.owner = os.getpid()
+        self.pipes: list[tuple[int, int]] = []
+        for _ in range(num_workers):
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self.pipes.append((r, w))
+        self._close = weakref.finalize(self, _close_all, list(self.pipes))
+        self.mapped: dict[int, dict[int, Any]] = {}  # token -> number -> uint8 array over the mapping
+        self.dropped_releases = 0
+
+    def __getstate__(self) -> dict[str, Any]:  # a spawned worker gets no pipes: no pool
+        return {"owner": -1, "pipes": []}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def start_worker(self, worker: int) -> None:
+        """In a DataLoader worker (its worker_init_fn): this worker's pool, if it was forked by the
+        process that made these pipes."""
+        global _pool
+        _pool = None
+        if os.getppid() == self.owner and worker < len(self.pipes):
+            _pool = WorkerPool(self.pipes[worker][0], worker)
+
+    def receive(self, handoff: Handoff) -> dict[int, Any]:
+        """In the main process: {segment number: a fresh uint8 numpy view of it for this batch},
+        each releasing its segment when the last tensor made from it is gone."""
+        import torch
+
+        known = self.mapped.setdefault(handoff.token, {})
+        views = {}
+        for number, storage in handoff.segments:
+            if storage is not None:
+                known[number] = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+            base = known.get(number)
+            if base is None:
+                raise RuntimeError(f"shardstream hand-off: worker {handoff.worker} sent segment {number} "
+                                   f"by number, but it was never mapped here (please report this)")
+            view = base[:]
+            fin = weakref.finalize(view, self._release, handoff.worker, handoff.token, number)
+            fin.atexit = False  # type: ignore[misc]  # (a property typeshed lacks)
+            views[number] = view
+        for number in handoff.dropped:
+            known.pop(number, None)
+        return views
+
+    def _release(self, worker: int, token: int, number: int) -> None:
+        try:
+            os.write(self.pipes[worker][1], _MESSAGE.pack(token, number))
+        except OSError:  # a full pipe (a worker that stopped reading): it makes fresh segments
+            self.dropped_releases += 1
+
+    def forget(self, tokens: set[int]) -> None:
+        """Unmap the segments of workers that are gone (tensors still held keep their own view)."""
+        for token in tokens:
+            self.mapped.pop(token, None)
+
+
+def _close_all(pipes: list[tuple[int, int]]) -> None:
+    for r, w in pipes:
+        for fd in (r, w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def tensor_from(view: Any, marker: PooledTensor) -> Any:
+    """The tensor a marker stands for, over this batch's view of its segment."""
+    import torch
+
+    flat = torch.from_numpy(view)
+    if marker.dtype != torch.uint8:
+        flat = flat.view(marker.dtype)
+    return flat.as_strided(marker.size, marker.stride, marker.offset)

@@ -1,0 +1,277 @@
+"""segments.py: a worker writes a shared segment again only after the main process let go of every
+tensor on it; held batches keep their values; real DataLoader workers reuse their segments."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from shardstream import ShardStream, ShardWriter, World, make_loader
+from shardstream.loader import SEGMENTS, pack_batch, unpack_batch
+from shardstream.segments import MAX_SEGMENTS, Channels, Handoff, WorkerPool, worker_pool
+
+MB = 1 << 20
+
+
+def _pool() -> tuple[Channels, WorkerPool]:
+    channels = Channels(1)
+    return channels, WorkerPool(channels.pipes[0][0], 0)
+
+
+def _batch_on(pool: WorkerPool, value: float, n: int = MB // 4) -> dict:
+    storage = pool.take(4 * n)
+    t = torch.empty(0, dtype=torch.float32).set_(storage)[:n]
+    t.fill_(value)
+    return {"x": t, "k": ["a"]}
+
+
+def _received(packed: dict) -> dict:
+    """What the main process gets: storages sent with the batch arrive as mappings of their own
+    (as torch's file-descriptor passing gives), not the worker's storage objects."""
+    if SEGMENTS in packed:
+        handoff = packed[SEGMENTS]
+        segments = []
+        for number, storage in handoff.segments:
+            if storage is not None:
+                fd, size = storage._share_fd_cpu_()
+                dup = os.dup(fd)
+                try:
+                    storage = torch.UntypedStorage._new_shared_fd_cpu(dup, size)
+                finally:
+                    os.close(dup)
+            segments.append((number, storage))
+        packed[SEGMENTS] = Handoff(handoff.token, handoff.worker, segments, handoff.dropped)
+    return packed
+
+
+def _unpack(packed: dict, channels: Channels) -> dict:
+    return unpack_batch(_received(packed), channels=channels)
+
+
+def _send(pool: WorkerPool, channels: Channels, value: float, n: int = MB // 4) -> tuple[Handoff, torch.Tensor]:
+    """One batch from the worker's side to the main process's: (its hand-off record, its tensor)."""
+    packed = pack_batch(_batch_on(pool, value, n), pool=pool)
+    handoff = packed[SEGMENTS]
+    return handoff, _unpack(packed, channels)["x"]
+
+
+def test_a_segment_is_written_again_only_after_the_main_process_let_go():
+    channels, pool = _pool()
+    first, got = _send(pool, channels, 1.0)
+    assert [storage is not None for _, storage in first.segments] == [True]  # first sending: the storage goes
+    assert got.shape == (MB // 4,) and bool((got == 1.0).all())
+    # Held by the user: the worker gets another segment, and the first keeps its values.
+    second, got2 = _send(pool, channels, 2.0)
+    assert second.segments[0][0] != first.segments[0][0] and len(pool.segments) == 2
+    assert bool((got == 1.0).all()) and bool((got2 == 2.0).all())
+    view = got[10:20]  # a view keeps the segment as held as the tensor does
+    del got
+    third = pack_batch(_batch_on(pool, 3.0), pool=pool)[SEGMENTS]  # never received: stays in flight
+    assert len(pool.segments) == 3 and bool((view == 1.0).all())
+    del view
+    again, got4 = _send(pool, channels, 4.0)  # the first segment, now free
+    number, storage = again.segments[0]
+    assert number == first.segments[0][0] and storage is None  # mapped in the main process: sent by number
+    assert pool.reused == 1 and pool.made == 3
+    assert bool((got4 == 4.0).all()) and bool((got2 == 2.0).all()) and third.segments[0][1] is not None
+
+
+def test_a_segment_the_worker_still_uses_is_not_handed_out_again():
+    channels, pool = _pool()
+    batch = _batch_on(pool, 1.0)
+    kept = batch["x"][:10]  # e.g. a transform in the worker that keeps the last batch
+    got = _unpack(pack_batch(batch, pool=pool), channels)["x"]
+    del got, batch  # released by the main process
+    _send(pool, channels, 2.0)
+    assert pool.reused == 0 and bool((kept == 1.0).all())
+    del kept
+    _send(pool, channels, 3.0)
+    assert pool.reused == 1
+
+
+def test_a_pinned_or_copied_batch_releases_its_segment_at_once():
+    channels, pool = _pool()
+    copy = _unpack(pack_batch(_batch_on(pool, 5.0), pool=pool), channels)["x"].clone()  # the received tensor dies here
+    pack_batch(_batch_on(pool, 6.0), pool=pool)
+    assert pool.reused == 1 and bool((copy == 5.0).all())
+
+
+def test_releases_of_other_workers_and_earlier_workers_are_ignored():
+    channels, pool = _pool()
+    packed = pack_batch(_batch_on(pool, 1.0), pool=pool)
+    handoff = packed[SEGMENTS]
+    # a stale message: the same segment number from a worker with another token
+    channels._release(0, (handoff.token + 1) % (1 << 32), handoff.segments[0][0])
+    pack_batch(_batch_on(pool, 2.0), pool=pool)
+    assert pool.reused == 0 and pool.made == 2
+    channels._release(0, handoff.token, handoff.segments[0][0])  # the right token: released
+    pack_batch(_batch_on(pool, 3.0), pool=pool)
+    assert pool.reused == 1 and pool.made == 2
+
+
+def test_a_segment_that_left_inside_an_object_the_pack_step_does_not_walk_is_never_reused():
+    channels, pool = _pool()
+
+    class Opaque:  # torch pickles the tensor inside by file descriptor, as it always did
+        def __init__(self, t):
+            self.t = t
+
+    batch = _batch_on(pool, 1.0)
+    packed = pack_batch({"o": Opaque(batch.pop("x")), "k": ["a"]}, pool=pool)
+    assert SEGMENTS not in packed and pool.segments == []
+    assert bool((packed["o"].t == 1.0).all())
+    pack_batch(_batch_on(pool, 2.0), pool=pool)
+    assert pool.reused == 0 and bool((packed["o"].t == 1.0).all())
+
+
+def test_a_full_release_pipe_costs_fresh_segments_never_a_reuse():
+    channels, pool = _pool()
+    packed = pack_batch(_batch_on(pool, 1.0), pool=pool)  # (taking a segment drains the pipe)
+    w = channels.pipes[0][1]
+    filled = 0
+    for size in (4096, 8):  # up to the last byte
+        while True:
+            try:
+                filled += os.write(w, b"\0" * size)
+            except BlockingIOError:
+                break
+    got = _unpack(packed, channels)["x"]
+    del packed, got
+    assert channels.dropped_releases == 1
+    os.read(channels.pipes[0][0], filled)  # the worker drains only junk now: nothing is released
+    pack_batch(_batch_on(pool, 2.0), pool=pool)
+    assert pool.reused == 0 and pool.made == 2
+
+
+def test_sizes_share_segments_within_a_size_class_and_the_pool_is_bounded():
+    channels, pool = _pool()
+    storage = pool.take(3 * MB + 1)  # rounded up to a size class
+    assert storage.nbytes() >= 3 * MB + 1
+    pool.sent(set())  # handed out, never packed: let go
+    assert pool.segments == []
+    held = []
+    for i in range(MAX_SEGMENTS + 2):
+        held.append(_unpack(pack_batch(_batch_on(pool, float(i)), pool=pool), channels)["x"])
+    assert len(pool.segments) == MAX_SEGMENTS  # the rest were fresh and not kept
+    assert all(bool((t == float(i)).all()) for i, t in enumerate(held))
+    del held
+    gc.collect()
+    pack_batch(_batch_on(pool, 9.0, n=MB // 4 - 1000), pool=pool)  # a little smaller: fits a kept one
+    assert pool.reused == 1
+
+
+def test_the_handoff_record_pickles():
+    import pickle
+
+    h = pickle.loads(pickle.dumps(Handoff(7, 1, [(3, None)], [2])))
+    assert (h.token, h.worker, h.segments, h.dropped) == (7, 1, [(3, None)], [2])
+
+
+# --- real DataLoader workers ---------------------------------------------------------------
+
+
+def _npy_dataset(root, n=96, shape=(64, 128)):
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+    with ShardWriter(str(root), max_count=16) as w:
+        for i, a in enumerate(arrays):
+            w.write({"__key__": f"{i:04d}", "npy": a})
+    return str(root), arrays
+
+
+class ReportReuse:
+    """A loader collate_fn (it runs in the worker): the pool's reuse count goes with the batch, and
+    a strided view and a second tensor on the same segment test the markers' layout."""
+
+    def __call__(self, batch):
+        pool = worker_pool()
+        batch["reused"] = -1 if pool is None else pool.reused
+        batch["corner"] = batch["npy"][:, 1:60, ::2]  # over 64 KiB: not sent inline
+        return batch
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_workers_reuse_segments_and_batches_held_across_passes_keep_their_values(tmp_path, persistent):
+    root, arrays = _npy_dataset(tmp_path / "d")
+    ds = ShardStream(root, batch_size=8, shuffle=False, world=World(0, 1))  # 256 KiB batches: shared memory
+    loader = make_loader(ds, num_workers=2, persistent_workers=persistent, collate_fn=ReportReuse(), log_interval=None)
+    kept = []
+    reused = 0
+    for _ in range(3):
+        for i, batch in enumerate(loader):
+            want = torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]])
+            assert torch.equal(batch["npy"], want) and torch.equal(batch["corner"], want[:, 1:60, ::2])
+            reused = max(reused, batch["reused"])
+            if i % 3 == 0:
+                batch["npy"].add_(1.0)  # the user writes into a held batch too
+                kept.append((batch, want + 1.0))
+    assert reused > 0  # segments came back to the workers
+    for batch, want in kept:
+        assert torch.equal(batch["npy"], want) and torch.equal(batch["corner"], want[:, 1:60, ::2])
+
+
+def test_large_undecoded_fields_reuse_segments_and_arrive_whole(tmp_path):
+    rng = np.random.default_rng(1)
+    blobs = [rng.bytes(MB + int(rng.integers(0, 50_000))) for _ in range(12)]
+    with ShardWriter(str(tmp_path / "b"), max_count=4) as w:
+        for i, b in enumerate(blobs):
+            w.write_encoded(f"{i:04d}", {"bin": b})
+    ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, persistent_workers=True, collate_fn=ReportReuse2(), log_interval=None)
+    reused = 0
+    for _ in range(3):
+        for batch in loader:
+            assert [type(b) for b in batch["bin"]] == [bytes, bytes]
+            assert batch["bin"] == [blobs[int(k)] for k in batch["__key__"]]
+            reused = max(reused, batch["reused"])
+    assert reused > 0
+
+
+class ReportReuse2:
+    def __call__(self, batch):
+        pool = worker_pool()
+        batch["reused"] = -1 if pool is None else pool.reused
+        return batch
+
+
+@pytest.mark.parametrize("how", [{"multiprocessing_context": "spawn"}, {"reuse_shared_memory": False}])
+def test_spawned_workers_or_reuse_off_have_no_pool_and_batches_are_right(tmp_path, how):
+    root, arrays = _npy_dataset(tmp_path / "d", n=16)
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, collate_fn=ReportReuse2(), log_interval=None, **how)
+    batches = list(loader)
+    assert len(batches) == 4
+    for batch in batches:
+        assert batch["reused"] == -1
+        assert torch.equal(batch["npy"], torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]]))
+
+
+def test_a_dropped_loader_closes_its_pipes(tmp_path):
+    root, _ = _npy_dataset(tmp_path / "d", n=16)
+
+    def fds() -> int:  # pipe ends open in this process
+        ends = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                ends += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+        return ends
+
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
+    list(make_loader(ds, num_workers=2, log_interval=None))  # warm-up: lazily opened files stay open
+    gc.collect()
+    before = fds()
+    loader = make_loader(ds, num_workers=2, log_interval=None)
+    assert fds() == before + 4  # two pipes
+    batches = list(loader)
+    del loader
+    gc.collect()
+    assert fds() == before + 4  # the batches still hold the channels: their releases need the pipes
+    del batches
+    gc.collect()
+    assert fds() == before
