@@ -30,6 +30,12 @@ mapped, and the release it sent proves that. Tokens are random per worker proces
 meant for an earlier worker (non-persistent workers are new every pass; pids are reused) match
 nothing.
 
+A batch the main process receives but never hands to the user (DataLoader drops the prefetched
+batches when a pass with persistent workers is cut short by ``break``) releases its segments when
+its hand-off record is garbage-collected, marked "never mapped" where its storage came with it, so
+the worker sends that storage again next time. Without this, each cut-short pass would leave
+segments pending for good.
+
 Without fork (spawned workers), or where a pipe is full, segments are simply fresh, as before.
 """
 
@@ -43,7 +49,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_MESSAGE = struct.Struct("<II")  # (worker token, segment number)
+_MESSAGE = struct.Struct("<II")  # (worker token, segment number | _UNMAPPED)
+_UNMAPPED = 1 << 31  # released without being mapped: send the storage again
 # At most this many segments per worker. In flight at once: the batch being built, the prefetched
 # ones (2 by default), the ones the main loop holds and a pinned copy; beyond this, fresh segments.
 MAX_SEGMENTS = 8
@@ -78,15 +85,40 @@ class PooledTensor:
 
 class Handoff:
     """A batch's segments: (number, storage on first sending else None), and the numbers the worker
-    let go of (the main process unmaps them)."""
+    let go of (the main process unmaps them). In the main process it knows its loader's Channels
+    (found by id on arrival), so a batch dropped unseen still releases its segments."""
 
-    __slots__ = ("token", "worker", "segments", "dropped")
+    __slots__ = ("token", "worker", "segments", "dropped", "channels_id", "channels", "received")
 
-    def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int]):
+    def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int],
+                 channels_id: int = 0):
         self.token, self.worker, self.segments, self.dropped = token, worker, segments, dropped
+        self.channels_id = channels_id
+        self.channels: Channels | None = None
+        self.received = False
 
     def __reduce__(self) -> Any:
-        return Handoff, (self.token, self.worker, self.segments, self.dropped)
+        return _arrive, (self.token, self.worker, self.segments, self.dropped, self.channels_id)
+
+    def __del__(self) -> None:
+        channels = self.channels
+        if channels is None or self.received:
+            return
+        try:
+            for number, storage in self.segments:  # never shown to anyone: free to write again
+                channels._release(self.worker, self.token, number if storage is None else number | _UNMAPPED)
+            known = channels.mapped.get(self.token)
+            if known is not None:
+                for number in self.dropped:
+                    known.pop(number, None)
+        except Exception:  # noqa: BLE001 - at interpreter exit the module may be half gone
+            pass
+
+
+def _arrive(token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int], channels_id: int) -> Handoff:
+    handoff = Handoff(token, worker, segments, dropped, channels_id)
+    handoff.channels = _live.get(channels_id)
+    return handoff
 
 
 class _Segment:
@@ -103,8 +135,8 @@ class WorkerPool:
     """A worker's segments. ``take`` hands one out; ``pack`` (the loader's collate step, once per
     batch) swaps the tensors on them for ``PooledTensor`` and says what was sent."""
 
-    def __init__(self, release_fd: int, worker: int, max_segments: int = MAX_SEGMENTS):
-        self.fd, self.worker, self.max_segments = release_fd, worker, max_segments
+    def __init__(self, release_fd: int, worker: int, max_segments: int = MAX_SEGMENTS, channels_id: int = 0):
+        self.fd, self.worker, self.max_segments, self.channels_id = release_fd, worker, max_segments, channels_id
         self.token = int.from_bytes(os.urandom(4), "little")
         self.segments: list[_Segment] = []
         self._numbers = 0
@@ -130,10 +162,10 @@ class WorkerPool:
             return
         mine = {s.number: s for s in self.segments}
         for token, number in _MESSAGE.iter_unpack(data[:whole]):
-            seg = mine.get(number) if token == self.token else None
+            seg = mine.get(number & ~_UNMAPPED) if token == self.token else None
             if seg is not None and seg.pending:
                 seg.pending -= 1
-                seg.known = True
+                seg.known = seg.known or not number & _UNMAPPED
 
     def _free(self, seg: _Segment) -> bool:
         return not seg.taken and not seg.pending and _use_count(seg.storage) == 1
@@ -194,7 +226,7 @@ class WorkerPool:
         if not out:  # nothing to tell now: what was let go goes with the next batch that names segments
             return None
         dropped, self._dropped = self._dropped, []
-        return Handoff(self.token, self.worker, out, dropped)
+        return Handoff(self.token, self.worker, out, dropped, self.channels_id)
 
 
 _pool: WorkerPool | None = None
@@ -218,6 +250,8 @@ class Channels:
 
     def __init__(self, num_workers: int):
         self.owner = os.getpid()
+        self.id = int.from_bytes(os.urandom(8), "little")
+        _live[self.id] = self
         self.pipes: list[tuple[int, int]] = []
         for _ in range(num_workers):
             r, w = os.pipe()
@@ -229,7 +263,7 @@ class Channels:
         self.dropped_releases = 0
 
     def __getstate__(self) -> dict[str, Any]:  # a spawned worker gets no pipes: no pool
-        return {"owner": -1, "pipes": []}
+        return {"owner": -1, "pipes": [], "id": 0}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -240,13 +274,14 @@ class Channels:
         global _pool
         _pool = None
         if os.getppid() == self.owner and worker < len(self.pipes):
-            _pool = WorkerPool(self.pipes[worker][0], worker)
+            _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id)
 
     def receive(self, handoff: Handoff) -> dict[int, Any]:
         """In the main process: {segment number: a fresh uint8 numpy view of it for this batch},
         each releasing its segment when the last tensor made from it is gone."""
         import torch
 
+        handoff.received = True
         known = self.mapped.setdefault(handoff.token, {})
         views = {}
         for number, storage in handoff.segments:
@@ -274,6 +309,9 @@ class Channels:
         """Unmap the segments of workers that are gone (tensors still held keep their own view)."""
         for token in tokens:
             self.mapped.pop(token, None)
+
+
+_live: weakref.WeakValueDictionary[int, Channels] = weakref.WeakValueDictionary()
 
 
 def _close_all(pipes: list[tuple[int, int]]) -> None:
