@@ -29,7 +29,7 @@ import webdataset
 
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
-from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, tensor_from, worker_pool
+from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,14 @@ class SharedFields:
 
 class _Packing:
     """One batch's pack step: the large bytes fields met, and the worker's segment pool (if any)
-    with the segments that tensors of the batch lie on."""
+    with the markers made for tensors on its segments."""
 
-    __slots__ = ("max_bytes", "large", "pool", "found")
+    __slots__ = ("max_bytes", "large", "pool", "markers")
 
     def __init__(self, max_bytes: int, pool: WorkerPool | None):
         self.max_bytes, self.pool = max_bytes, pool
         self.large: list[bytes | bytearray] = []
-        self.found: set[int] = set()
+        self.markers: list[PooledTensor] = []
 
 
 def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
@@ -101,7 +101,7 @@ def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
         marker = ctx.pool.find(obj) if ctx.pool is not None else None
         if marker is None:
             return obj, None
-        ctx.found.add(marker.segment)
+        ctx.markers.append(marker)
         return marker, _ON_SEGMENT
     if isinstance(obj, _SCALARS):
         return obj, None
@@ -167,8 +167,10 @@ def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool |
         marker = pool.find(shared.tensor) if pool is not None else None
         if marker is not None:
             shared.tensor = marker
-            ctx.found.add(marker.segment)
-    handoff = pool.sent(ctx.found) if pool is not None else None
+            ctx.markers.append(marker)
+    handoff = pool.sent({m.segment for m in ctx.markers}) if pool is not None else None
+    for m in ctx.markers:
+        m.handoff = handoff
     if spec is None:
         return batch
     out = {PACKED: spec, "batch": packed}
@@ -179,12 +181,14 @@ def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool |
     return out
 
 
-def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None, views: dict[int, Any]) -> Any:
+def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None) -> Any:
     if spec is True:
         t = torch.from_numpy(obj)
         return t.pin_memory() if pin else t
     if type(spec) is str:  # _ON_SEGMENT (a string after pickling: compared by type, not identity)
-        t = tensor_from(views[obj.segment], obj)
+        if isinstance(obj, torch.Tensor):  # pinned already, by DataLoader's pin-memory thread
+            return obj
+        t = obj.tensor()
         return t.pin_memory() if pin else t
     if type(spec) is tuple:  # (type, index) in the batch's SharedFields
         assert shared is not None
@@ -193,10 +197,10 @@ def _restore(obj: Any, spec: Any, pin: bool, shared: SharedFields | None, views:
     if isinstance(obj, (list, tuple)):
         items = list(obj)
         for i, s in spec.items():
-            items[i] = _restore(items[i], s, pin, shared, views)
+            items[i] = _restore(items[i], s, pin, shared)
         return _rebuild(obj, items)
     for k, s in spec.items():  # a mapping: the worker's copy, ours to change
-        obj[k] = _restore(obj[k], s, pin, shared, views)
+        obj[k] = _restore(obj[k], s, pin, shared)
     return obj
 
 
@@ -206,15 +210,15 @@ def unpack_batch(batch: Any, pin: bool = False, channels: Channels | None = None
     if type(batch) is not dict or PACKED not in batch:
         return batch
     handoff: Handoff | None = batch.get(SEGMENTS)
-    views: dict[int, Any] = {}
-    if handoff is not None:
-        if channels is None:
-            raise RuntimeError("a batch on pooled segments needs the loader's channels to unpack")
-        views = channels.receive(handoff)
+    if handoff is not None and handoff.channels is None:
+        handoff.channels = channels  # (a batch that was not pickled: tests)
     shared = batch.get(SHARED)
     if shared is not None and isinstance(shared.tensor, PooledTensor):
-        shared.tensor = tensor_from(views[shared.tensor.segment], shared.tensor)
-    return _restore(batch["batch"], batch[PACKED], pin, shared, views)
+        shared.tensor = shared.tensor.tensor()
+    out = _restore(batch["batch"], batch[PACKED], pin, shared)
+    if handoff is not None:
+        handoff.done()
+    return out
 
 
 class PackInWorker:

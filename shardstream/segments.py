@@ -71,16 +71,29 @@ def _capacity(nbytes: int) -> int:
 
 
 class PooledTensor:
-    """What replaces a tensor on a pooled segment in a packed batch: where it lies, not its bytes.
-    No ``pin_memory`` attribute, so DataLoader's pin thread leaves it alone."""
+    """What replaces a tensor on a pooled segment in a packed batch: where it lies, not its bytes,
+    and the batch's Handoff (pickled once with the batch). DataLoader's pin-memory thread calls
+    ``pin_memory()`` on it, so pinning still happens in that thread, off the training loop."""
 
-    __slots__ = ("segment", "dtype", "size", "stride", "offset")
+    __slots__ = ("segment", "dtype", "size", "stride", "offset", "handoff")
 
-    def __init__(self, segment: int, dtype: Any, size: tuple[int, ...], stride: tuple[int, ...], offset: int):
+    def __init__(self, segment: int, dtype: Any, size: tuple[int, ...], stride: tuple[int, ...], offset: int,
+                 handoff: Handoff | None = None):
         self.segment, self.dtype, self.size, self.stride, self.offset = segment, dtype, size, stride, offset
+        self.handoff = handoff
 
     def __reduce__(self) -> Any:
-        return PooledTensor, (self.segment, self.dtype, self.size, self.stride, self.offset)
+        return PooledTensor, (self.segment, self.dtype, self.size, self.stride, self.offset, self.handoff)
+
+    def tensor(self) -> Any:
+        """The tensor this stands for, over the batch's own view of the segment (main process)."""
+        if self.handoff is None:
+            raise RuntimeError("a pooled tensor without its hand-off record")
+        return tensor_from(self.handoff.views()[self.segment], self)
+
+    def pin_memory(self, device: Any = None) -> Any:
+        t = self.tensor()
+        return t.pin_memory(device) if device is not None else t.pin_memory()
 
 
 class Handoff:
@@ -88,7 +101,7 @@ class Handoff:
     let go of (the main process unmaps them). In the main process it knows its loader's Channels
     (found by id on arrival), so a batch dropped unseen still releases its segments."""
 
-    __slots__ = ("token", "worker", "segments", "dropped", "channels_id", "channels", "received")
+    __slots__ = ("token", "worker", "segments", "dropped", "channels_id", "channels", "received", "_views")
 
     def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int],
                  channels_id: int = 0):
@@ -96,6 +109,20 @@ class Handoff:
         self.channels_id = channels_id
         self.channels: Channels | None = None
         self.received = False
+        self._views: dict[int, Any] | None = None
+
+    def views(self) -> dict[int, Any]:
+        """{segment number: this batch's view of it}, mapped on first use (by the pin thread or by
+        unpack_batch, whichever comes first)."""
+        if self._views is None:
+            if self.channels is None:
+                raise RuntimeError("a batch on pooled segments needs the loader's channels to unpack")
+            self._views = self.channels.receive(self)
+        return self._views
+
+    def done(self) -> None:
+        """The batch is unpacked: its views now live only in the tensors made from them."""
+        self._views = None
 
     def __reduce__(self) -> Any:
         return _arrive, (self.token, self.worker, self.segments, self.dropped, self.channels_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def _received(packed: dict) -> dict:
                 finally:
                     os.close(dup)
             segments.append((number, storage))
-        packed[SEGMENTS] = Handoff(handoff.token, handoff.worker, segments, handoff.dropped)
+        handoff.segments = segments  # (the batch's markers point at this record)
     return packed
 
 
@@ -98,6 +99,34 @@ def test_a_pinned_or_copied_batch_releases_its_segment_at_once():
     copy = _unpack(pack_batch(_batch_on(pool, 5.0), pool=pool), channels)["x"].clone()  # the received tensor dies here
     pack_batch(_batch_on(pool, 6.0), pool=pool)
     assert pool.reused == 1 and bool((copy == 5.0).all())
+
+
+def test_the_pin_memory_thread_pins_pooled_tensors_and_their_segments_come_back(monkeypatch):
+    """DataLoader's pin thread runs torch's ``pin_memory`` over each batch as it arrives; a pooled
+    tensor is pinned there (off the training loop), not later by unpack_batch. This machine has no
+    accelerator, so the pinning itself is a copy that records its calls."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    pinned_by: list[str] = []
+
+    def fake_pin(self, device=None):
+        pinned_by.append(threading.current_thread().name)
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    channels, pool = _pool()
+    packed = _received(pack_batch(_batch_on(pool, 7.0), pool=pool))
+    packed[SEGMENTS].channels = channels  # what arrival in the main process sets
+    out: list = []
+    thread = threading.Thread(target=lambda b: out.append(pin_memory(b)), args=(packed,), name="pin-thread")
+    thread.start()
+    thread.join()
+    del packed
+    assert pinned_by == ["pin-thread"]
+    got = unpack_batch(out.pop(), pin=True)["x"]
+    assert pinned_by == ["pin-thread"] and bool((got == 7.0).all())  # not pinned a second time
+    _send(pool, channels, 8.0)
+    assert pool.reused == 1 and bool((got == 7.0).all())  # the pinned copy is the user's own
 
 
 def test_releases_of_other_workers_and_earlier_workers_are_ignored():
