@@ -49,7 +49,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_MESSAGE = struct.Struct("<II")  # (worker token, segment number | _UNMAPPED)
+_MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
 _UNMAPPED = 1 << 31  # released without being mapped: send the storage again
 # At most this many segments per worker. In flight at once: the batch being built, the prefetched
 # ones (2 by default), the ones the main loop holds and a pinned copy; beyond this, fresh segments.
@@ -164,7 +164,7 @@ class WorkerPool:
 
     def __init__(self, release_fd: int, worker: int, max_segments: int = MAX_SEGMENTS, channels_id: int = 0):
         self.fd, self.worker, self.max_segments, self.channels_id = release_fd, worker, max_segments, channels_id
-        self.token = int.from_bytes(os.urandom(4), "little")
+        self.token = int.from_bytes(os.urandom(8), "little")
         self.segments: list[_Segment] = []
         self._numbers = 0
         self._dropped: list[int] = []

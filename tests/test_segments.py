@@ -134,7 +134,7 @@ def test_releases_of_other_workers_and_earlier_workers_are_ignored():
     packed = pack_batch(_batch_on(pool, 1.0), pool=pool)
     handoff = packed[SEGMENTS]
     # a stale message: the same segment number from a worker with another token
-    channels._release(0, (handoff.token + 1) % (1 << 32), handoff.segments[0][0])
+    channels._release(0, (handoff.token + 1) % (1 << 64), handoff.segments[0][0])
     pack_batch(_batch_on(pool, 2.0), pool=pool)
     assert pool.reused == 0 and pool.made == 2
     channels._release(0, handoff.token, handoff.segments[0][0])  # the right token: released
