@@ -310,25 +310,24 @@ def test_spawned_workers_or_reuse_off_have_no_pool_and_batches_are_right(tmp_pat
 def test_a_dropped_loader_closes_its_pipes(tmp_path):
     root, _ = _npy_dataset(tmp_path / "d", n=16)
 
-    def fds() -> int:  # pipe ends open in this process
-        ends = 0
+    def open_pipes() -> set[str]:  # "pipe:[inode]" of every pipe end open in this process
+        out = set()
         for fd in os.listdir("/proc/self/fd"):
             try:
-                ends += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+                out.add(os.readlink(f"/proc/self/fd/{fd}"))
             except OSError:  # the listing's own descriptor, closed by now
                 pass
-        return ends
+        return {name for name in out if name.startswith("pipe:")}
 
     ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
-    list(make_loader(ds, num_workers=2, log_interval=None))  # warm-up: lazily opened files stay open
-    gc.collect()
-    before = fds()
     loader = make_loader(ds, num_workers=2, log_interval=None)
-    assert fds() == before + 4  # two pipes
+    assert loader.channels is not None
+    ours = {os.readlink(f"/proc/self/fd/{fd}") for pair in loader.channels.pipes for fd in pair}
+    assert len(ours) == 2 and ours <= open_pipes()  # two pipes, both ends here
     batches = list(loader)
     del loader
     gc.collect()
-    assert fds() == before + 4  # the batches still hold the channels: their releases need the pipes
+    assert ours <= open_pipes()  # the batches still hold the channels: their releases need the pipes
     del batches
     gc.collect()
-    assert fds() == before
+    assert not ours & open_pipes()
