@@ -78,6 +78,33 @@ def to_version_1(root):
 
 
 # -- manifest version 2 ---------------------------------------------------------------------------
+def test_a_sidecar_is_one_ranged_get_on_s3_and_a_longer_one_is_refused(s3, monkeypatch):
+    import s3fs
+
+    bucket, options, client = s3
+    url = f"s3://{bucket}/side"
+    with ShardWriter(url, max_count=10, storage_options=options) as w:
+        for s in make_samples(20):
+            w.write(s)
+    manifest = load_manifest(url, storage_options=options)
+    heads = []
+    real_info = s3fs.S3FileSystem._info
+
+    async def counting_info(self, path, *args, **kwargs):
+        heads.append(path)
+        return await real_info(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_info", counting_info)
+    OFFSET_CACHE.clear()
+    a, b = manifest.byte_range(0, 2, 5, options)  # inside the shard: its sidecar is read
+    assert heads == [] and 0 < a < b < int(manifest.sizes[0])
+    key = "side/shard-000001.tar.idx"
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=body + b"\0" * 8)  # overwritten by something longer
+    with pytest.raises(ManifestError, match="expected"):
+        manifest.byte_range(1, 2, 5, options)
+
+
 def test_manifest_grows_with_shards_and_sidecars_hold_the_offsets(tmp_path):
     small = load_manifest(write(tmp_path / "a", n=20, max_count=10))
     large = load_manifest(write(tmp_path / "b", n=2000, max_count=1000))
