@@ -102,14 +102,14 @@ def new_shared(nbytes: int) -> Any:
 
     storage = torch.UntypedStorage._new_shared(nbytes)
     if nbytes >= _POPULATE_MIN and _madvise is not None:
-        start = storage.data_ptr() & ~(_PAGE - 1)  # the mapping may start before the data (a header)
+        start = storage.data_ptr() & ~(PAGE - 1)  # the mapping may start before the data (a header)
         _madvise(start, storage.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE)  # a refusal only costs the faults
     return storage
 
 
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
-_PAGE = mmap.PAGESIZE
+PAGE = mmap.PAGESIZE
 
 
 def _libc_madvise() -> Any:
