@@ -22,8 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def main() -> None:
-    import boto3
-    from bench_s3 import start_moto  # type: ignore[import-not-found]
+    from bench_s3 import moto_bucket  # type: ignore[import-not-found]
     from faultproxy import FaultProxy  # type: ignore[import-not-found]
 
     from shardstream import Read, ShardStream, ShardWriter, World
@@ -34,10 +33,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="1,2,4,8")
     args = parser.parse_args()
-    proc, endpoint = start_moto()
-    try:
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
-        with ShardWriter("s3://bench/small", max_count=10, storage_options={"endpoint_url": endpoint}) as w:
+    with moto_bucket() as (endpoint, moto_options, _, _):
+        with ShardWriter("s3://bench/small", max_count=10, storage_options=moto_options) as w:
             for i in range(10 * args.shards):
                 w.write_encoded(f"{i:08d}", {"bin": os.urandom(1500), "cls": b"1"})
         with FaultProxy(endpoint, latency=args.latency) as proxy:
@@ -58,9 +55,6 @@ def main() -> None:
         for n in counts:
             med = statistics.median(times[n])
             print(f"| {n} | {med:.2f} s | {10 * args.shards / med:,.0f} | {base / med:.1f}x |")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 if __name__ == "__main__":

@@ -92,16 +92,11 @@ def run_child(*args: str) -> dict:
 
 
 def first_batch_on_moto(shards: int, repeats: int) -> None:
-    import boto3
-    from bench_s3 import many_shards, start_moto  # type: ignore[import-not-found]
+    from bench_s3 import many_shards, moto_bucket  # type: ignore[import-not-found]
 
     from shardstream import ShardStream, World, make_loader
 
-    proc, endpoint = start_moto()
-    options = {"endpoint_url": endpoint}
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="bench")
+    with moto_bucket() as (_, options, client, _):
         many_shards(client, options, "many", shards, {"txt": b"x" * 100, "cls": b"1"})
         firsts, constructs = [], []
         for _ in range(repeats):
@@ -112,12 +107,6 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
             firsts.append(time.perf_counter() - t)
         print(f"\nfirst batch, {shards}-shard dataset on moto (rank 0 of 8, 2 workers): {statistics.median(firsts):.2f} s median "
               f"of {repeats} (manifest read + plan {statistics.median(constructs):.2f} s)")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main() -> None:

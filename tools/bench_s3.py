@@ -14,6 +14,7 @@ stay <= 16 MB and shardstream reads each range in one request (read_size 16 MiB)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -45,6 +46,26 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)
     proc.kill()
     raise SystemExit("moto_server did not start")
+
+
+@contextlib.contextmanager
+def moto_bucket(bucket: str = "bench"):
+    """A moto server (``start_moto``) with one bucket: yields ``(endpoint, storage_options, boto3
+    client, server PID)`` and stops the server, by its PID, on the way out."""
+    import boto3
+
+    proc, endpoint = start_moto()
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield endpoint, {"endpoint_url": endpoint}, client, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _get_all(endpoint: str, keys: list[str]) -> int:
@@ -91,7 +112,6 @@ def many_shards(client, options: dict, prefix: str, count: int, sample: dict | N
 
 
 def main() -> None:
-    import boto3
     import webdataset as wds
 
     from shardstream import Read, ShardStream, ShardWriter, World, make_loader
@@ -104,11 +124,7 @@ def main() -> None:
     parser.add_argument("--manifest-shards", type=int, default=10_000, help="0: skip the time-to-first-batch part")
     parser.add_argument("--threads-ab", action="store_true", help="also run shardstream with 4 read-ahead threads")
     args = parser.parse_args()
-    proc, endpoint = start_moto()
-    options = {"endpoint_url": endpoint}
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="bench")
+    with moto_bucket() as (endpoint, options, client, _):
         rng = np.random.default_rng(0)
         sizes_mb = [int(v) for v in args.large_mb.split(",") if v]
         kinds = []  # (prefix, samples, read_size, batch)
@@ -201,9 +217,6 @@ def main() -> None:
             print(f"\ntime to first batch, {count}-shard manifest ({len(manifest) / 1e6:.1f} MB JSON), 2 workers: "
                   f"{statistics.median(firsts):.2f} s median (of which manifest read + validate + plan "
                   f"{statistics.median(constructs):.2f} s)")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 if __name__ == "__main__":

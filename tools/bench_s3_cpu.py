@@ -39,8 +39,7 @@ def own_and_children() -> tuple[float, float]:
 
 
 def main() -> None:
-    import boto3
-    from bench_s3 import _get_all, start_moto
+    from bench_s3 import _get_all, moto_bucket
 
     from shardstream import Read, ShardStream, ShardWriter, World, make_loader
 
@@ -48,11 +47,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    proc, endpoint = start_moto()
-    options = {"endpoint_url": endpoint}
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket="bench")
+    with moto_bucket() as (endpoint, options, client, server):
         for prefix, n in (("many", args.samples), ("few", 8)):
             with ShardWriter(f"s3://bench/{prefix}", max_size=16_000_000, storage_options=options) as w:
                 for i in range(n):
@@ -86,18 +81,15 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for _ in range(args.repeats):
             for name, n, fn in rows:
-                server0, (own0, kids0) = cpu_of(proc.pid), own_and_children()
+                server0, (own0, kids0) = cpu_of(server), own_and_children()
                 t = time.perf_counter()
                 got = fn()
                 wall = time.perf_counter() - t
-                server1, (own1, kids1) = cpu_of(proc.pid), own_and_children()
+                server1, (own1, kids1) = cpu_of(server), own_and_children()
                 assert got == n, (name, got, n)
                 print(f"| {name} | {n / wall:.0f} | {(own1 - own0) / n * 1e3:.1f} | {(kids1 - kids0) / n * 1e3:.1f} | "
                       f"{(server1 - server0) / n * 1e3:.1f} |", flush=True)
         print("(\"workers\" for the reference is its two processes; 4 MB samples; a row per run, interleaved)")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 if __name__ == "__main__":
