@@ -137,14 +137,16 @@ class _RangeReader:
         self._pending, self._at = value, 0
         return True
 
-    def __call__(self, n: int) -> bytes:
+    def __call__(self, n: int) -> bytes | memoryview:
         if self._at >= len(self._pending) and not self._next_block():
             return b""
         pending, at = self._pending, self._at
         if at == 0 and n >= len(pending):
             self._at = len(pending)
             return pending
-        out = pending[at : at + n]
+        # A view of the block, not a slice: the caller copies what it keeps (the parser joins a
+        # large member's pieces once), so a slice here would be one more copy of every byte.
+        out = memoryview(pending)[at : at + n]
         self._at = at + len(out)
         return out
 
