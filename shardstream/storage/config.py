@@ -29,6 +29,10 @@ class StorageConfig:
     backoff_cap      longest backoff in seconds
     allow_roots      URL prefixes a manifest's shard entries may point into besides the
                      manifest's own directory (datasets that span buckets); empty = only its root
+    direct_get       S3 range GETs (shard bytes, the manifest) read straight into shardstream's
+                     buffers with the standard library's HTTP client, on URLs presigned by
+                     s3fs's own client (``storage/direct.py``); False: through s3fs/aiobotocore.
+                     Proxies and per-request extras (requester pays, SSE-C) use s3fs regardless.
     """
 
     connect_timeout: float = 10.0
@@ -38,6 +42,7 @@ class StorageConfig:
     backoff_base: float = 0.05
     backoff_cap: float = 5.0
     allow_roots: tuple[str, ...] = ()
+    direct_get: bool = True
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "read_timeout", "deadline"):

@@ -2,7 +2,8 @@
 
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
-    fetch(a, b, timeout)          one try: a ranged GET (``retry.s3_fetcher``) or fsspec's cat_file
+    fetch(a, b, timeout)          one try: a ranged GET (``direct.direct_fetcher``, else
+                                  ``retry.s3_fetcher``) or fsspec's cat_file
     make_range_reader             retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
     Prefetcher (readahead.py)     optional: the next blocks fetched in a background thread
@@ -21,6 +22,7 @@ from typing import Any
 import fsspec
 
 from shardstream.stats import NullCounters
+from shardstream.storage import direct
 from shardstream.storage import fs as storage
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import storage_error
@@ -42,6 +44,8 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
     if protocol in ("s3", "s3a"):
         # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in retry.py.
         fs.retries = 1
+        if direct.usable(fs, config):
+            return fs, path, direct.direct_fetcher(fs, path, config)
         return fs, path, s3_fetcher(fs, path)
     return fs, path, fs_fetcher(fs, path)
 

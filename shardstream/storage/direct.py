@@ -1,0 +1,323 @@
+"""S3 range GETs read straight into shardstream's buffer, with the standard library's HTTP client.
+
+The bytes of a shard are most of what a training job moves. s3fs's path (aiobotocore on aiohttp,
+on an event-loop thread) copies each of them twice before shardstream sees it and cost 3.8-5.1 ms
+of CPU per 4 MB on this VM, more than the rest of the reader. Here a range GET is one
+``http.client`` request whose body is read with ``readinto`` into the block the parser reads, so
+the kernel's copy is the only one (``tools/bench_s3_cpu.py``).
+
+How to talk to S3 is not decided here but by the s3fs client the other path uses: the object's
+URL is what that client presigns (endpoint, addressing style, version id; the signature is
+dropped), and each request is signed with botocore's S3 SigV4 signer over that client's current
+credentials (taken again every minute, and at once after a 403, so refreshing credentials stay
+fresh), or not at all for anonymous access. Answers other than 200/206 become ``S3ResponseError``,
+which carries S3's error code and HTTP status as botocore's ClientError does, so ``classify`` and
+the retry policy treat them as before; a body cut short raises a ConnectionError that says how many
+bytes arrived (``partial``), and the fetcher hands those on as ``PartialRead``.
+
+``usable`` keeps s3fs's path wherever this one could behave differently: a proxy for the endpoint,
+per-request extras (requester pays, SSE-C, ``s3_additional_kwargs``), client options beyond
+``endpoint_url``/``verify``/``region_name``, proxies in ``config_kwargs``, or
+``StorageConfig(direct_get=False)``. Connections are kept alive per thread; a forked DataLoader
+worker opens its own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import inspect
+import os
+import re
+import ssl
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from shardstream.storage.config import StorageConfig
+
+URL_LIFETIME = 3600  # (the presigned URL only shows where the object is; requests are signed anew)
+CREDENTIALS_TTL = 60.0  # seconds between looks at the client's (maybe refreshing) credentials
+
+# query parameters of a presigned URL's signature, SigV4 or SigV2 (what remains names the object)
+_AUTH_PARAM = re.compile(r"(?i)(x-amz-[^=]*|awsaccesskeyid|signature|expires)=")
+# client_kwargs this path understands; any other one (a proxy config, a custom session) keeps s3fs's path
+_CLIENT_KWARGS = frozenset({"endpoint_url", "verify", "region_name"})
+
+
+class S3ResponseError(OSError):
+    """An error answer to a direct GET, shaped like botocore's ClientError for ``classify``:
+    ``response["Error"]["Code"]`` and ``response["ResponseMetadata"]["HTTPStatusCode"]``."""
+
+    def __init__(self, status: int, code: str | None, message: str):
+        super().__init__(f"HTTP {status} {code or ''}: {message}".strip())
+        self.status = status
+        self.response = {"Error": {"Code": code or str(status), "Message": message},
+                         "ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def _xml_field(body: bytes, name: str) -> str | None:
+    match = re.search(rb"<%s>(.*?)</%s>" % (name.encode(), name.encode()), body, re.S)
+    return match.group(1).decode("utf-8", "replace") if match else None
+
+
+def usable(fs: Any, config: StorageConfig) -> bool:
+    """Whether ``fs`` (an s3fs filesystem) can have its range GETs made here without changing
+    what they do."""
+    if not getattr(config, "direct_get", True):
+        return False
+    if getattr(fs, "req_kw", None) or getattr(fs, "s3_additional_kwargs", None):
+        return False
+    if set(getattr(fs, "client_kwargs", None) or {}) - _CLIENT_KWARGS:
+        return False
+    if (getattr(fs, "config_kwargs", None) or {}).get("proxies"):
+        return False
+    endpoint = getattr(fs, "endpoint_url", None) or (fs.client_kwargs or {}).get("endpoint_url")
+    if endpoint is not None:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return False
+        if _proxied(parts.scheme, parts.hostname):
+            return False
+    elif _proxied("https", "s3.amazonaws.com"):
+        return False
+    return True
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    proxies = urllib.request.getproxies()
+    return scheme in proxies and not urllib.request.proxy_bypass(host)
+
+
+def _ssl_context(fs: Any) -> ssl.SSLContext:
+    verify = (fs.client_kwargs or {}).get("verify", None)
+    if verify is False:
+        return ssl._create_unverified_context()
+    if isinstance(verify, str):
+        return ssl.create_default_context(cafile=verify)
+    bundle = os.environ.get("AWS_CA_BUNDLE")
+    if bundle:
+        return ssl.create_default_context(cafile=bundle)
+    from botocore.httpsession import get_cert_path  # botocore's default: certifi's bundle where installed
+
+    path = get_cert_path(True)
+    return ssl.create_default_context(cafile=path) if isinstance(path, str) else ssl.create_default_context()
+
+
+class _Connections(threading.local):
+    """Keep-alive connections of one thread, by (scheme, host, port); a forked child starts afresh."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.open: dict[tuple[str, str, int | None], http.client.HTTPConnection] = {}
+
+
+class DirectS3:
+    """Range GETs of one s3fs filesystem's objects (see the module docstring)."""
+
+    def __init__(self, fs: Any, config: StorageConfig):
+        self.fs = fs
+        self.config = config
+        self._urls: dict[tuple[str, str, str | None], str] = {}
+        self._auth: tuple[Any, float] | None = None
+        self._lock = threading.Lock()
+        self._connections = _Connections()
+        self._context: ssl.SSLContext | None = None
+
+    # -- URLs and signatures -------------------------------------------------------------------
+    def _sync(self, coro_fn: Callable[[], Any]) -> Any:
+        import fsspec.asyn
+
+        return fsspec.asyn.sync(self.fs.loop, coro_fn)
+
+    def url(self, bucket: str, key: str, version: str | None) -> str:
+        """The object's URL as s3fs's client addresses it (endpoint, addressing style, version):
+        a presigned URL without its signature, found once per object."""
+        with self._lock:
+            found = self._urls.get((bucket, key, version))
+        if found is not None:
+            return found
+        params = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
+
+        async def presign() -> str:
+            client = await self.fs.set_session()
+            return await client.generate_presigned_url("get_object", Params=params, ExpiresIn=URL_LIFETIME)
+
+        parts = urlsplit(self._sync(presign))
+        query = "&".join(q for q in parts.query.split("&") if q and not _AUTH_PARAM.match(q))
+        url = parts._replace(query=query).geturl()
+        with self._lock:
+            self._urls[(bucket, key, version)] = url
+        return url
+
+    def _signer(self, fresh: bool = False) -> Any:
+        """botocore's S3 SigV4 signer over the client's current credentials (None: unsigned
+        requests, as s3fs's ``anon=True``); credentials are taken again every CREDENTIALS_TTL
+        seconds, so botocore's refreshing credentials stay fresh here too."""
+        now = time.monotonic()
+        if self._auth is not None and not fresh and now - self._auth[1] < CREDENTIALS_TTL:
+            return self._auth[0]
+
+        async def frozen() -> tuple[Any, str | None, Any]:
+            client = await self.fs.set_session()
+            signer = client._request_signer
+            credentials = signer._credentials
+            if credentials is None:
+                return None, None, signer
+            got = credentials.get_frozen_credentials()
+            if inspect.isawaitable(got):
+                got = await got
+            return got, client.meta.region_name, signer
+
+        credentials, region, signer = self._sync(frozen)
+        from botocore import UNSIGNED
+        from botocore.auth import S3SigV4Auth
+
+        if credentials is None or getattr(signer, "signature_version", None) is UNSIGNED:
+            auth = None
+        else:
+            auth = S3SigV4Auth(credentials, "s3", region or "us-east-1")
+        self._auth = (auth, now)
+        return auth
+
+    def _headers(self, url: str, a: int, b: int, fresh: bool) -> dict[str, str]:
+        headers = {"Range": f"bytes={a}-{b - 1}"}
+        auth = self._signer(fresh)
+        if auth is None:
+            return headers
+        from botocore.awsrequest import AWSRequest
+
+        request = AWSRequest(method="GET", url=url, headers=headers)
+        auth.add_auth(request)
+        return dict(request.headers.items())
+
+    # -- connections --------------------------------------------------------------------------
+    def _connection(self, scheme: str, host: str, port: int | None) -> http.client.HTTPConnection:
+        pool = self._connections
+        if pool.pid != os.getpid():  # inherited over fork: the parent's sockets are not ours to use
+            pool.pid, pool.open = os.getpid(), {}
+        conn = pool.open.get((scheme, host, port))
+        if conn is None:
+            if scheme == "https":
+                if self._context is None:
+                    self._context = _ssl_context(self.fs)
+                conn = http.client.HTTPSConnection(host, port, timeout=self.config.connect_timeout, context=self._context)
+            else:
+                conn = http.client.HTTPConnection(host, port, timeout=self.config.connect_timeout)
+            pool.open[(scheme, host, port)] = conn
+        return conn
+
+    def _drop(self, scheme: str, host: str, port: int | None) -> None:
+        conn = self._connections.open.pop((scheme, host, port), None)
+        if conn is not None:
+            conn.close()
+
+    # -- one GET ------------------------------------------------------------------------------
+    def get(self, bucket: str, key: str, version: str | None, a: int, b: int, out: memoryview,
+            timeout: float | None) -> int:
+        """Bytes [a, b) into ``out``; returns how many arrived (fewer when the object is shorter).
+        Raises S3ResponseError for an error answer, TimeoutError or OSError for the transport;
+        ``got`` in the exception's ``partial`` attribute says how many bytes arrived first."""
+        url = self.url(bucket, key, version)
+        for attempt in (0, 1):
+            try:
+                return self._get_once(url, self._headers(url, a, b, fresh=attempt > 0), a, b, out, timeout)
+            except S3ResponseError as exc:
+                if exc.status != 403 or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get_once(self, url: str, headers: dict[str, str], a: int, b: int, out: memoryview, timeout: float | None) -> int:
+        parts = urlsplit(url)
+        scheme, host, port = parts.scheme, parts.hostname or "", parts.port
+        target = parts.path + ("?" + parts.query if parts.query else "")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self._connection(scheme, host, port)
+        got = 0
+        try:
+            conn.timeout = self._timeout(self.config.connect_timeout, deadline)
+            if conn.sock is not None:
+                conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
+            conn.request("GET", target, headers=headers)
+            if conn.sock is not None:
+                conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
+            resp = conn.getresponse()
+            if resp.status not in (200, 206):
+                body = resp.read()
+                raise S3ResponseError(resp.status, _xml_field(body, "Code"), _xml_field(body, "Message") or resp.reason)
+            if resp.status == 200 and a:  # the server ignored the Range header: never hand over the wrong bytes
+                raise S3ResponseError(416, "InvalidRange", f"asked for bytes {a}-{b - 1}, got the whole object")
+            want = min(b - a, resp.length if resp.length is not None else b - a)
+            while got < want:
+                if deadline is not None and conn.sock is not None:
+                    conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
+                n = resp.readinto(out[got:want])
+                if not n:  # the connection closed before the body's Content-Length
+                    raise ConnectionError(f"connection closed after {got} of {want} bytes of the body")
+                got += n
+            if resp.length:  # more than asked for (a Range ignored from byte 0): not reusable
+                self._drop(scheme, host, port)
+            return got
+        except http.client.HTTPException as exc:  # IncompleteRead, BadStatusLine...: a broken exchange
+            self._drop(scheme, host, port)
+            broken = ConnectionError(f"broken HTTP response ({type(exc).__name__}: {exc})")
+            broken.partial = got  # type: ignore[attr-defined]
+            raise broken from exc
+        except BaseException as exc:
+            self._drop(scheme, host, port)
+            exc.partial = got  # type: ignore[attr-defined]
+            raise
+
+    @staticmethod
+    def _timeout(limit: float, deadline: float | None) -> float:
+        if deadline is None:
+            return limit
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's deadline ran out")
+        return min(limit, left)
+
+
+_direct: dict[tuple[int, StorageConfig], DirectS3] = {}
+_direct_lock = threading.Lock()
+
+
+def direct_for(fs: Any, config: StorageConfig) -> DirectS3:
+    """One DirectS3 per filesystem instance and policy (its URL cache and connections are shared)."""
+    key = (id(fs), config)
+    with _direct_lock:
+        found = _direct.get(key)
+        if found is None or found.fs is not fs:
+            found = _direct[key] = DirectS3(fs, config)
+        return found
+
+
+def direct_fetcher(fs: Any, path: str, config: StorageConfig) -> Callable[..., bytearray]:
+    """``fetch(a, b, timeout)`` for one S3 object, as ``retry.s3_fetcher`` but through DirectS3."""
+    from shardstream.storage.retry import PartialRead
+
+    direct = direct_for(fs, config)
+    bucket, key, version = fs.split_path(path)
+
+    def fetch(a: int, b: int, timeout: float | None = None) -> bytearray:
+        out = bytearray(b - a)
+        view = memoryview(out)
+        try:
+            got = direct.get(bucket, key, version or None, a, b, view, timeout)
+        except OSError as exc:  # (TimeoutError, ConnectionError, S3ResponseError are OSErrors)
+            got = getattr(exc, "partial", 0)
+            view.release()
+            if got:
+                from shardstream.storage.classify import TRANSIENT, classify
+
+                if classify(exc) in TRANSIENT:
+                    raise PartialRead(bytes(out[:got]), exc) from exc
+            raise
+        view.release()
+        if got < b - a:  # the object ended early (the caller reports a short read)
+            del out[got:]
+        return out
+
+    return fetch
