@@ -55,6 +55,47 @@ def test_a_range_past_the_end_is_short_and_a_missing_key_is_not_found(s3):
         read(10)
 
 
+def test_keys_that_need_quoting_and_a_fork_that_needs_no_client(s3):
+    import s3fs
+
+    from shardstream import ShardWriter
+    from shardstream.format.manifest import load_manifest
+    from shardstream.format.offsets import OFFSET_CACHE
+
+    bucket, options, client = s3
+    names = ["a b/c+d.tar", "ü/~x%y.tar", "q?r#s.tar"]
+    for i, name in enumerate(names):
+        client.put_object(Bucket=bucket, Key=name, Body=bytes([i]) * 3000)
+    for i, name in enumerate(names):
+        _, _, fetch = ranges.resolve(f"s3://{bucket}/{name}", options, StorageConfig())
+        assert bytes(fetch(10, 20)) == bytes([i]) * 10, name
+    with ShardWriter(f"s3://{bucket}/ds", max_count=10, storage_options=options) as w:
+        for i in range(20):
+            w.write({"__key__": f"{i:04d}", "bin": bytes([i]) * 100})
+    manifest = load_manifest(f"s3://{bucket}/ds", storage_options=options)
+    OFFSET_CACHE.clear()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forked DataLoader worker: the parent's URL templates and credentials, no client made here
+        try:
+            os.close(read)
+            first, last = manifest.byte_range(1, 2, 5, options)  # an offset sidecar, then shard bytes
+            _, _, fetch = ranges.resolve(manifest.shard_url(1), options, StorageConfig())
+            data = bytes(fetch(first, last))
+            _, _, fetch = ranges.resolve(f"s3://{bucket}/{names[1]}", options, StorageConfig())
+            clients = [fs._s3 for fs in s3fs.S3FileSystem._cache.values()]
+            ok = (bytes(fetch(0, 5)) == b"\x01" * 5 and data.count(bytes([12]) * 100) == 1
+                  and data.count(bytes([14]) * 100) == 1 and clients and all(c is None for c in clients))
+            os.write(write, b"ok" if ok else b"no")
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        said = answer.read()
+    os.waitpid(pid, 0)
+    assert said == b"ok"
+
+
 def test_what_keeps_the_s3fs_path(s3, monkeypatch):
     bucket, options, _ = s3
     url = f"s3://{bucket}/x"

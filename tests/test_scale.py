@@ -105,6 +105,26 @@ def test_a_sidecar_is_one_ranged_get_on_s3_and_a_longer_one_is_refused(s3, monke
         manifest.byte_range(1, 2, 5, options)
 
 
+def test_a_sidecar_read_survives_a_throttled_answer(s3):
+    from faultproxy import FaultProxy
+
+    from shardstream.storage.ranges import read_head
+
+    bucket, options, _ = s3
+    url = f"s3://{bucket}/retried"
+    with ShardWriter(url, max_count=10, storage_options=options) as w:
+        for s in make_samples(20):
+            w.write(s)
+    manifest = load_manifest(url, storage_options=options)
+    clean = manifest.byte_range(0, 2, 5, options)
+    OFFSET_CACHE.clear()
+    with FaultProxy(options["endpoint_url"], slowdown_every=2) as proxy:
+        faulty = {"endpoint_url": proxy.url}
+        assert read_head(f"{url}/shard-000000.tar", 512, faulty)[:1]  # the proxy's first GET passes
+        assert manifest.byte_range(0, 2, 5, faulty) == clean  # its second, the sidecar's, is answered 503 first
+    assert proxy.counts["slowdowns"] == 1
+
+
 def test_manifest_grows_with_shards_and_sidecars_hold_the_offsets(tmp_path):
     small = load_manifest(write(tmp_path / "a", n=20, max_count=10))
     large = load_manifest(write(tmp_path / "b", n=2000, max_count=1000))

@@ -32,7 +32,7 @@ from shardstream.format.compression import UNKNOWN_END, shard_compression
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.ranges import read_object
+from shardstream.storage.ranges import read_head, read_object
 
 FORMAT_NAME = "shardstream-index"
 FORMAT_VERSION = 2
@@ -186,11 +186,11 @@ class Manifest:
         options = storage_options if storage_options is not None else self.storage_options
 
         def load() -> np.ndarray:
-            fs, path = storage.get_fs(url, options)
             try:
-                # A range of one byte more than expected: one GET and no HEAD first (s3fs asks for the
-                # size of a whole-object read), and a sidecar too long still shows.
-                data = storage.read_bytes(fs, path, 0, sidecar_size(samples) + 1)
+                # A range of one byte more than expected: one GET and no HEAD first, under the
+                # retry policy (in a DataLoader worker, through the same direct GETs as the shards'
+                # bytes), and a sidecar too long still shows.
+                data = read_head(url, sidecar_size(samples) + 1, options)
             except StorageError as exc:
                 raise StorageError(f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); "
                                    "run `shardstream verify` on the dataset") from exc

@@ -34,7 +34,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from shardstream.storage.config import StorageConfig
 
@@ -120,7 +120,7 @@ class DirectS3:
     def __init__(self, fs: Any, config: StorageConfig):
         self.fs = fs
         self.config = config
-        self._urls: dict[tuple[str, str, str | None], str] = {}
+        self._templates: dict[str, tuple[str, str]] = {}  # bucket -> (URL before the key, after it)
         self._auth: tuple[Any, float] | None = None
         self._lock = threading.Lock()
         self._connections = _Connections()
@@ -133,24 +133,35 @@ class DirectS3:
         return fsspec.asyn.sync(self.fs.loop, coro_fn)
 
     def url(self, bucket: str, key: str, version: str | None) -> str:
-        """The object's URL as s3fs's client addresses it (endpoint, addressing style, version):
-        a presigned URL without its signature, found once per object."""
-        with self._lock:
-            found = self._urls.get((bucket, key, version))
-        if found is not None:
-            return found
-        params = {"Bucket": bucket, "Key": key, **({"VersionId": version} if version else {})}
+        """The object's URL as s3fs's client addresses it (endpoint, addressing style, version).
+
+        The client presigns one key per bucket; its URL without the signature, with the key's
+        place found, serves every other key of the bucket (quoted as botocore quotes keys). So a
+        forked worker that inherits this object needs no client of its own to find its shards."""
+        template = self._templates.get(bucket)
+        if template is None:
+            template = self._templates[bucket] = self._template(bucket)
+        prefix, suffix = template
+        url = prefix + quote(key, safe="/~") + suffix
+        if version:
+            url += ("&" if "?" in url else "?") + "versionId=" + quote(version, safe="")
+        return url
+
+    def _template(self, bucket: str) -> tuple[str, str]:
+        probe = "shardstream-probe/k"
 
         async def presign() -> str:
             client = await self.fs.set_session()
-            return await client.generate_presigned_url("get_object", Params=params, ExpiresIn=URL_LIFETIME)
+            return await client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": probe},
+                                                       ExpiresIn=URL_LIFETIME)
 
         parts = urlsplit(self._sync(presign))
         query = "&".join(q for q in parts.query.split("&") if q and not _AUTH_PARAM.match(q))
         url = parts._replace(query=query).geturl()
-        with self._lock:
-            self._urls[(bucket, key, version)] = url
-        return url
+        where = url.find("/" + probe)
+        if where < 0 or url.find("/" + probe, where + 1) >= 0:
+            raise ValueError(f"cannot tell where the key goes in {url!r}")
+        return url[: where + 1], url[where + 1 + len(probe) :]
 
     def _signer(self, fresh: bool = False) -> Any:
         """botocore's S3 SigV4 signer over the client's current credentials (None: unsigned
@@ -280,17 +291,23 @@ class DirectS3:
         return min(limit, left)
 
 
-_direct: dict[tuple[int, StorageConfig], DirectS3] = {}
+_direct: dict[tuple[type, str, StorageConfig], DirectS3] = {}
 _direct_lock = threading.Lock()
 
 
 def direct_for(fs: Any, config: StorageConfig) -> DirectS3:
-    """One DirectS3 per filesystem instance and policy (its URL cache and connections are shared)."""
-    key = (id(fs), config)
+    """One DirectS3 per filesystem options and policy. A forked DataLoader worker finds the one
+    its parent used (fsspec makes the worker a filesystem of its own), with the URL templates and
+    credentials it holds, and gives it the worker's filesystem for what it still asks the client."""
+    from fsspec.utils import tokenize
+
+    key = (type(fs), tokenize(getattr(fs, "storage_args", ()), getattr(fs, "storage_options", {})), config)
     with _direct_lock:
         found = _direct.get(key)
-        if found is None or found.fs is not fs:
+        if found is None:
             found = _direct[key] = DirectS3(fs, config)
+        elif found.fs is not fs:
+            found.fs = fs
         return found
 
 

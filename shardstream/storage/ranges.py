@@ -101,6 +101,21 @@ def open_range(
     return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint), _noop
 
 
+def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None, *,
+              config: StorageConfig = DEFAULT_STORAGE, counters: Any = None, hint: str = "") -> bytes:
+    """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
+    GET on S3, no HEAD first) under the retry policy; a try that breaks midway starts again
+    (this is for small objects: offset sidecars)."""
+    fs, path, fetch = resolve(url, storage_options, config)
+    if fetch is None:
+        try:
+            with open(path, "rb") as f:
+                return f.read(n)
+        except OSError as exc:
+            raise storage_error(url, exc, hint=hint) from exc
+    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path))
+
+
 def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
                 counters: Any = None, hint: str = "") -> int:
     """The object's size in bytes (a HEAD on S3), under the retry policy."""
