@@ -7,7 +7,9 @@ and for the reference of tools/bench_s3.py (two processes streaming ``get_object
 On a 2-core machine every process shares the same two cores, so a reader's rate is bounded by
 2 / (its CPU per sample + the server's CPU per sample). 4 MB float32 ``.npy`` samples, undecoded,
 batch 4, one read request per 16 MB shard range, as in bench_s3. Worker CPU includes each worker's
-start-up (fork, first request); the row with 8 samples shows that fixed part.
+start-up (fork, first request); the row with 8 samples shows that fixed part. The last two rows
+make their GETs through s3fs/aiobotocore (``StorageConfig(direct_get=False)``), as before
+``storage/direct.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def own_and_children() -> tuple[float, float]:
 def main() -> None:
     from bench_s3 import _get_all, moto_bucket
 
-    from shardstream import Read, ShardStream, ShardWriter, World, make_loader
+    from shardstream import Read, ShardStream, ShardWriter, StorageConfig, World, make_loader
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200)
@@ -53,10 +55,11 @@ def main() -> None:
                 for i in range(n):
                     w.write({"__key__": f"{i:06d}", "npy": np.full((1024, 1024), i, dtype=np.float32)})
 
-        def shardstream(prefix: str, workers: int):
+        def shardstream(prefix: str, workers: int, direct: bool = True):
             def run() -> int:
                 ds = ShardStream(f"s3://bench/{prefix}", batch_size=4, shuffle=False, decode=False, world=World(0, 1),
-                                 storage_options=options, read=Read(read_size=17 << 20))
+                                 storage_options=options, read=Read(read_size=17 << 20),
+                                 storage=StorageConfig(direct_get=direct))
                 return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False,
                                                                   log_interval=None))
             return run
@@ -76,6 +79,8 @@ def main() -> None:
             ("shardstream, 0 workers", args.samples, shardstream("many", 0)),
             ("shardstream, 2 workers", args.samples, shardstream("many", 2)),
             ("shardstream, 2 workers, 8 samples (start-up)", 8, shardstream("few", 2)),
+            ("shardstream, 0 workers, GETs through s3fs", args.samples, shardstream("many", 0, direct=False)),
+            ("shardstream, 2 workers, GETs through s3fs", args.samples, shardstream("many", 2, direct=False)),
         ]
         print("| reader | samples/s | main ms/sample | workers ms/sample | server ms/sample |")
         print("|---|---|---|---|---|")
