@@ -12,7 +12,7 @@ import pytest
 from conftest import write_dataset
 
 from shardstream import Read, ShardStream, World, make_loader
-from shardstream.errors import StorageError, StorageNotFound
+from shardstream.errors import StorageNotFound
 from shardstream.storage import direct, ranges
 from shardstream.storage.classify import Kind, classify
 from shardstream.storage.config import StorageConfig
@@ -243,13 +243,3 @@ def test_a_dead_endpoint_times_out_within_the_deadline():
         with pytest.raises(TimeoutError) as stalled:
             getter.get("b", "k", None, 0, 10, memoryview(bytearray(10)), 0.5)
         assert time.monotonic() - began < 3 and classify(stalled.value) is Kind.TIMEOUT
-
-
-def test_errors_read_through_the_stream_name_the_shard(s3):
-    bucket, options, client = s3
-    url = write_dataset(f"s3://{bucket}/e", 30, max_count=10, size=2000, storage_options=options)
-    client.delete_object(Bucket=bucket, Key="e/shard-000002.tar")
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options)
-    with pytest.raises(StorageError, match=r"shard-000002.tar: not found"):
-        list(ds)
-    assert ds.stats()["retries"] == 0

@@ -122,7 +122,6 @@ class DirectS3:
         self.config = config
         self._templates: dict[str, tuple[str, str]] = {}  # bucket -> (URL before the key, after it)
         self._auth: tuple[Any, float] | None = None
-        self._lock = threading.Lock()
         self._connections = _Connections()
         self._context: ssl.SSLContext | None = None
 
