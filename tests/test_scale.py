@@ -78,15 +78,19 @@ def to_version_1(root):
 
 
 # -- manifest version 2 ---------------------------------------------------------------------------
+def _two_shards(url: str, options: dict) -> Manifest:
+    """20 samples in two shards (each with its offset sidecar) under ``url``; their manifest."""
+    with ShardWriter(url, max_count=10, storage_options=options) as w:
+        for s in make_samples(20):
+            w.write(s)
+    return load_manifest(url, storage_options=options)
+
+
 def test_a_sidecar_is_one_ranged_get_on_s3_and_a_longer_one_is_refused(s3, monkeypatch):
     import s3fs
 
     bucket, options, client = s3
-    url = f"s3://{bucket}/side"
-    with ShardWriter(url, max_count=10, storage_options=options) as w:
-        for s in make_samples(20):
-            w.write(s)
-    manifest = load_manifest(url, storage_options=options)
+    manifest = _two_shards(f"s3://{bucket}/side", options)
     heads = []
     real_info = s3fs.S3FileSystem._info
 
@@ -112,10 +116,7 @@ def test_a_sidecar_read_survives_a_throttled_answer(s3):
 
     bucket, options, _ = s3
     url = f"s3://{bucket}/retried"
-    with ShardWriter(url, max_count=10, storage_options=options) as w:
-        for s in make_samples(20):
-            w.write(s)
-    manifest = load_manifest(url, storage_options=options)
+    manifest = _two_shards(url, options)
     clean = manifest.byte_range(0, 2, 5, options)
     OFFSET_CACHE.clear()
     with FaultProxy(options["endpoint_url"], slowdown_every=2) as proxy:

@@ -36,7 +36,9 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
+from shardstream.storage.retry import PartialRead
 
 URL_LIFETIME = 3600  # (the presigned URL only shows where the object is; requests are signed anew)
 CREDENTIALS_TTL = 60.0  # seconds between looks at the client's (maybe refreshing) credentials
@@ -312,8 +314,6 @@ def direct_for(fs: Any, config: StorageConfig) -> DirectS3:
 
 def direct_fetcher(fs: Any, path: str, config: StorageConfig) -> Callable[..., bytearray]:
     """``fetch(a, b, timeout)`` for one S3 object, as ``retry.s3_fetcher`` but through DirectS3."""
-    from shardstream.storage.retry import PartialRead
-
     direct = direct_for(fs, config)
     bucket, key, version = fs.split_path(path)
 
@@ -325,11 +325,8 @@ def direct_fetcher(fs: Any, path: str, config: StorageConfig) -> Callable[..., b
         except OSError as exc:  # (TimeoutError, ConnectionError, S3ResponseError are OSErrors)
             got = getattr(exc, "partial", 0)
             view.release()
-            if got:
-                from shardstream.storage.classify import TRANSIENT, classify
-
-                if classify(exc) in TRANSIENT:
-                    raise PartialRead(bytes(out[:got]), exc) from exc
+            if got and classify(exc) in TRANSIENT:
+                raise PartialRead(bytes(out[:got]), exc) from exc
             raise
         view.release()
         if got < b - a:  # the object ended early (the caller reports a short read)
