@@ -107,6 +107,29 @@ def new_shared(nbytes: int) -> Any:
     return storage
 
 
+def uninitialized_bytearray(nbytes: int) -> bytearray:
+    """A ``bytearray`` of ``nbytes`` whose contents are whatever the allocator handed out, for a
+    buffer that is about to be filled completely (a GET's body). ``bytearray(n)`` writes n zeros
+    first: one more pass over every byte (0.9 ms per 17 MiB here, more on fresh memory)."""
+    if _new_bytearray is None:
+        return bytearray(nbytes)
+    return _new_bytearray(None, nbytes)
+
+
+def _bytearray_constructor() -> Any:
+    import ctypes
+
+    try:  # CPython's C API: a NULL source leaves the new bytearray's bytes as allocated
+        fn = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    except AttributeError:
+        return None
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_ssize_t]
+    fn.restype = ctypes.py_object
+    return fn
+
+
+_new_bytearray = _bytearray_constructor()
+
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 PAGE = mmap.PAGESIZE

@@ -109,6 +109,56 @@ def test_garbage_and_bad_checksums_raise():
         parse(bytes(data))
 
 
+def _header_summed(name: str, size: int, signed: bool) -> bytes:
+    """A ustar header with a byte above 127 in its unused tail, its checksum the unsigned sum of
+    its bytes (the standard) or the signed sum (as some old writers computed it): the two differ."""
+    hdr = bytearray(member_header(name, size))
+    assert len(hdr) == 512
+    hdr[500] = 0xE9
+    hdr[148:156] = b"        "
+    total = sum(b - 256 if signed and b > 127 else b for b in hdr)
+    hdr[148:156] = b"%06o\0 " % total
+    return bytes(hdr)
+
+
+@pytest.mark.parametrize("members", [2, 40])  # few headers per read: checked one by one; many: vectorized
+def test_header_checksums_agree_whether_checked_singly_or_vectorized(members):
+    """Both ways of checking a read's headers accept the same headers (unsigned and signed sums)
+    and name the same corrupt one."""
+    body = b""
+    for i in range(members):
+        data = b"x" * (i + 1)
+        body += _header_summed(f"{i:03d}.bin", len(data), signed=bool(i % 2)) + data + padding(len(data))
+    data = body + END_OF_ARCHIVE
+    got = parse(data, read_size=1 << 20)  # one read: every header checked in one call
+    assert [k for k, _, _ in got] == [f"{i:03d}" for i in range(members)]
+    assert [f["bin"] for _, _, f in got] == [b"x" * (i + 1) for i in range(members)]
+    last = data.rfind(f"{members - 1:03d}.bin".encode())
+    broken = bytearray(data)
+    broken[last + 1] ^= 0x01  # a name byte of the last header
+    with pytest.raises(ShardFormatError, match=rf"byte {last}: tar header checksum mismatch"):
+        parse(bytes(broken), read_size=1 << 20)
+
+
+@pytest.mark.parametrize("read_size", [700, 4096, 1 << 20])
+def test_blocks_fetched_into_bytearrays_are_parsed_in_place_and_give_bytes(read_size):
+    """An S3 GET reads into a bytearray; the parser reads headers from it where it lies, and every
+    field it hands on is ``bytes`` (as from a file), large and small, whole or across blocks."""
+    members = [(f"{i:03d}.{ext}", bytes([i]) * n) for i in range(6) for ext, n in (("txt", 5), ("bin", 3000 * i + 1))]
+    data = build(members)
+    stream = io.BytesIO(data)
+
+    def read(n: int) -> bytearray:
+        return bytearray(stream.read(n))
+
+    got = list(iter_samples(read, url="mem://b.tar", start=0, end=len(data), read_size=read_size,
+                            require_end_marker=True, large_member=2048))
+    assert [k for k, _, _, _ in got] == [f"{i:03d}" for i in range(6)]
+    for i, (_, _, _, fields) in enumerate(got):
+        assert {ext: type(v) for ext, v in fields.items()} == {"txt": bytes, "bin": bytes}
+        assert fields == {"txt": bytes([i]) * 5, "bin": bytes([i]) * (3000 * i + 1)}
+
+
 def test_size_field_claiming_terabytes_is_rejected_without_allocating():
     hdr = bytearray(member_header("a.txt", 0))
     hdr[124:136] = b"%011o\0" % (0o77777777777)

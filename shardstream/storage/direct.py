@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from shardstream.buffers import uninitialized_bytearray
 from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.retry import PartialRead
@@ -318,7 +319,7 @@ def direct_fetcher(fs: Any, path: str, config: StorageConfig) -> Callable[..., b
     bucket, key, version = fs.split_path(path)
 
     def fetch(a: int, b: int, timeout: float | None = None) -> bytearray:
-        out = bytearray(b - a)
+        out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
         view = memoryview(out)
         try:
             got = direct.get(bucket, key, version or None, a, b, view, timeout)

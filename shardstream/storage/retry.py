@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
+from shardstream.buffers import uninitialized_bytearray
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -94,7 +95,7 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
         # The body is read into one buffer of the range's size: appending to a growing bytearray
         # copied the block again at each of its reallocations (about 1/8 growth each).
-        out = bytearray(b - a)
+        out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
         got = [0]
         try:
             fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, got, timeout)
