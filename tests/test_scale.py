@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import struct
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
@@ -159,6 +160,76 @@ def test_offset_cache_is_bounded():
         cache.get(f"k{i}", lambda: np.zeros(100, dtype=np.int64))
     assert cache._bytes <= cache.max_bytes and len(cache._entries) == 3 and cache.fetches == 10
     cache.get("k9", lambda: pytest.fail("a hit must not load"))
+
+
+def test_a_sidecar_asked_for_by_two_threads_at_once_is_loaded_once():
+    """The reader and its read-ahead thread both need a split range's bytes: the second waits for
+    the first's GET instead of making its own; if that one fails, the waiter loads it itself."""
+    cache = OffsetCache()
+    started, release = threading.Event(), threading.Event()
+    loads = []
+
+    def slow_load():
+        loads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(10)
+        return np.arange(11, dtype=np.int64)
+
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("first", cache.get("k", slow_load)), name="first")
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=lambda: got.setdefault("second", cache.get("k", slow_load)), name="second")
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waiting for the first load, not loading
+    release.set()
+    first.join(10), second.join(10)
+    assert loads == ["first"] and cache.fetches == 1 and got["first"] is got["second"]
+
+    started.clear(), release.clear()
+
+    def failing_load():
+        started.set()
+        assert release.wait(10)
+        raise OSError("the first GET failed")
+
+    errors = []
+    failing = threading.Thread(target=lambda: errors.append(pytest.raises(OSError, cache.get, "f", failing_load)))
+    failing.start()
+    assert started.wait(10)
+    waiter = threading.Thread(target=lambda: got.setdefault("f", cache.get("f", lambda: np.zeros(3, np.int64))))
+    waiter.start()
+    release.set()
+    failing.join(10), waiter.join(10)
+    assert len(errors) == 1 and got["f"].tolist() == [0, 0, 0]  # the waiter's own load
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_sidecar_load():
+    """A load in flight in the parent when it forks (a DataLoader starting its workers while the
+    read-ahead thread reads a sidecar) is never finished in the child: the child loads its own."""
+    cache = OffsetCache()
+    started, release = threading.Event(), threading.Event()
+
+    def slow_load():
+        started.set()
+        assert release.wait(10)
+        return np.arange(5, dtype=np.int64)
+
+    parent_load = threading.Thread(target=cache.get, args=("k", slow_load))
+    parent_load.start()
+    assert started.wait(10)
+    ctx = get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=lambda: out.put(cache.get("k", lambda: np.full(2, 7, np.int64)).tolist()))
+    child.start()
+    child.join(20)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    release.set()
+    parent_load.join(10)
+    assert not hung and out.get(timeout=5) == [7, 7]
 
 
 def test_pickled_dataset_is_compact_for_many_shards(tmp_path):

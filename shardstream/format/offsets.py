@@ -16,8 +16,10 @@ slice inside the same shards reads each sidecar once.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -88,22 +90,44 @@ class OffsetCache:
         self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._loading: dict[str, threading.Event] = {}  # keys being loaded now
+        if hasattr(os, "register_at_fork"):  # a forked child has no thread that could finish its parent's loads
+            forget = weakref.WeakMethod(self._after_fork)
+            os.register_at_fork(after_in_child=lambda: (m := forget()) is not None and m())
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._loading = {}
 
     def get(self, key: str, load: Callable[[], np.ndarray]) -> np.ndarray:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-                return hit
-        value = load()  # outside the lock: a slow GET must not hold up other shards' hits
-        with self._lock:
-            self.fetches += 1
-            if key not in self._entries:
-                self._entries[key] = value
-                self._bytes += value.nbytes
-            while self._bytes > self.max_bytes and len(self._entries) > 1:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= old.nbytes
+        """The cached sidecar, else ``load()``'s. One load per key at a time: a thread that asks
+        while another loads it (the reader and its read-ahead thread both need a range's bytes)
+        waits for that load rather than making a second GET; if that load fails, it tries its own."""
+        while True:
+            with self._lock:
+                hit = self._entries.get(key)
+                if hit is not None:
+                    self._entries.move_to_end(key)
+                    return hit
+                loading = self._loading.get(key)
+                if loading is None:
+                    loading = self._loading[key] = threading.Event()
+                    break
+            loading.wait()
+        try:
+            value = load()  # outside the lock: a slow GET must not hold up other shards' hits
+            with self._lock:
+                self.fetches += 1
+                if key not in self._entries:
+                    self._entries[key] = value
+                    self._bytes += value.nbytes
+                while self._bytes > self.max_bytes and len(self._entries) > 1:
+                    _, old = self._entries.popitem(last=False)
+                    self._bytes -= old.nbytes
+        finally:
+            with self._lock:
+                del self._loading[key]
+            loading.set()
         return value
 
     def clear(self) -> None:
