@@ -110,6 +110,36 @@ def test_a_sidecar_is_one_ranged_get_on_s3_and_a_longer_one_is_refused(s3, monke
         manifest.byte_range(1, 2, 5, options)
 
 
+def test_an_s3_manifest_is_one_get_without_a_head_and_a_large_one_is_read_whole(s3, monkeypatch):
+    """The manifest is the first request of every run: one ranged GET of up to FIRST_READ_OBJECT
+    bytes, no HEAD first. A manifest that fills that read is read whole, by its size. A missing
+    manifest is still reported as one."""
+    import s3fs
+
+    from shardstream.storage import ranges
+
+    bucket, options, _ = s3
+    url = f"s3://{bucket}/manifest-reads"
+    _two_shards(url, options)
+    heads = []
+    real_info = s3fs.S3FileSystem._info
+
+    async def counting_info(self, path, *args, **kwargs):
+        heads.append(path)
+        return await real_info(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_info", counting_info)
+    whole = load_manifest(url, storage_options=options)
+    assert heads == [] and len(whole.paths) == 2
+    monkeypatch.setattr(ranges, "FIRST_READ_OBJECT", 100)  # far less than the manifest's size
+    big = load_manifest(url, storage_options=options)
+    assert [p for p in heads if p.endswith("index.json")] and big.paths == whole.paths
+    assert big.counts.tolist() == whole.counts.tolist() and big.sizes.tolist() == whole.sizes.tolist()
+    monkeypatch.setattr(ranges, "FIRST_READ_OBJECT", 8 << 20)
+    with pytest.raises(ManifestError, match="not found"):
+        load_manifest(f"s3://{bucket}/no-such-dataset", storage_options=options)
+
+
 def test_a_sidecar_read_survives_a_throttled_answer(s3):
     from faultproxy import FaultProxy
 

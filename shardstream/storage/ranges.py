@@ -30,6 +30,7 @@ from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import Fetch, call, fs_fetcher, make_range_reader, s3_fetcher
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
+FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
 SHARD_HINT = " (it is listed in the manifest: was it deleted or moved?)"
 
 Read = Callable[[int], bytes]
@@ -138,8 +139,18 @@ def open_object(url: str, storage_options: Mapping[str, Any] | None = None, *, c
 
 def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
                 counters: Any = None, hint: str = "") -> bytes:
-    """A whole (small) object's bytes, e.g. the manifest: one read that resumes mid-body if the
-    connection breaks."""
+    """A whole (small) object's bytes, e.g. the manifest. On S3 the first ``FIRST_READ_OBJECT``
+    bytes come in one ranged GET with no HEAD first (S3 answers a range past the end with what
+    there is: one round trip less before the first batch). An object that fills that read, or on
+    other stores any object, is read by its size in blocks, resuming mid-body if the connection
+    breaks."""
+    if url.startswith(("s3://", "s3a://")):
+        fs, path, fetch = resolve(url, storage_options, config)
+        if fetch is not None:
+            head = call(url, lambda: fetch(0, FIRST_READ_OBJECT), config=config, counters=counters, hint=hint,
+                        fs=fs, path=path)
+            if len(head) < FIRST_READ_OBJECT:
+                return bytes(head)
     size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint)
     try:
         parts = []
