@@ -41,6 +41,45 @@ def test_direct_gets_read_the_same_bytes_as_s3fs_and_are_the_default(s3):
     assert sorted(_batches(url, options, StorageConfig(), workers=2)) == sorted(through_s3fs)
 
 
+@pytest.mark.parametrize("readahead", [0, None])
+def test_a_whole_shard_is_fetched_through_the_objects_end_in_no_extra_request(s3, monkeypatch, readahead):
+    """A whole shard's samples end before the tar's end-of-archive blocks: the GET that reaches them
+    asks for the object through its end (the whole object in one GET when it fits one read), and
+    the tail costs no request of its own. The samples are those of s3fs's path."""
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/tail", 45, max_count=20, size=5000, storage_options=options)
+    gets: dict[str, list[tuple[int, int]]] = {}
+    real_get = direct.DirectS3.get
+
+    def recording_get(self, bucket_, key, version, a, b, out, timeout):
+        gets.setdefault(key, []).append((a, b))
+        return real_get(self, bucket_, key, version, a, b, out, timeout)
+
+    monkeypatch.setattr(direct.DirectS3, "get", recording_get)
+    for read_size, whole in ((1 << 20, True), (16 << 10, False)):
+        gets.clear()
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options,
+                         read=Read(read_size=read_size, readahead_bytes=readahead))
+        got = [(k, b) for batch in make_loader(ds, num_workers=0, pin_memory=False, log_interval=None)
+               for k, b in zip(batch["__key__"], batch["bin"])]
+        m = ds.manifest
+        assert len(m.paths) == 3
+        for i in range(3):
+            key = m.shard_url(i).split(f"{bucket}/", 1)[1]
+            start, data_end, size = int(m.spans[i, 0]), int(m.spans[i, 1]), int(m.sizes[i])
+            assert 0 < size - data_end <= ranges.THROUGH_TAIL
+            asked = sorted(gets[key])
+            # the GETs tile [data start, object end): nothing fetched twice, the last one to the end
+            assert asked[0][0] == start and asked[-1][1] == size
+            assert all(b == a2 for (_, b), (a2, _) in zip(asked, asked[1:]))
+            assert all(a < data_end for a, _ in asked)  # no request for the tail alone
+            if whole:
+                assert asked == [(start, size)]
+        monkeypatch.setattr(direct.DirectS3, "get", real_get)
+        assert got == _batches(url, options, StorageConfig(direct_get=False))
+        monkeypatch.setattr(direct.DirectS3, "get", recording_get)
+
+
 def test_a_range_past_the_end_is_short_and_a_missing_key_is_not_found(s3):
     bucket, options, client = s3
     client.put_object(Bucket=bucket, Key="obj", Body=b"0123456789")

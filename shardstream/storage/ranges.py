@@ -31,6 +31,7 @@ from shardstream.storage.retry import Fetch, call, fs_fetcher, make_range_reader
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
+THROUGH_TAIL = 64 << 10  # a range this close to its S3 object's end is fetched to the end
 SHARD_HINT = " (it is listed in the manifest: was it deleted or moved?)"
 
 Read = Callable[[int], bytes]
@@ -99,7 +100,39 @@ def open_range(
             f, lock = handle
             f.seek(start)
             return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
+    tail = (shard_size or 0) - end
+    if 0 < tail <= THROUGH_TAIL and fsspec.utils.get_protocol(url) in ("s3", "s3a"):
+        # A whole shard's samples end just before the tar's end-of-archive blocks: ask for the
+        # object through its end, so the GET is the whole object (a server or cache then serves it
+        # as it is; moto copies every range that stops short of the end) and drop those few bytes.
+        inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config,
+                                  hint=hint)
+        return _EndsBefore(inner, end - start, tail), _noop
     return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint), _noop
+
+
+class _EndsBefore:
+    """``read(n)`` over the first ``length`` bytes of a reader that goes ``tail`` bytes further:
+    the read that reaches ``length`` asks for the tail too (one request, not one more) and the
+    tail is cut off the block it arrives in."""
+
+    __slots__ = ("_read", "_left", "_tail")
+
+    def __init__(self, read: Read, length: int, tail: int):
+        self._read, self._left, self._tail = read, length, tail
+
+    def __call__(self, n: int) -> bytes:
+        left = self._left
+        if left <= 0:
+            return b""
+        data = self._read(n if n < left else left + self._tail)
+        if len(data) > left:
+            if isinstance(data, bytearray):
+                del data[left:]  # in place: no exports yet, and a few KiB off the end move nothing
+            else:
+                data = data[:left]
+        self._left = left - len(data)
+        return data
 
 
 def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None, *,
