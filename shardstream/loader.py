@@ -263,14 +263,18 @@ class UnpackStage:
     def __call__(self, batches):
         pin, channels = self.pin, self.channels
         tokens: set[int] = set()
+        if channels is not None:
+            tokens |= channels.workers_tokens()  # this pass's workers (forked as it starts), batches or not
+        ran_out = False
         try:
             for batch in batches:
                 if type(batch) is dict and SEGMENTS in batch:
                     tokens.add(batch[SEGMENTS].token)
                 yield unpack_batch(batch, pin, channels)
+            ran_out = True  # DataLoader has joined the pass's workers: their segments can be inherited
         finally:
             if channels is not None and not self.persistent:
-                channels.forget(tokens)
+                channels.forget(tokens, retire=ran_out)
 
 
 class ShardLoader(webdataset.WebLoader):
@@ -300,6 +304,8 @@ class ShardLoader(webdataset.WebLoader):
             logger.info("%s", resume.summary())
         record: list[Any] = [self.dataset._clock.upcoming, 0, resume]  # the epoch this pass will follow
         self._pass = record
+        if self.channels is not None and (not self.persistent_workers or self.pipeline[0]._iterator is None):
+            self.channels.prepare_workers()  # workers are forked for this pass
         for batch in super().__iter__():
             record[1] += 1
             yield batch

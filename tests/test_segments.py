@@ -81,6 +81,38 @@ def test_a_segment_is_written_again_only_after_the_main_process_let_go():
     assert bool((got4 == 4.0).all()) and bool((got2 == 2.0).all()) and third.segments[0][1] is not None
 
 
+def test_the_next_workers_inherit_only_segments_no_batch_view_holds():
+    channels, pool = _pool()
+    _, held = _send(pool, channels, 1.0)
+    first, dropped = _send(pool, channels, 2.0)
+    del dropped
+    channels.forget({pool.token}, retire=True)  # the pass ran out: its worker has exited
+    assert len(channels.retired) == 2 and pool.token not in channels.mapped
+    channels.prepare_workers()  # the next worker is forked now
+    token, inherited = channels.inherit[0]
+    assert len(inherited) == 1 and len(channels.retired) == 1  # the held one stays retired
+    number, storage, capacity = inherited[0]
+    # registered under the new worker's token: its first batch can name the segment by number
+    assert channels.mapped[token][number].ctypes.data == storage.data_ptr() and capacity == storage.nbytes()
+    assert bool(np.all(channels.mapped[token][number][: 4 * 100].view(np.float32) == 2.0))  # the batch let go
+    heir = WorkerPool(channels.pipes[0][0], 0, token=token, inherited=inherited)
+    assert heir.token == token and heir.inherited == 1 and heir.segments[0].known
+    packed = pack_batch({"x": torch.empty(0, dtype=torch.float32).set_(heir.segments[0].storage)[: MB // 4]},
+                        pool=heir)
+    assert packed[SEGMENTS].segments == [(number, None)]  # (the forked worker reuses it: see the loader test)
+    got = _unpack(packed, channels)["x"]
+    assert bool((got == 2.0).all()) and bool((held == 1.0).all())
+    del held, first
+    channels.forget({token}, retire=True)
+    channels.prepare_workers()
+    assert len(channels.inherit[0][1]) == 1  # held until now: inherited this time
+    assert set(channels.retired) == {(token, number)}  # ``got`` holds it now
+    third = channels.workers_tokens()
+    channels.forget(third)  # a pass cut short: unmapped, not retired
+    assert set(channels.retired) == {(token, number)} and not any(t in third for t, _ in channels.storages)
+    assert bool((got == 2.0).all())  # a tensor still held keeps its own view
+
+
 def test_a_segment_the_worker_still_uses_is_not_handed_out_again():
     channels, pool = _pool()
     batch = _batch_on(pool, 1.0)
@@ -241,6 +273,45 @@ def test_workers_reuse_segments_and_batches_held_across_passes_keep_their_values
     assert reused > 0  # segments came back to the workers
     for batch, want in kept:
         assert torch.equal(batch["npy"], want) and torch.equal(batch["corner"], want[:, 1:60, ::2])
+
+
+class ReportInherited:
+    def __call__(self, batch):
+        pool = worker_pool()
+        batch["made"], batch["inherited"] = pool.made, pool.inherited
+        return batch
+
+
+def test_new_workers_each_pass_inherit_the_segments_of_the_pass_before(tmp_path):
+    root, arrays = _npy_dataset(tmp_path / "d")
+    ds = ShardStream(root, batch_size=8, shuffle=False, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, persistent_workers=False, collate_fn=ReportInherited(), log_interval=None)
+    passes = []
+    kept = []
+    for p in range(4):
+        made, inherited = [], []
+        for i, batch in enumerate(loader):
+            want = torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]])
+            assert torch.equal(batch["npy"], want)
+            made.append(batch["made"])
+            inherited.append(batch["inherited"])
+            if i == p:  # held across the next passes, and written by the user
+                batch["npy"].mul_(-1.0)
+                kept.append((batch, -want))
+        passes.append((max(made), min(inherited)))
+        assert len(loader.channels.retired) <= 2 * MAX_SEGMENTS
+    # the first workers make their segments; later ones start with the ones no batch holds
+    assert passes[0][0] > 0 and passes[0][1] == 0
+    assert all(inherited > 0 for _, inherited in passes[1:]), passes
+    assert all(made < passes[0][0] for made, _ in passes[1:]), passes
+    for batch, want in kept:  # never handed to a later worker while held
+        assert torch.equal(batch["npy"], want)
+    before = set(loader.channels.retired)  # segments still held by kept batches
+    for _ in loader:  # a pass cut short: its workers may still run, so none of theirs is retired
+        break
+    del _
+    gc.collect()
+    assert set(loader.channels.retired) <= before
 
 
 class ReportPending:
