@@ -101,10 +101,18 @@ def new_shared(nbytes: int) -> Any:
     import torch
 
     storage = torch.UntypedStorage._new_shared(nbytes)
+    populate(storage)
+    return storage
+
+
+def populate(storage: Any) -> None:
+    """Map every page of a shared storage in this process with one ``madvise`` call, where one
+    page fault each would follow (a new segment; a segment inherited over fork, whose pages exist
+    but are not mapped in the child: 52 ms per 128 MiB here, against 66-88 ms of faults)."""
+    nbytes = storage.nbytes()
     if nbytes >= _POPULATE_MIN and _madvise is not None:
         start = storage.data_ptr() & ~(PAGE - 1)  # the mapping may start before the data (a header)
         _madvise(start, storage.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE)  # a refusal only costs the faults
-    return storage
 
 
 def uninitialized_bytearray(nbytes: int) -> bytearray:

@@ -59,7 +59,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from shardstream.buffers import PAGE, new_shared
+from shardstream.buffers import PAGE, new_shared, populate
 
 _MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
 _UNMAPPED = 1 << 31  # released without being mapped: send the storage again
@@ -158,13 +158,14 @@ def _arrive(token: int, worker: int, segments: list[tuple[int, Any]], dropped: l
 
 
 class _Segment:
-    __slots__ = ("number", "storage", "capacity", "taken", "pending", "known")
+    __slots__ = ("number", "storage", "capacity", "taken", "pending", "known", "inherited")
 
     def __init__(self, number: int, storage: Any, capacity: int):
         self.number, self.storage, self.capacity = number, storage, capacity
         self.taken = False  # handed out since the last pack step
         self.pending = 0  # sendings the main process has not released yet
         self.known = False  # the main process has it mapped (it released it once)
+        self.inherited = False  # made before this worker was forked: its pages are not mapped here yet
 
 
 class WorkerPool:
@@ -178,7 +179,7 @@ class WorkerPool:
         self.segments: list[_Segment] = []
         for number, storage, capacity in inherited:  # mapped in the main process under this token already
             seg = _Segment(number, storage, capacity)
-            seg.known = True
+            seg.known = seg.inherited = True
             self.segments.append(seg)
         self._numbers = max((n for n, _, _ in inherited), default=-1) + 1
         self._dropped: list[int] = []
@@ -222,6 +223,9 @@ class WorkerPool:
         if best is not None:
             best.taken = True
             self.reused += 1
+            if best.inherited:  # first use in this worker: map its pages in one call
+                best.inherited = False
+                populate(best.storage)
             return best.storage
         if len(self.segments) >= self.max_segments:
             victim = next((s for s in self.segments if self._free(s)), None)
