@@ -417,9 +417,6 @@ class Channels:
                 storage = self.storages.pop((token, number), None)
                 if retire and storage is not None:
                     self.retired[(token, number)] = (storage, array)
-        for key in list(self.storages):
-            if key[0] in tokens:
-                del self.storages[key]
         while len(self.retired) > MAX_SEGMENTS * len(self.pipes):  # the oldest first
             del self.retired[next(iter(self.retired))]
 
