@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +19,17 @@ from urllib.parse import urlsplit
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>")
+
+
+class QuietHTTPServer(ThreadingHTTPServer):
+    """A test server whose clients break connections on purpose (timeouts, cut bodies, resets):
+    those end the request quietly, where socketserver would print a traceback from the server's
+    thread, outside pytest's capture. Any other error is printed as usual."""
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
 
 
 class FaultProxy:
@@ -111,7 +123,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 from conftest import write_dataset
+from faultproxy import QuietHTTPServer
 
 from shardstream import Read, ShardStream, World, make_loader
 from shardstream.errors import StorageNotFound
@@ -191,7 +192,7 @@ class _Server:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = QuietHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/bucket/key"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
