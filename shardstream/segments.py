@@ -303,9 +303,8 @@ class Channels:
             self.pipes.append((r, w))
         self._close = weakref.finalize(self, _close_all, list(self.pipes))
         self.mapped: dict[int, dict[int, Any]] = {}  # token -> number -> uint8 array over the mapping
-        self.storages: dict[tuple[int, int], Any] = {}  # (token, number) -> the mapping's storage
         self.views: dict[tuple[int, int], int] = {}  # (token, number) -> batch views alive
-        self.retired: dict[tuple[int, int], tuple[Any, Any]] = {}  # a finished pass's: (storage, array)
+        self.retired: dict[tuple[int, int], Any] = {}  # a finished pass's segments: (token, number) -> array
         self.inherit: dict[int, tuple[int, list[tuple[int, Any, int]]]] = {}  # worker -> (token, segments)
         self._lock = threading.Lock()  # views are counted down by finalizers, in any thread
         self.dropped_releases = 0
@@ -324,17 +323,17 @@ class Channels:
             return
         with self._lock:
             free = [key for key in self.retired if not self.views.get(key)]
-        shares: list[list[tuple[Any, Any]]] = [[] for _ in self.pipes]
+        shares: list[list[Any]] = [[] for _ in self.pipes]
         for i, key in enumerate(free[: MAX_SEGMENTS * len(self.pipes)]):
             shares[i % len(self.pipes)].append(self.retired.pop(key))
         for worker, share in enumerate(shares):
             token = int.from_bytes(os.urandom(8), "little")
             known = self.mapped.setdefault(token, {})
             segments = []
-            for number, (storage, array) in enumerate(share):
+            for number, array in enumerate(share):
                 known[number] = array
-                self.storages[(token, number)] = storage
-                segments.append((number, storage, array.nbytes))
+                # the array's base is the tensor made over the segment's storage (see receive)
+                segments.append((number, array.base.untyped_storage(), array.nbytes))
             self.inherit[worker] = (token, segments)
 
     def start_worker(self, worker: int) -> None:
@@ -350,8 +349,8 @@ class Channels:
         # a forked child always left them: freeing a copy could count down what the parent holds.
         if token is not None:
             self.mapped.pop(token, None)
-        _parents.append((self.mapped, self.storages, self.retired))
-        self.mapped, self.storages, self.views, self.retired, self.inherit = {}, {}, {}, {}, {}
+        _parents.append((self.mapped, self.retired))
+        self.mapped, self.views, self.retired, self.inherit = {}, {}, {}, {}
         _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited)
 
     def workers_tokens(self) -> set[int]:
@@ -370,7 +369,6 @@ class Channels:
         for number, storage in handoff.segments:
             if storage is not None:
                 known[number] = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-                self.storages[(token, number)] = storage
             base = known.get(number)
             if base is None:
                 raise RuntimeError(f"shardstream hand-off: worker {handoff.worker} sent segment {number} "
@@ -405,7 +403,6 @@ class Channels:
         known = self.mapped.get(token)
         if known is not None:
             known.pop(number, None)
-        self.storages.pop((token, number), None)
 
     def forget(self, tokens: set[int], retire: bool = False) -> None:
         """Unmap the segments of workers that are gone (tensors still held keep their own view).
@@ -413,10 +410,8 @@ class Channels:
         for the next workers instead, at most MAX_SEGMENTS per worker."""
         for token in tokens:
             known = self.mapped.pop(token, None) or {}
-            for number, array in known.items():
-                storage = self.storages.pop((token, number), None)
-                if retire and storage is not None:
-                    self.retired[(token, number)] = (storage, array)
+            if retire:
+                self.retired.update(((token, number), array) for number, array in known.items())
         while len(self.retired) > MAX_SEGMENTS * len(self.pipes):  # the oldest first
             del self.retired[next(iter(self.retired))]
 

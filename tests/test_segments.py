@@ -109,7 +109,7 @@ def test_the_next_workers_inherit_only_segments_no_batch_view_holds():
     assert set(channels.retired) == {(token, number)}  # ``got`` holds it now
     third = channels.workers_tokens()
     channels.forget(third)  # a pass cut short: unmapped, not retired
-    assert set(channels.retired) == {(token, number)} and not any(t in third for t, _ in channels.storages)
+    assert set(channels.retired) == {(token, number)} and not any(t in channels.mapped for t in third)
     assert bool((got == 2.0).all())  # a tensor still held keeps its own view
 
 
