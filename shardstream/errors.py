@@ -16,8 +16,10 @@
     │   └── ChecksumError            a shard's bytes do not match the manifest's sha256
     ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
     ├── SampleError                  a sample that cannot be decoded (names URL, key and field)
-    └── TooManyErrors                on_error="skip" gave up: failures ran past the tolerance,
-                                     or a worker could read no sample at all
+    ├── TooManyErrors                on_error="skip" gave up: failures ran past the tolerance,
+    │                                or a worker could read no sample at all
+    └── WorkerTimeout                a DataLoader worker sent no batch within the loader's bound
+                                     (names rank, worker, pid and its last step; also a TimeoutError)
 
 Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
 act on it without a traceback. Callers catch the classes, never match message text.
@@ -128,3 +130,12 @@ class SampleError(ShardstreamError):
 class TooManyErrors(ShardstreamError):
     """Skipping gave up: the data or the decoders are likely broken, not a sample here and there."""
 
+
+class WorkerTimeout(ShardstreamError, TimeoutError):
+    """A DataLoader worker sent no batch within ``make_loader``'s ``timeout`` (or ``first_batch_timeout``):
+    the message names the rank, the worker, its pid and the last thing it was seen doing."""
+
+
+class BucketNotFound(StorageNotFound):
+    """The bucket itself does not exist (S3's NoSuchBucket): a typo in the URL, or another endpoint
+    or account than the one that holds it. Raised by ``storage.classify.storage_error``."""

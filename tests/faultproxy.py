@@ -1,7 +1,8 @@
 """A fault-injecting HTTP proxy on 127.0.0.1 in front of the moto S3 server, for tests.
 
 Forwards every request to the upstream server and, for GET requests only (uploads and listings
-stay clean), can: drop the connection after N bytes of a response body, answer 503 SlowDown to
+stay clean), can: drop the connection after N bytes of a response body (``cut="fin"``: an orderly
+close; ``cut="rst"``: a TCP reset, once the client's kernel holds those bytes), answer 503 SlowDown to
 every k-th request, add latency before answering, cap bandwidth, and stall: accept the request and
 then send nothing (``stall="accept"``) or send the status line and headers and then nothing of the
 body (``stall="headers"``), until the proxy shuts down. Counts what it did.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import struct
 import sys
 import threading
 import time
@@ -32,12 +34,33 @@ class QuietHTTPServer(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
+def _wait_sent(sock: socket.socket, closing: threading.Event, bound: float = 5.0) -> None:
+    """Wait (at most ``bound`` seconds) until the peer has acknowledged every byte sent on
+    ``sock`` (Linux's TIOCOUTQ); elsewhere, return at once."""
+    try:
+        import fcntl
+        import termios
+
+        def unsent() -> int:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+
+        unsent()
+    except (ImportError, OSError, AttributeError):
+        return
+    deadline = time.monotonic() + bound
+    while unsent() and time.monotonic() < deadline and not closing.is_set():
+        time.sleep(0.001)  # the kernel gives no event for "acknowledged": poll
+
+
 class FaultProxy:
     def __init__(self, upstream: str, *, reset_after: int | None = None, slowdown_every: int = 0,
                  latency: float = 0.0, bandwidth: float | None = None, faulty_methods=("GET",),
-                 stall: str | None = None):
+                 stall: str | None = None, cut: str = "fin"):
         if stall not in (None, "accept", "headers"):
             raise ValueError(f"stall must be None, 'accept' or 'headers', got {stall!r}")
+        if cut not in ("fin", "rst"):
+            raise ValueError(f"cut must be 'fin' or 'rst', got {cut!r}")
+        self.cut = cut
         self.stall = stall
         self._closing = threading.Event()
         self.upstream = urlsplit(upstream)
@@ -103,8 +126,18 @@ class FaultProxy:
                     with proxy._lock:
                         proxy.counts["resets"] += 1
                     self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)  # the body stops short: a reset mid-object
+                    if proxy.cut == "rst":
+                        self._reset()
+                    else:
+                        self.connection.shutdown(socket.SHUT_RDWR)  # the body stops short: a FIN mid-object
                     self.close_connection = True
+
+            def _reset(self):
+                """End the connection with a TCP RST (SO_LINGER 0), once the bytes sent have left
+                this side (the client's kernel holds them; an RST drops what is still unsent)."""
+                _wait_sent(self.connection, proxy._closing)
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
 
             def _stall(self):
                 with proxy._lock:

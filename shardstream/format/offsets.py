@@ -46,15 +46,37 @@ def encode_offsets(offsets: Sequence[int] | np.ndarray) -> bytes:
 
 
 def check_offsets(offsets: np.ndarray, samples: int, size: int) -> str | None:
-    """What is wrong with ``offsets`` for a shard of ``samples`` samples and ``size`` bytes, or None."""
+    """What is wrong with ``offsets`` for a shard of ``samples`` samples and ``size`` bytes, or None.
+
+    Offsets are byte positions: each must lie in [0, size]. They are compared as what they are
+    (unsigned in a sidecar): 2**64 - 512 read as a signed int64 is -512, which the order and the
+    end checks alone let through to a seek (EINVAL) or a GET's Range header (HTTP 416)."""
     if len(offsets) != samples + 1:
         return f"holds {len(offsets) - 1} sample offsets, the manifest says {samples} samples"
+    outside = _outside(offsets, size)
+    if outside is not None:
+        index, value = outside
+        what = "the end of the last sample" if index == samples else f"offset of sample #{index}"
+        return f"{what} is byte {value}, outside the shard's {size} bytes (past the shard's end)"
     if samples and not bool(np.all(offsets[1:] > offsets[:-1])):
         bad = int(np.argmin(offsets[1:] > offsets[:-1]))
         return f"offsets are not strictly increasing (sample #{bad + 1} starts at {int(offsets[bad + 1])})"
-    if int(offsets[-1]) > size:
-        return f"offsets run to byte {int(offsets[-1])}, past the shard's {size} bytes"
     return None
+
+
+def _outside(offsets: np.ndarray, size: int) -> tuple[int, int] | None:
+    """(index, value) of the first offset outside [0, size], compared without sign loss (an
+    unsigned array as unsigned, a signed one as signed), or None."""
+    if not len(offsets):
+        return None
+    if offsets.dtype.kind == "u":
+        bad = offsets > np.uint64(max(size, 0))
+    else:
+        bad = (offsets < 0) | (offsets > size)
+    if not bool(bad.any()):
+        return None
+    index = int(np.argmax(bad))
+    return index, int(offsets[index])
 
 
 def decode_offsets(data: bytes, url: str, samples: int, size: int) -> np.ndarray:
@@ -70,11 +92,11 @@ def decode_offsets(data: bytes, url: str, samples: int, size: int) -> np.ndarray
     if len(data) != sidecar_size(samples):
         raise ManifestError(f"{url}: offset sidecar is {len(data)} bytes, expected {sidecar_size(samples)} "
                             f"for {samples} samples (truncated or overwritten)")
-    offsets = np.frombuffer(data, dtype="<u8", offset=HEADER.size).astype(np.int64)
-    problem = check_offsets(offsets, samples, size)
+    raw = np.frombuffer(data, dtype="<u8", offset=HEADER.size)
+    problem = check_offsets(raw, samples, size)  # unsigned, as stored: checked before the cast to int64
     if problem is not None:
-        raise ManifestError(f"{url}: {problem}")
-    return offsets
+        raise ManifestError(f"{url}: offset sidecar: {problem}; re-run `shardstream index` to rebuild it")
+    return raw.astype(np.int64)  # every value is within [0, size]: no sign to lose
 
 
 class OffsetCache:

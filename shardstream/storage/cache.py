@@ -6,8 +6,12 @@ cache directory:
 
 - a fill happens under an exclusive lock on ``<name>.lock``: one process downloads, the others
   wait on the lock and then find the file (no duplicate downloads);
-- a fill is atomic: it is written to a temporary name, checked against the manifest's sha256
-  (``verify=True``) and renamed, so a partial file is never visible;
+- a fill is atomic and durable: it is written to a temporary name, checked against the manifest's
+  sha256 (``verify=True``), fsync'ed, renamed, and the directory fsync'ed, so a partial file is
+  never visible, and a power loss cannot leave an empty or short file under the final name;
+- every hit checks the file's size against the manifest's (a file damaged after its fill, e.g. cut
+  short by a crash of the host or by hand, is dropped and fetched again, with a warning; the
+  refetch counts as a ``cache_misses``), so only a fill pays for the hash;
 - readers hold a shared lock on the shard's lock file while they read it; eviction (least
   recently used first, by modification time, touched on every use) skips shards whose lock it
   cannot take, so it never removes a shard that is being read;
@@ -35,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from shardstream.errors import ChecksumError, ConfigError, StorageError
+from shardstream.errors import ChecksumError, ConfigError, ShardFormatError, StorageError
 from shardstream.stats import NullCounters
 
 logger = logging.getLogger(__name__)
@@ -112,15 +116,17 @@ class ShardCache:
         lock = open(path[: -len(_SUFFIX)] + ".lock", "a+b")
         try:
             fcntl.flock(lock, fcntl.LOCK_SH)
-            if os.path.exists(path):
+            hit = self._use(path, lock, size)
+            if hit is not None:
                 counters.add("cache_hits")
-                return self._use(path, lock)
+                return hit
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(lock, fcntl.LOCK_EX)  # one filler; the others wait here, then hit
-            if os.path.exists(path):
+            hit = self._use(path, lock, size, drop=True)
+            if hit is not None:
                 fcntl.flock(lock, fcntl.LOCK_SH)  # downgrade
                 counters.add("cache_hits")
-                return self._use(path, lock)
+                return hit
             counters.add("cache_misses")
             tmp = self._reserve(path, size)
             if tmp is None:
@@ -132,14 +138,35 @@ class ShardCache:
                 counters.add("cache_bypass")
                 return None
             fcntl.flock(lock, fcntl.LOCK_SH)  # downgrade: readers welcome, evictors not
-            return self._use(path, lock)
+            filled = self._use(path, lock, size)
+            if filled is None:
+                raise StorageError(f"cache {self.dir}: {path} is not {size} bytes right after its fill", url=url)
+            return filled
         except BaseException:
             lock.close()
             raise
 
-    def _use(self, path: str, lock: Any) -> tuple[Any, Any]:
+    def _use(self, path: str, lock: Any, size: int, drop: bool = False) -> tuple[Any, Any] | None:
+        """``(file, lock)`` for the cached shard at ``path``, or None when there is none or its size
+        is not the manifest's ``size``: then, with ``drop`` (the exclusive lock held), the bad file
+        is removed so that it is fetched again."""
+        try:
+            f = open(path, "rb", buffering=0)
+        except FileNotFoundError:
+            return None
+        found = os.fstat(f.fileno()).st_size
+        if found != size:
+            f.close()
+            if drop:
+                logger.warning("cache %s: %s is %d bytes, the manifest says %d (cut short by a crash?): "
+                               "dropping it and fetching the shard again", self.dir, path, found, size)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            return None
         os.utime(path)  # least recently used = oldest mtime
-        return open(path, "rb", buffering=0), lock
+        return f, lock
 
     @staticmethod
     def release(file: Any, lock: Any) -> None:
@@ -196,11 +223,14 @@ class ShardCache:
                     written += len(chunk)
 
                 download(write)
-            if written != size:
-                raise StorageError(f"{url}: downloaded {written} bytes, the manifest says {size}", url=url)
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+            if written != size:  # the object is shorter than the manifest says: as on local disk, a truncated shard
+                raise ShardFormatError(url, written, f"stream ended at byte {written}, expected {size} (truncated shard)")
             if self.verify and sha256 and digest.hexdigest() != sha256:
                 raise ChecksumError(url, digest.hexdigest(), sha256)
             os.replace(tmp, path)
+            _fsync_dir(self.dir)  # and the new name survives a power loss too
             return True
         except OSError as exc:
             if exc.errno not in _FULL_DISK or isinstance(exc, StorageError):
@@ -249,6 +279,20 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
         return total + incoming <= self.limit
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in directory ``path`` durable, where the platform and filesystem allow."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # a filesystem that cannot fsync a directory: the file itself was fsync'ed
+    finally:
+        os.close(fd)
 
 
 class _FileLock:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from shardstream.errors import (
     AccessDenied,
+    BucketNotFound,
     NoCredentials,
     StorageError,
     StorageNotFound,
@@ -158,6 +159,14 @@ def is_throttle(exc: BaseException) -> bool:
     return classify(exc) is Kind.THROTTLED
 
 
+def is_past_end(exc: BaseException) -> bool:
+    """An HTTP 416 (S3's InvalidRange): the range asked for starts at or past the object's end,
+    i.e. the object is shorter than the caller believed. For a range a manifest promised, that is
+    a truncated object, not an invalid request."""
+    code, status = _response(exc)
+    return status == 416 and code in (None, "416", "InvalidRange")
+
+
 def denied_message(exc: BaseException) -> str:
     """What a 403 means, in words that say what to check: unknown key, wrong secret, expired token
     or missing permission."""
@@ -217,7 +226,7 @@ def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: fl
     if kind is Kind.NOT_FOUND:
         code = error_code(exc)
         if code == "NoSuchBucket":
-            return StorageNotFound(f"{url}: the bucket does not exist (check the URL and --endpoint-url)", url=url)
+            return BucketNotFound(f"{url}: the bucket does not exist (check the URL and --endpoint-url)", url=url)
         return StorageNotFound(f"{url}: not found{hint}", url=url)
     if kind is Kind.DENIED:
         return AccessDenied(f"{url}: {explain_denied(fs, path, exc) if path else denied_message(exc)}", url=url)
@@ -238,6 +247,6 @@ def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: fl
 
 
 _KIND_OF_ERROR: dict[type, Kind] = {
-    StorageNotFound: Kind.NOT_FOUND, AccessDenied: Kind.DENIED, NoCredentials: Kind.NO_CREDENTIALS,
+    StorageNotFound: Kind.NOT_FOUND, BucketNotFound: Kind.NOT_FOUND, AccessDenied: Kind.DENIED, NoCredentials: Kind.NO_CREDENTIALS,
     StorageTimeout: Kind.TIMEOUT, StorageUnavailable: Kind.UNAVAILABLE,
 }

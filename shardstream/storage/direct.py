@@ -3,8 +3,9 @@
 The bytes of a shard are most of what a training job moves. s3fs's path (aiobotocore on aiohttp,
 on an event-loop thread) copies each of them twice before shardstream sees it and cost 3.8-5.1 ms
 of CPU per 4 MB on this VM, more than the rest of the reader. Here a range GET is one
-``http.client`` request whose body is read with ``readinto`` into the block the parser reads, so
-the kernel's copy is the only one (``tools/bench_s3_cpu.py``).
+``http.client`` request whose body is read with ``readinto1`` into the block the parser reads, so
+the kernel's copy is the only one (``tools/bench_s3_cpu.py``), and each receive is counted as it
+lands: a connection reset mid-body keeps every byte that arrived.
 
 How to talk to S3 is not decided here but by the s3fs client the other path uses: the object's
 URL is what that client presigns (endpoint, addressing style, version id; the signature is
@@ -43,6 +44,7 @@ from shardstream.storage.retry import PartialRead
 
 URL_LIFETIME = 3600  # (the presigned URL only shows where the object is; requests are signed anew)
 CREDENTIALS_TTL = 60.0  # seconds between looks at the client's (maybe refreshing) credentials
+BODY_BLOCK = 1 << 20  # a chunked body's reads (a Content-Length body is read as it arrives)
 
 # query parameters of a presigned URL's signature, SigV4 or SigV2 (what remains names the object)
 _AUTH_PARAM = re.compile(r"(?i)(x-amz-[^=]*|awsaccesskeyid|signature|expires)=")
@@ -107,6 +109,31 @@ def _ssl_context(fs: Any) -> ssl.SSLContext:
 
     path = get_cert_path(True)
     return ssl.create_default_context(cafile=path) if isinstance(path, str) else ssl.create_default_context()
+
+
+def _read_some(resp: http.client.HTTPResponse, view: memoryview) -> int:
+    """The next bytes of ``resp``'s body into ``view``: what one receive brings (``readinto1``, as
+    ``HTTPResponse.read1`` reads, with its bookkeeping), straight into ``view`` but for what the
+    response's buffer already holds. Each call's count reaches the caller before the next receive,
+    so a connection reset mid-body loses no byte that arrived: a single ``readinto`` over the whole
+    range raised with the count of the bytes it had copied lost, and every retry restarted from the
+    range's first byte. A chunked body (not S3's) is read in ``BODY_BLOCK`` pieces."""
+    fp = resp.fp
+    if fp is None:
+        return 0
+    if resp.chunked or resp.length is None:
+        return resp.readinto(view[:BODY_BLOCK])
+    if len(view) > resp.length:
+        view = view[: resp.length]
+    n = fp.readinto1(view)
+    if not n:
+        if len(view):
+            resp.close()  # the connection ended before the Content-Length
+        return 0
+    resp.length -= n
+    if not resp.length:
+        resp.close()  # the whole body is in: the connection may serve the next request
+    return n
 
 
 class _Connections(threading.local):
@@ -261,12 +288,12 @@ class DirectS3:
                 body = resp.read()
                 raise S3ResponseError(resp.status, _xml_field(body, "Code"), _xml_field(body, "Message") or resp.reason)
             if resp.status == 200 and a:  # the server ignored the Range header: never hand over the wrong bytes
-                raise S3ResponseError(416, "InvalidRange", f"asked for bytes {a}-{b - 1}, got the whole object")
+                raise S3ResponseError(416, "RangeIgnored", f"asked for bytes {a}-{b - 1}, got the whole object")
             want = min(b - a, resp.length if resp.length is not None else b - a)
             while got < want:
                 if deadline is not None and conn.sock is not None:
                     conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
-                n = resp.readinto(out[got:want])
+                n = _read_some(resp, out[got:want])  # counted at once: a reset after it keeps these bytes
                 if not n:  # the connection closed before the body's Content-Length
                     raise ConnectionError(f"connection closed after {got} of {want} bytes of the body")
                 got += n

@@ -25,7 +25,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from shardstream.errors import DestinationError, StorageNotFound
+from shardstream.errors import BucketNotFound, DestinationError, StorageNotFound
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
@@ -199,7 +199,7 @@ def destination_error(url: str, exc: BaseException) -> BaseException:
     if classify(exc) is None:
         return exc
     err = storage_error(url, exc)
-    if isinstance(err, StorageNotFound) and "bucket" not in str(err):
+    if isinstance(err, StorageNotFound) and not isinstance(err, BucketNotFound):
         return DestinationError(f"cannot write {url}: bucket or path does not exist")
     return DestinationError(f"cannot write {err}")
 

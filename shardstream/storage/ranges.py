@@ -16,6 +16,7 @@ Whole-object reads (the manifest, scans, verify) use the same layers via ``open_
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,7 +92,7 @@ def open_range(
     if cache is not None and shard_size is not None:
         def download(write: Callable[[bytes], None]) -> None:
             read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config,
-                                         hint=hint)
+                                         hint=hint, short_object_ends=True)
             while chunk := read_all(DOWNLOAD_BLOCK):
                 write(chunk)
 
@@ -106,9 +107,13 @@ def open_range(
         # object through its end, so the GET is the whole object (a server or cache then serves it
         # as it is; moto copies every range that stops short of the end) and drop those few bytes.
         inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config,
-                                  hint=hint)
+                                  hint=hint, short_object_ends=True)
         return _EndsBefore(inner, end - start, tail), _noop
-    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint), _noop
+    # A 416 for a range asked here means the object is shorter than the manifest (or its HEAD)
+    # said: the stream ends there, as a short local file's does, and the parser reports a truncated
+    # shard naming the URL, the byte reached and the end expected, as it does on local disk.
+    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint,
+                             short_object_ends=True), _noop
 
 
 class _EndsBefore:
@@ -140,6 +145,7 @@ def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None
     """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
     GET on S3, no HEAD first) under the retry policy; a try that breaks midway starts again
     (this is for small objects: offset sidecars)."""
+    began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
         try:
@@ -147,25 +153,28 @@ def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None
                 return f.read(n)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path))
+    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path,
+                      began=began))
 
 
 def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "") -> int:
-    """The object's size in bytes (a HEAD on S3), under the retry policy."""
+                counters: Any = None, hint: str = "", began: float | None = None) -> int:
+    """The object's size in bytes (a HEAD on S3), under the retry policy (an error's time counts
+    from ``began``, else from this call)."""
+    began = time.monotonic() if began is None else began
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
         try:
             return fs.size(path)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path)
+    return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
 
 
 def open_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "") -> tuple[int, Read, Callable[[], None]]:
+                counters: Any = None, hint: str = "", began: float | None = None) -> tuple[int, Read, Callable[[], None]]:
     """``(size, read, close)`` over a whole object, read front to back with retry and resume."""
-    size = object_size(url, storage_options, config=config, counters=counters, hint=hint)
+    size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
     read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
     return size, read, close
 
@@ -177,14 +186,16 @@ def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, c
     there is: one round trip less before the first batch). An object that fills that read, or on
     other stores any object, is read by its size in blocks, resuming mid-body if the connection
     breaks."""
+    began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     if url.startswith(("s3://", "s3a://")):
         fs, path, fetch = resolve(url, storage_options, config)
         if fetch is not None:
             head = call(url, lambda: fetch(0, FIRST_READ_OBJECT), config=config, counters=counters, hint=hint,
-                        fs=fs, path=path)
+                        fs=fs, path=path, began=began)
             if len(head) < FIRST_READ_OBJECT:
                 return bytes(head)
-    size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint)
+            began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
+    size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint, began=began)
     try:
         parts = []
         left = size

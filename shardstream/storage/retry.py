@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.stats import NullCounters
-from shardstream.storage.classify import TRANSIENT, Kind, classify, storage_error
+from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -120,13 +120,18 @@ def fs_fetcher(fs: Any, path: str) -> Fetch:
 
 
 class _Attempts:
-    """One request's tries: counts them, sleeps the backoff, and decides when to give up."""
+    """One request's tries: counts them, sleeps the backoff, and decides when to give up.
+
+    The time an error reports (``waited``, "after 8 tries in 7.5 s") is the wall time from
+    ``began`` to the moment of giving up: every try (connects, timeouts, bodies), every sleep, and,
+    when the caller passes ``began`` (``storage.ranges``), what it did for the request before the
+    first try (making the filesystem and its session)."""
 
     def __init__(self, url: str, config: StorageConfig, rng: random.Random, counters: Any, sleep, hint: str,
-                 fs: Any = None, path: str | None = None):
+                 fs: Any = None, path: str | None = None, began: float | None = None):
         self.url, self.config, self.rng, self.counters, self.sleep, self.hint = url, config, rng, counters, sleep, hint
         self.fs, self.path = fs, path
-        self.began = time.monotonic()
+        self.began = time.monotonic() if began is None else began
         self.attempt = 0
 
     def remaining(self) -> float:
@@ -138,13 +143,13 @@ class _Attempts:
         if kind is None:
             raise exc  # not a storage failure: a bug, shown with its own traceback
         self.attempt += 1
-        waited = time.monotonic() - self.began
         if kind not in TRANSIENT:
-            raise storage_error(self.url, exc, attempts=self.attempt, waited=waited, hint=self.hint, fs=self.fs,
-                                path=self.path) from exc
+            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began,
+                                hint=self.hint, fs=self.fs, path=self.path) from exc
         delay = backoff(self.attempt, self.rng, self.config)
-        if self.attempt >= self.config.max_attempts or waited + delay >= self.config.deadline:
-            raise storage_error(self.url, exc, attempts=self.attempt, waited=waited, hint=self.hint) from exc
+        if self.attempt >= self.config.max_attempts or time.monotonic() - self.began + delay >= self.config.deadline:
+            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began,
+                                hint=self.hint) from exc
         self.counters.add("retries")
         if resumed:
             self.counters.add("resumes")
@@ -155,10 +160,13 @@ class _Attempts:
 
 
 def call(url: str, fn: Callable[[], T], *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None,
-         sleep: Callable[[float], None] = time.sleep, hint: str = "", fs: Any = None, path: str | None = None) -> T:
+         sleep: Callable[[float], None] = time.sleep, hint: str = "", fs: Any = None, path: str | None = None,
+         began: float | None = None) -> T:
     """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
-    let a bare 403 be asked again for its reason."""
-    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path)
+    let a bare 403 be asked again for its reason; ``began`` (``time.monotonic()``): when the
+    request started, if before this call (the time an error reports counts from there)."""
+    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path,
+                         began)
     while True:
         try:
             return fn()
@@ -177,8 +185,13 @@ def make_range_reader(
     sleep: Callable[[float], None] = time.sleep,
     seed: int = 0,
     hint: str = "",
+    short_object_ends: bool = False,
 ) -> Callable[[int], bytes]:
-    """``read(n)`` over bytes [start, end) given ``fetch(a, b)`` -> bytes [a, b) (maybe fewer)."""
+    """``read(n)`` over bytes [start, end) given ``fetch(a, b)`` -> bytes [a, b) (maybe fewer).
+
+    ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
+    (the read starts at or past the object's end) ends the stream, as a short local file does: the
+    caller reports a truncated object, not an invalid request."""
     counters = counters or NullCounters()
     rng = random.Random(f"backoff:{url}:{start}:{seed}")
     pos = start
@@ -204,6 +217,9 @@ def make_range_reader(
                 logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
+                if short_object_ends and is_past_end(exc):
+                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", url, pos)
+                    return b""
                 attempts.failed(exc, resumed=pos > start)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
