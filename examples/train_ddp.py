@@ -89,10 +89,12 @@ def main() -> None:
         optimizer.load_state_dict(saved["optimizer"])
         loader.load_state_dict(json.loads(saved["loader"]))  # one state for every rank, any world size
         start_epoch = loader.dataset.epoch
-        if rank == 0:
-            print(f"resumed from {path}: {dataset.resume_plan(args.workers).summary()}", flush=True)
+        if rank == 0:  # exactly or elastically, as the loader's workers will run it
+            print(f"resumed from {path}: {dataset.resume_plan(loader.num_workers).summary()}", flush=True)
     if rank == 0:
-        print(dataset.plan().summary(), flush=True)
+        # The plan for the loader's workers. Without num_workers, plan() plans for the main process
+        # (1 worker) and, with a state loaded, adds how that process would resume: elastically.
+        print(dataset.plan(num_workers=loader.num_workers).summary(), flush=True)
 
     step = 0
     for epoch in range(start_epoch, args.epochs):

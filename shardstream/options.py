@@ -56,12 +56,13 @@ class Shuffle:
 class Decode:
     """How sample fields are decoded, by extension.
 
-    ``defaults``: start from the default decoders (images, npy, json, txt, cls, pth); False keeps
-    every field as bytes except those in ``decoders``. ``decoders``: ``{ext: fn(bytes)}`` added to
-    (or overriding) the defaults. ``image``: ``"tensor"`` (uint8 CHW), ``"numpy"`` (HWC) or
-    ``"pil"``. ``draft_size``: ``(w, h)``, decode JPEGs at the smallest 1/2..1/8 scale still covering
-    it. ``required``: extensions every sample must have; a sample without one is a SampleError
-    (raised, or skipped and counted under ``OnError("skip")``).
+    ``defaults``: start from the default decoders (images, npy, json, txt, cls, pth, gunzip of
+    ``.gz``); False keeps every field as stored (``.gz`` ones compressed too) except those in
+    ``decoders``. ``decoders``: ``{ext: fn(bytes)}`` added to (or overriding) the defaults.
+    ``image``: ``"tensor"`` (uint8 CHW), ``"numpy"`` (HWC) or ``"pil"``. ``draft_size``: ``(w, h)``,
+    decode JPEGs at the smallest 1/2..1/8 scale still covering it. ``required``: extensions every
+    sample must have; a sample without one is a SampleError (raised, or skipped and counted under
+    ``OnError("skip")``).
     """
 
     decoders: Mapping[str, Callable[[bytes], Any]] | None = None

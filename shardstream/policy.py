@@ -36,17 +36,20 @@ class ErrorPolicy:
     def ok(self) -> None:
         self._consecutive = 0
 
-    def failed(self, exc: Exception, lost: int = 1) -> None:
-        """Record a failure that cost ``lost`` samples; raise it unless skipping."""
+    def failed(self, exc: Exception, lost: int = 1, *, consecutive: int | None = None) -> None:
+        """Record a failure that cost ``lost`` samples; raise it unless skipping. ``consecutive``:
+        the run of failures to hold against the tolerance, for a later stage of the pipeline that
+        counts its own (the transform: the decoding of the next samples is no success of it)."""
         if self.on_error == "raise":
             raise exc
         self.skipped += lost
         if self._counters is not None:
             self._counters.add("samples_skipped", lost)
         self._consecutive += 1
+        run = self._consecutive if consecutive is None else consecutive
         if self._log:
             logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
-        if self.tolerance is not None and self._consecutive > self.tolerance:
-            raise TooManyErrors(f"{self._consecutive} consecutive samples failed under on_error='skip' (tolerance "
+        if self.tolerance is not None and run > self.tolerance:
+            raise TooManyErrors(f"{run} consecutive samples failed under on_error='skip' (tolerance "
                                 f"{self.tolerance}; last: {exc}): the dataset or the decoders are likely broken, "
                                 "fix them or raise the tolerance") from exc

@@ -4,7 +4,11 @@ and on the moto S3 server."""
 from __future__ import annotations
 
 import json
+import shlex
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import webdataset as wds
@@ -185,3 +189,17 @@ def test_errors_are_one_line_unless_debug(tmp_path, capsys):
 
     with pytest.raises(ManifestError):
         main(["--debug", "ls", str(tmp_path / "nothing")])
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    """`shardstream ls DATASET | head -1`: the closed pipe ends the command with 141 (as SIGPIPE
+    would) and nothing on stderr, no BrokenPipeError traceback. The listing (3000 labels, about
+    200 KB) is far more than the pipe holds, so the command is still writing when head exits."""
+    labels = {f"class-{i:05d}-{'x' * 50}": i for i in range(3000)}
+    with ShardWriter(str(tmp_path / "ds"), label_map=labels) as w:
+        w.write({"__key__": "a", "cls": 0, "txt": "x"})
+    exe = Path(sys.executable).with_name("shardstream")
+    command = f"{shlex.quote(str(exe))} ls {shlex.quote(str(tmp_path / 'ds'))} | head -1"
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+    assert done.stdout == f"{tmp_path / 'ds' / 'index.json'}\n"
+    assert done.stderr == "" and done.returncode == 141

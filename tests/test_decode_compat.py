@@ -19,7 +19,7 @@ from webdataset.autodecode import ImageHandler
 
 from shardstream import ShardStream
 from shardstream.format.extensions import IMAGE, kind_of
-from shardstream.pipeline.decode import Decoder, ImageDecoder, default_decoders, webdataset_decoders
+from shardstream.pipeline.decode import Decoder, ImageDecoder, default_decoders, keep_bytes, webdataset_decoders
 from shardstream.plan.topology import World
 from shardstream.write.encode import encode_value
 
@@ -151,3 +151,26 @@ def test_webdataset_preset_gives_webdatasets_samples_exactly(tmp_path, spec):
     for ours, theirs in zip(got, expected):
         assert _tree_equal({k: v for k, v in ours.items() if not k.startswith("__")},
                            {k: v for k, v in theirs.items() if not k.startswith("__")}), ours["__key__"]
+
+
+def test_decode_false_hands_over_every_field_as_stored_like_webdataset(tmp_path):
+    """Raw is raw: decode=False gives webdataset's undecoded samples byte for byte, .gz fields
+    still compressed; gunzipping is decoding (the defaults, or a decoder for the inner extension)."""
+    path = tmp_path / "raw.tar"
+    with wds.TarWriter(str(path)) as w:
+        for i in range(5):  # TarWriter gzips .gz fields itself: the tar holds compressed bytes
+            w.write({"__key__": f"s{i}", "json.gz": json.dumps({"i": i}).encode(), "txt.gz": b"t" * i, "cls": str(i).encode()})
+    theirs = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
+    stream = ShardStream.from_urls(str(path), batch_size=1, shuffle=False, decode=False, world=World(0, 1),
+                                   collate=lambda samples: samples)
+    ours = [s for batch in stream for s in batch]
+    assert len(ours) == len(theirs) == 5
+    for a, b in zip(ours, theirs):
+        fields = {k: v for k, v in a.items() if not k.startswith("__")}
+        assert fields == {k: v for k, v in b.items() if not k.startswith("__")}
+        assert fields["json.gz"][:2] == b"\x1f\x8b"  # still gzip
+    stored = theirs[1]["json.gz"]
+    assert Decoder({})({"json.gz": stored})["json.gz"] == stored
+    assert Decoder(default_decoders())({"json.gz": stored})["json.gz"] == {"i": 1}
+    assert Decoder({"json": json.loads})({"json.gz": stored})["json.gz"] == {"i": 1}  # a decoder asked for json
+    assert Decoder({**default_decoders(), "gz": keep_bytes})({"json.gz": stored})["json.gz"] == stored

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -339,3 +340,46 @@ def test_shard_writer_refusal_speaks_python(tmp_path):
         w.write(write[0])
     with pytest.raises(DestinationError, match=r"already holds a dataset.*overwrite=True \(shardstream pack: --overwrite\)"):
         ShardWriter(str(tmp_path / "d"))
+
+
+def _make_sample(i):
+    return {"__key__": f"k{i}", "txt": f"t{i}"}
+
+
+@pytest.mark.parametrize(("name", "char"), [("d::x", "'::'"), ("d*", "'*'"), ("d?", "'?'"), ("d[0]", "'['"), ("d{a,b}", "'{'"),
+                                            ("d.tar", "it ends like a tar shard's name")])
+def test_a_destination_the_reader_cannot_read_back_is_refused_before_anything_is_written(tmp_path, capsys, name, char):
+    """One rule (format.manifest.dataset_root_problem) for every writer: the reader takes * ? [ {
+    as a shard pattern and a tar suffix as one shard; '::' is fsspec's chaining (the manifest would
+    replace the object before '::'). Each writer says which character and why, and writes nothing."""
+    from shardstream import ShardStream
+    from shardstream.errors import ConfigError
+    from shardstream.tools.index import write_index
+    from shardstream.tools.merge import merge_datasets
+
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps(_make_sample(i)) + "\n" for i in range(3)))
+    part = tmp_path / "part"
+    pack(str(src), str(part))
+    out = tmp_path / "out"
+    out.mkdir()
+    dest = str(out / name)
+    with pytest.raises(ConfigError, match=re.escape(f"{dest!r} cannot be a dataset root: {char}")) as info:
+        ShardWriter(dest)
+    why = str(info.value).split("cannot be a dataset root: ", 1)[1]
+    assert ("fsspec" in why) == (char == "'::'") and ("the reader would take it" in why or "the reader take the URL" in why) == (char != "'::'")
+    with pytest.raises(ConfigError, match=re.escape(char)):
+        pack(str(src), dest)
+    with pytest.raises(ConfigError, match=re.escape(char)):
+        pack(_make_sample, range(3), dest)
+    with pytest.raises(ConfigError, match=re.escape(char)):
+        merge_datasets(dest, [str(part)])
+    with pytest.raises(ConfigError, match=re.escape(char)):
+        write_index(str(part / "shard-000000.tar"), dest)
+    assert main(["pack", str(src), dest, "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardstream pack: error: destination {dest!r} cannot be a dataset root: {char}") and "Traceback" not in err
+    assert list(out.iterdir()) == []  # nothing written, not even a folder
+    if char != "'::'":  # the same rule on the reader's side: such a URL names shards, not a dataset
+        with pytest.raises(ConfigError, match="names shard files, not a packed dataset"):
+            ShardStream(dest, batch_size=1)

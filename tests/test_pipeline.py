@@ -4,6 +4,7 @@ epochs that advance by themselves, plain DataLoader use, and the JSONL captions 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from conftest import write_dataset
 
-from shardstream import Decode, SampleError, ShardStream, World, make_loader
+from shardstream import Decode, OnError, SampleError, ShardStream, TooManyErrors, World, make_loader
 from shardstream.pipeline.batch import default_collate
 
 Pair = collections.namedtuple("Pair", "image label")
@@ -130,3 +131,54 @@ def test_the_jsonl_captions_example_trains(tmp_path):
                                         "--batch-size", "8", "--workers", "2"])
     assert result["filtered"] == 2 * 12  # every 10th pair has no caption, in each of 2 epochs
     assert result["batches"] == 120 // 8 and result["losses"][1] < result["losses"][0]
+
+
+BAD = {f"s{i:06d}" for i in range(5, 15)}  # shard 1 and shard 2 whole (5 samples a shard): a run across chunks
+
+
+def _fails_on_some(sample):
+    """A transform that raises on the samples of BAD (module level: spawned workers import it)."""
+    if sample["__key__"] in BAD:
+        raise ValueError(f"bad sample {sample['__key__']}")
+    return sample
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_that_raises_is_skipped_counted_and_named_under_skip(tmp_path, caplog, workers):
+    """webdataset's handler=warn_and_continue is on_error="skip": the transform's failures are
+    skipped, counted with the decode errors and logged with key and shard; batches stay equal."""
+    root = write_dataset(tmp_path / "d", 40, max_count=5)
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", transform=_fails_on_some, world=World(0, 1))
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        batches = list(make_loader(ds, num_workers=workers))
+    keys = keys_of(batches)
+    assert len(batches) == 10 and all(len(b["__key__"]) == 4 for b in batches)  # skipped slots refilled
+    assert not BAD & set(keys) and set(keys) == {f"s{i:06d}" for i in range(40)} - BAD
+    assert ds.stats()["samples_skipped"] == 10
+    if workers == 0:  # workers log in their own processes
+        assert "shard-000001.tar, sample 's000005': transform failed: ValueError: bad sample s000005" in caplog.text
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_that_raises_under_raise_names_the_key_and_shard(tmp_path, workers):
+    root = write_dataset(tmp_path / "d", 40, max_count=5)
+    ds = ShardStream(root, batch_size=4, shuffle=False, transform=_fails_on_some, world=World(0, 1))
+    with pytest.raises(SampleError, match=r"shard-00000[12]\.tar, sample 's0000(0[5-9]|1[0-4])': "
+                                          r"transform failed: ValueError: bad sample s0000(0[5-9]|1[0-4])") as info:
+        list(make_loader(ds, num_workers=workers))
+    if workers == 0:
+        assert isinstance(info.value.__cause__, ValueError)  # raise ... from the transform's error
+    assert ds.stats()["samples_skipped"] == 0
+
+
+def test_transform_failures_count_against_the_tolerance_across_chunks(tmp_path):
+    """Ten consecutive failures over two shards (two chunks, each decoded fine before the
+    transform sees it) trip a tolerance of 7, as ten consecutive decode errors would."""
+    root = write_dataset(tmp_path / "d", 40, max_count=5)
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=7), transform=_fails_on_some,
+                     world=World(0, 1))
+    with pytest.raises(TooManyErrors, match=r"8 consecutive samples failed .*transform failed: ValueError: bad sample s000012"):
+        list(make_loader(ds, num_workers=0))
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=10), transform=_fails_on_some,
+                     world=World(0, 1))
+    assert len(list(make_loader(ds, num_workers=0))) == 10

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from shardstream.errors import ShardstreamError
@@ -68,4 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The console script. A reader that stops early (``shardstream ls DATASET | head -3``)
+    closes the pipe: that ends the command quietly, with 141 (128 + SIGPIPE) as a shell reports
+    a command killed by SIGPIPE, whatever the command."""
+    try:
+        code = main()
+        sys.stdout.flush()  # a broken pipe shows here, not at interpreter exit where it cannot be caught
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at devnull so that flush cannot fail too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        sys.exit(141)
+    sys.exit(code)

@@ -26,13 +26,14 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from shardstream.errors import ManifestError, StorageError, StorageNotFound
+from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound
 from shardstream.format.compression import SUFFIXES as COMPRESSED_SUFFIXES
 from shardstream.format.compression import UNKNOWN_END, shard_compression
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import read_head, read_object
+from shardstream.storage.urls import PATTERN_CHARS, is_shard_pattern
 
 FORMAT_NAME = "shardstream-index"
 FORMAT_VERSION = 2
@@ -399,6 +400,36 @@ def _is_hex(text: str) -> bool:
 def manifest_url(source: str) -> str:
     """Accept a dataset root or the manifest URL itself."""
     return source if source.rstrip("/").endswith(".json") else storage.join(source, MANIFEST_NAME)
+
+
+def dataset_root_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a dataset root (a place to write a dataset and read it back by the
+    same URL), or None when it can. The reader's own rule (``storage.urls.is_shard_pattern``)
+    decides what names shards rather than a dataset root; fsspec's URL chaining (``::``) is
+    refused as well: a name appended to a chained URL lands in its last link, while the files are
+    opened at the first link's path (``s3://b/p/a::b`` would put the shards under ``p/a/`` and
+    the manifest *as* the object ``p/a``)."""
+    if "::" in url:
+        return ("'::' chains filesystems in an fsspec URL (as in 'simplecache::s3://...'): the shards would be "
+                "written under the path before '::' and the manifest over that path itself, so the dataset could "
+                "not be read back; use a plain URL without '::'")
+    if is_shard_pattern(url):
+        char = next((c for c in PATTERN_CHARS if c in url), None)
+        if char is not None:
+            return (f"{char!r} makes the reader take the URL as a shard pattern (glob or brace expansion), "
+                    "not a dataset root, so ShardStream could not read the dataset back; use a path without any of "
+                    f"{' '.join(PATTERN_CHARS)}")
+        return ("it ends like a tar shard's name, so the reader would take it as one shard file, not a "
+                "dataset root; choose a folder name without a tar suffix")
+    return None
+
+
+def check_dataset_root(url: str, what: str = "destination") -> None:
+    """Raise ConfigError when ``url`` (a dataset root, or its manifest's URL) cannot be a dataset
+    root (``dataset_root_problem``): writers call it before they write anything."""
+    problem = dataset_root_problem(url)
+    if problem is not None:
+        raise ConfigError(f"{what} {url!r} cannot be a dataset root: {problem}")
 
 
 def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None, *,

@@ -5,10 +5,14 @@ tiff) -> uint8 CHW RGB tensor (or PIL image / HWC array on request), npy -> tens
 for strings and other dtypes torch lacks), npz -> {name: tensor}, json -> object, txt -> str,
 cls/index -> int, pth -> ``torch.load(weights_only=True)``, ten -> [tensor], mp/msgpack ->
 object when ``msgpack`` is installed; pyd/pickle only with ``allow_pickle=True`` (it runs code
-from the data). A ``.gz`` field is gunzipped, then decoded by its inner extension (``json.gz``).
-User decoders (by extension) override these; other extensions stay bytes. A multi-part extension
-such as ``seg.png`` is decoded by its last part. ``webdataset_decoders(spec)`` gives
-webdataset's own types (``.decode(spec)``) for users who want identical samples.
+from the data). A ``.gz`` field is gunzipped (the default decoder ``"gz": gunzip``), then decoded
+by its inner extension (``json.gz``). User decoders (by extension) override these; other
+extensions stay bytes. Without the defaults (``decode=False``) every field stays as stored,
+``.gz`` ones too, as webdataset hands them over undecoded; a ``.gz`` field whose inner extension
+has a user decoder is still gunzipped for it; ``{"gz": keep_bytes}`` keeps ``.gz`` fields as
+stored. A multi-part extension such as ``seg.png`` is decoded by its last part.
+``webdataset_decoders(spec)`` gives webdataset's own types (``.decode(spec)``) for users who want
+identical samples.
 
 Failures go to the user's ErrorPolicy (``policy.py``): raise, or skip and count.
 """
@@ -22,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from shardstream.errors import ConfigError, SampleError
-from shardstream.format.extensions import IMAGE, INT, JSON, MSGPACK, NPY, NPZ, PICKLE, TENBIN, TEXT, TORCH, split_compression
+from shardstream.format.extensions import COMPRESSION, IMAGE, INT, JSON, MSGPACK, NPY, NPZ, PICKLE, TENBIN, TEXT, TORCH, split_compression
 from shardstream.policy import ErrorPolicy
 
 logger = logging.getLogger(__name__)
@@ -248,6 +252,7 @@ def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None =
         decoders.update({ext: _decode_msgpack for ext in MSGPACK})
     if allow_pickle:
         decoders.update({ext: _decode_pickle for ext in PICKLE})
+    decoders.update({ext: gunzip for ext in COMPRESSION if COMPRESSION[ext] == "gzip"})
     return decoders
 
 
@@ -283,7 +288,7 @@ def webdataset_decoders(image: str | None = "pil") -> dict[str, Callable[[bytes]
 
     # ShardStream merges a decode= mapping over its defaults: every default extension webdataset
     # does not decode is mapped to keep_bytes, so it stays bytes as in webdataset.
-    decoders: dict[str, Callable[[bytes], Any]] = {ext: keep_bytes for ext in default_decoders(allow_pickle=True)}
+    decoders: dict[str, Callable[[bytes], Any]] = {ext: keep_bytes for ext in default_decoders(allow_pickle=True) if ext not in COMPRESSION}
     decoders.update(autodecode.decoders)
     if image is not None:
         handler = WebDatasetImage(image)
@@ -296,16 +301,23 @@ def keep_bytes(data: bytes) -> bytes:
     return data
 
 
-class _Gunzip:
-    """gunzip, then the inner extension's decoder (bytes when there is none)."""
+def gunzip(data: bytes) -> bytes:
+    """The default decoder of the ``gz`` compression suffix (``json.gz`` is gunzipped, then decoded as json)."""
+    import gzip
 
-    def __init__(self, inner: Callable[[bytes], Any] | None):
+    return gzip.decompress(data)
+
+
+class _Gunzip:
+    """Decompress (``gunzip`` or the user's ``gz`` decoder), then the inner extension's decoder
+    (bytes when there is none)."""
+
+    def __init__(self, inner: Callable[[bytes], Any] | None, decompress: Callable[[bytes], bytes] = gunzip):
         self.inner = inner
+        self.decompress = decompress
 
     def __call__(self, data: bytes):
-        import gzip
-
-        raw = gzip.decompress(data)
+        raw = self.decompress(data)
         return raw if self.inner is None else self.inner(raw)
 
 
@@ -322,12 +334,23 @@ class Decoder:
         try:
             return self._cache[ext]
         except KeyError:
-            fn = self.decoders.get(ext) or self.decoders.get(ext.rsplit(".", 1)[-1])
+            fn = self.decoders.get(ext)
             inner, compression = split_compression(ext)
-            if fn is None and compression == "gzip":  # json.gz: gunzip, then decode as json
-                fn = _Gunzip(self._lookup(inner))
+            if fn is None and compression is not None:  # json.gz: gunzip, then decode as json
+                fn = self._decompressing(ext.rsplit(".", 1)[-1], self._lookup(inner))
+            elif fn is None:
+                fn = self.decoders.get(ext.rsplit(".", 1)[-1])
             self._cache[ext] = fn
             return fn
+
+    def _decompressing(self, suffix: str, inner: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+        """A compressed field's decoder: decompress, then ``inner``. Decompressing is decoding: the
+        suffix's own decoder (``"gz": gunzip`` among the defaults) turns it on; without it, only a
+        field whose inner extension has a decoder is decompressed (for that decoder)."""
+        decompress = self.decoders.get(suffix)
+        if decompress is keep_bytes or (decompress is None and inner is None):
+            return None  # kept as stored
+        return _Gunzip(inner, decompress or gunzip)
 
     def viewing_exts(self) -> _ViewingExts:
         """The extensions whose decoder views a writable buffer in place (``in`` works on it)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from shardstream.errors import DestinationError, SourceError
 from shardstream.format.compression import is_shard_name
-from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest, manifest_url, write_manifest
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
 from shardstream.storage import fs as storage
 from shardstream.storage.scan import scan_shards
@@ -62,6 +62,7 @@ def write_index(pattern: str | Sequence[str], dest: str, *, storage_options: Map
                 overwrite: bool = False) -> tuple[Manifest, str]:
     """Index the shards that ``pattern`` names (one input or several) and write their manifest at
     ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL."""
+    check_dataset_root(dest)
     urls = shard_urls(pattern, storage_options)
     url = dest if dest.endswith(".json") else storage.join(dest, MANIFEST_NAME)
     fs, path = storage.get_fs(url, storage_options)

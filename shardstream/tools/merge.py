@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardstream.errors import DestinationError, ManifestError
-from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest, manifest_url, write_manifest
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.storage import fs as storage
 from shardstream.write.writer import MAX_SKIPPED_LISTED
 
@@ -27,6 +27,7 @@ def merge_datasets(dest: str, parts: Sequence[str], *, storage_options: Mapping[
     """
     if not parts:
         raise ValueError("merge needs at least one part")
+    check_dataset_root(dest)
     url = manifest_url(dest)
     base = url.rsplit("/", 1)[0]
     part_urls = [manifest_url(p) for p in parts]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
-from shardstream.format.manifest import Manifest
+from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
@@ -94,6 +94,7 @@ def pack_source(
     ``progress(samples, bytes)`` is called after each written sample.
     """
     policy = ErrorPolicy(on_error, error_tolerance, log=False)  # raises ConfigError on a bad on_error
+    check_dataset_root(dest)  # before the source is listed or anything is written
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
@@ -173,6 +174,7 @@ def pack_fn(
     input; ``on_error`` decides (``"skip"`` lists it in the manifest).
     """
     ErrorPolicy(on_error, log=False)  # raises ConfigError on a bad on_error
+    check_dataset_root(dest)  # before any input is run or anything is written
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 from shardstream.errors import ConfigError, DestinationError, SourceError
-from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, write_manifest
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, write_manifest
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
@@ -62,6 +62,8 @@ class ShardWriter:
         with ShardWriter("s3://bucket/train", max_count=1000) as writer:
             writer.write({"__key__": "cat/0001", "jpg": image, "cls": 3})
 
+    ``dest`` must be a URL the reader takes as a dataset root (``format.manifest.dataset_root_problem``):
+    no ``::`` (fsspec chaining), no ``* ? [ {`` (shard patterns), no tar suffix; ConfigError otherwise.
     ``overwrite=False`` refuses a destination that already holds a dataset or other files; a
     destination holding only the leftovers of an interrupted pack is cleaned and reused.
     """
@@ -84,6 +86,7 @@ class ShardWriter:
             raise ConfigError(f"max_size must be at least 1 KB, got {max_size}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
             raise ConfigError(f"prefix {prefix!r} must be a plain file-name stem")
+        check_dataset_root(dest)  # what the reader could not read back is refused before anything is written
         self.dest = dest.rstrip("/") or dest
         self.max_count = max_count
         self.max_size = max_size
