@@ -31,7 +31,7 @@ lint: install
 	$(BIN)/mypy
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_pack.py

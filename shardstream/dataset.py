@@ -42,6 +42,7 @@ from shardstream.plan.resume import ResumePlan, ResumeState, Segment, dataset_di
 from shardstream.plan.steps import step_windows, worker_steps
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
+from shardstream.shared import ProcessLock
 from shardstream.stats import MAX_SLOTS, StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -84,12 +85,6 @@ def _load_source(source: str | Manifest, storage_options: Mapping[str, Any] | No
     return load_manifest(source, storage_options, config=config)
 
 
-def _shared_lock() -> Any:
-    """A lock that forked, spawned and forkserver workers can all share: a spawn-context lock
-    (a fork-context one refuses to travel to spawned processes)."""
-    return multiprocessing.get_context("spawn").Lock()
-
-
 class EpochClock:
     """Which epoch each pass over the dataset follows, shared by the main process and its workers.
 
@@ -104,7 +99,7 @@ class EpochClock:
         # [set epoch, passes started since, workers in the current pass, then per worker slot the
         # pass it last took part in]
         self._state: Any = multiprocessing.RawArray("q", 3 + MAX_SLOTS)
-        self._lock: Any = _shared_lock()
+        self._lock: Any = ProcessLock()
 
     def set(self, epoch: int) -> None:
         with self._lock:
@@ -139,7 +134,7 @@ class EpochClock:
     def __setstate__(self, d) -> None:
         if "values" in d:
             self._state = multiprocessing.RawArray("q", d["values"])
-            self._lock = _shared_lock()
+            self._lock = ProcessLock()
         else:
             self._state, self._lock = d["state"], d["lock"]
 
@@ -343,6 +338,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             if fn is not None and hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(self.epoch, rank, worker)
         counters = self._stats.counters(worker)
+        counters.step(f"planning its share of epoch {plan.epoch} (rank {rank}, worker {worker} of {num_workers})")
         buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
@@ -368,14 +364,16 @@ class ShardStream(torch.utils.data.IterableDataset):
         samples = decode_samples(samples, decoder, policy)
         filtered = [0]
         if transform is not None:
-            samples = transform_samples(samples, transform, counters, filtered)
+            samples = transform_samples(samples, transform, counters, filtered, policy)
         batches = batch_samples(samples, batch_size=self.batch_size, num_batches=num_batches,
                                 collate=self.collate, stats=stats, buffers=buffers) if num_batches else iter(())
         if get_worker_info() is None:
             batches = self._count_received(batches, plan.epoch, resume)
         else:
             self._workers_seen.value = num_workers
-        yield from batches
+        for made, batch in enumerate(batches, 1):
+            counters.step(f"made batch {made} of {num_batches} of epoch {plan.epoch}", batch=True)
+            yield batch
         if policy.skipped or stats.refilled or filtered[0]:
             dropped = f" (and the transform dropped {filtered[0]})" if filtered[0] else ""
             logger.warning("rank %d worker %d epoch %d: skipped %d bad samples%s, repeated %d to keep batches equal",
@@ -569,10 +567,28 @@ def sample_name(sample: Mapping[str, Any]) -> str:
     return f"{url.rsplit('/', 1)[-1]}/{sample.get('__key__', '')}"
 
 
-def transform_samples(chunks, transform, counters, filtered: list[int]):
-    """Apply the user's transform to lists of samples; a None result drops the sample (counted)."""
+def transform_samples(chunks, transform, counters, filtered: list[int], policy: ErrorPolicy):
+    """Apply the user's transform to lists of samples; a None result drops the sample (counted).
+    A transform that raises fails its sample under the user's policy, as a decode error does: a
+    SampleError naming the shard and key, raised, or skipped, counted and logged (``policy``, with
+    its tolerance of consecutive failures counted across chunks here)."""
+    from shardstream.errors import SampleError
+
+    run = 0  # consecutive samples whose transform failed
     for chunk in chunks:
-        out = [transform(x) for x in chunk]
+        out = []
+        for x in chunk:
+            url, key = x.get("__url__", "?"), x.get("__key__", "?")  # before the transform changes the sample
+            try:
+                out.append(transform(x))
+            except Exception as exc:  # noqa: BLE001 - the user's transform: its failure goes to the error policy, named
+                error = exc if isinstance(exc, SampleError) else SampleError(url, key, f"transform failed: {type(exc).__name__}: {exc}")
+                if error is not exc:
+                    error.__cause__ = exc  # raise ... from exc
+                run += 1
+                policy.failed(error, consecutive=run)
+                continue
+            run = 0
         kept = [y for y in out if y is not None]
         if len(kept) != len(out):
             counters.add("samples_filtered", len(out) - len(kept))

@@ -19,6 +19,7 @@ process is done with them, and sends those by number (segments.py).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +30,18 @@ import webdataset
 
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
+from shardstream.errors import ConfigError
 from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
+from shardstream.workers import (
+    DEFAULT_FIRST_BATCH_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    WorkerStart,
+    check_picklable,
+    context,
+    resolve_start_method,
+    semaphores_mark,
+    watched,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,18 +247,6 @@ class PackInWorker:
         return pack_batch(batch, self.max_bytes, worker_pool())
 
 
-class WorkerStart:
-    """The loader's worker_init_fn: the worker's segment pool, then the user's function."""
-
-    def __init__(self, channels: Channels, fn: Callable[[int], Any] | None = None):
-        self.channels, self.fn = channels, fn
-
-    def __call__(self, worker_id: int) -> None:
-        self.channels.start_worker(worker_id)
-        if self.fn is not None:
-            self.fn(worker_id)
-
-
 def _passthrough(batch: Any) -> Any:
     """The dataset already collated: skip DataLoader's default_convert walk over every element."""
     return batch
@@ -254,14 +254,18 @@ def _passthrough(batch: Any) -> Any:
 
 class UnpackStage:
     """The loader's first pipeline stage: unpack_batch on every batch, so stages added later
-    (``loader.map(...)``) see the batches as the dataset made them. When a pass ends, the segments
-    of its workers are unmapped, unless the workers persist into the next pass."""
+    (``loader.map(...)``) see the batches as the dataset made them. Every wait for a batch is
+    bounded (``watch``: workers.watched's keywords). When a pass ends, the segments of its workers
+    are unmapped, unless the workers persist into the next pass."""
 
-    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False):
-        self.pin, self.channels, self.persistent = pin, channels, persistent
+    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False,
+                 watch: dict[str, Any] | None = None):
+        self.pin, self.channels, self.persistent, self.watch = pin, channels, persistent, watch
 
     def __call__(self, batches):
         pin, channels = self.pin, self.channels
+        if self.watch is not None:
+            batches = watched(batches, **self.watch)
         tokens: set[int] = set()
         if channels is not None:
             tokens |= channels.workers_tokens()  # this pass's workers (forked as it starts), batches or not
@@ -281,6 +285,7 @@ class ShardLoader(webdataset.WebLoader):
     """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
 
     def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, channels: Channels | None = None,
+                 start_method: str = "auto", timeout: float | None = None, first_batch_timeout: float | None = None,
                  **kwargs: Any):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
@@ -288,7 +293,12 @@ class ShardLoader(webdataset.WebLoader):
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
         self.channels = channels
-        self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers))
+        self.start_method = start_method
+        self.worker_start = kwargs.get("worker_init_fn") if isinstance(kwargs.get("worker_init_fn"), WorkerStart) else None
+        self._checked: set[str] = set()  # start methods the dataset was found picklable for
+        self._watch = {"stats": dataset._stats, "rank": dataset.world.rank, "timeout": timeout,
+                       "first_timeout": first_batch_timeout, "semaphores": None}
+        self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
         self._pass: list[Any] | None = None  # [epoch, batches received, ResumePlan or None] of the last pass
 
     def __len__(self) -> int:
@@ -304,15 +314,52 @@ class ShardLoader(webdataset.WebLoader):
             logger.info("%s", resume.summary())
         record: list[Any] = [self.dataset._clock.upcoming, 0, resume]  # the epoch this pass will follow
         self._pass = record
-        if self.channels is not None and (not self.persistent_workers or self.pipeline[0]._iterator is None):
-            self.channels.prepare_workers()  # workers are forked for this pass
-        for batch in super().__iter__():
-            record[1] += 1
-            yield batch
-            if interval and next_log is not None and time.monotonic() >= next_log:
-                next_log = time.monotonic() + interval
-                logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
+        if self.persistent_workers and not self._workers_alive():
+            self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
+        self._watch["semaphores"] = None
+        if self.num_workers > 0 and (not self.persistent_workers or self.pipeline[0]._iterator is None):
+            self._start_workers()
+        try:
+            for batch in super().__iter__():
+                record[1] += 1
+                yield batch
+                if interval and next_log is not None and time.monotonic() >= next_log:
+                    next_log = time.monotonic() + interval
+                    logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
+        except BaseException:
+            if self.persistent_workers:
+                self._forget_workers()  # a failed pass leaves no half-dead workers for the next one
+            raise
         self._end_pass(record)
+
+    def _start_workers(self) -> None:
+        """Just before a new set of workers starts: how (fork only where it is safe, see workers.py),
+        with the dataset checked picklable where it will be pickled, and a clean board."""
+        loader = self.pipeline[0]
+        if self.start_method == "given":  # DataLoader's multiprocessing_context, as the user gave it
+            ctx = loader.multiprocessing_context
+            method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
+        else:
+            method, why = resolve_start_method(self.start_method)
+            loader.multiprocessing_context = context(method)
+            if method != "fork" and method not in self._checked:
+                if self.start_method == "auto":
+                    logger.info("shardstream: DataLoader workers start with %s: %s", method, why)
+                check_picklable(method, why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+                self._checked.add(method)
+        if self.worker_start is not None:
+            self.worker_start.start(method)
+            if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
+                self._watch["semaphores"] = semaphores_mark()
+        self.dataset._stats.clear_board()
+        if self.channels is not None and method == "fork":
+            self.channels.prepare_workers()  # forked workers inherit the last pass's segments
+
+    def _workers_alive(self) -> bool:
+        it = self.pipeline[0]._iterator
+        if it is None:
+            return True
+        return all(w.is_alive() for w in it._workers)  # (statuses are all down between passes)
 
     def _end_pass(self, record: list[Any]) -> None:
         if record[2] is None:
@@ -342,9 +389,12 @@ class ShardLoader(webdataset.WebLoader):
         self._forget_workers()
 
     def _forget_workers(self) -> None:
-        # The wrapped DataLoader keeps persistent workers in ``_iterator``; dropping it shuts them
-        # down, and the next pass starts workers holding the dataset as it is now.
-        self.pipeline[0]._iterator = None
+        # The wrapped DataLoader keeps persistent workers in ``_iterator``; shutting it down here, in
+        # the process that started them, stops them now (and leaves its ``__del__`` nothing to do,
+        # wherever it runs), and the next pass starts workers holding the dataset as it is now.
+        it, self.pipeline[0]._iterator = self.pipeline[0]._iterator, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
         if self.channels is not None:
             self.channels.forget(set(self.channels.mapped))
 
@@ -364,6 +414,9 @@ def make_loader(
     persistent_workers: bool = False,
     log_interval: float | None = 60.0,
     reuse_shared_memory: bool = True,
+    start_method: str = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT,
+    first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
@@ -378,15 +431,36 @@ def make_loader(
     again only once the main process no longer holds any tensor on it; a fresh segment per batch
     measured 2x slower. Pass False to give each batch a fresh segment (memory returned as soon as
     batches are dropped, at that cost).
+
+    ``start_method`` says how workers start: ``"auto"`` forks where that is safe and otherwise
+    uses ``"forkserver"`` (see ``shardstream.workers``: a forked child can deadlock on CPython
+    before 3.12 when the process has other threads, as it always has under torch.distributed);
+    ``"fork"``, ``"forkserver"`` or ``"spawn"`` force one (so does DataLoader's
+    ``multiprocessing_context``). Workers that are not forked receive the dataset pickled, so its
+    transform and decoders must be module-level functions, not lambdas.
+
+    Every wait for a batch is bounded: ``first_batch_timeout`` seconds for the first batch of a
+    pass (workers start, plan and open their first shards), ``timeout`` for each later one (None:
+    unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
+    its last step. Workers die with their rank process, whatever the start method.
     """
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    if kwargs.pop("timeout", None):
+        raise ConfigError("make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
+                          "keywords, in seconds); DataLoader's timeout is set from them")
+    if kwargs.get("multiprocessing_context") is not None:
+        if start_method != "auto":
+            raise ConfigError("give start_method or multiprocessing_context, not both")
+        start_method = "given"
+    else:
+        resolve_start_method(start_method)  # refuses unknown names now
     collate_fn = kwargs.pop("collate_fn", None)
     channels = None
     if num_workers > 0:
         collate_fn = PackInWorker(collate_fn)
         if reuse_shared_memory:
             channels = Channels(num_workers)
-            kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
     return ShardLoader(
         dataset,
         batch_size=None,
@@ -397,5 +471,8 @@ def make_loader(
         persistent_workers=persistent_workers and num_workers > 0,
         log_interval=log_interval,
         channels=channels,
+        start_method=start_method,
+        timeout=timeout if num_workers > 0 else None,
+        first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
         **kwargs,
     )

@@ -2,11 +2,18 @@
 
 Each worker adds to its own row of a shared array (no locks: one writer per row), so the
 training loop can read totals for the whole rank at any time with ``dataset.stats()``.
+
+Beside the counters, each worker keeps a line on a board: its pid, when it last made progress
+and what that was ("reading s3://b/train/shard-000003.tar from byte 0"). The loader's watchdog
+reads it to say what a worker that sends no batch was doing (loader/watchdog: ``WorkerTimeout``).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import struct
+import time
 from typing import Any
 
 COUNTERS = (
@@ -27,12 +34,36 @@ COUNTERS = (
 MAX_SLOTS = 256  # DataLoader workers per rank that get their own row
 
 
+# A board line: (pid, time of the step in ms since the epoch, batches made in this pass), then the
+# step in UTF-8, cut to fit. Written by one worker, read by the main process for diagnostics only:
+# a torn read shows a garbled line, never a wrong count.
+_LINE = struct.Struct("<qqq")
+LINE_BYTES = 256
+_TEXT = LINE_BYTES - _LINE.size
+
+
 class StreamStats:
     def __init__(self) -> None:
         self._array: Any = multiprocessing.RawArray("q", MAX_SLOTS * len(COUNTERS))
+        self._board: Any = multiprocessing.RawArray("b", MAX_SLOTS * LINE_BYTES)
 
     def counters(self, worker: int) -> WorkerCounters:
-        return WorkerCounters(self._array, worker % MAX_SLOTS)
+        return WorkerCounters(self._array, worker % MAX_SLOTS, self._board)
+
+    def worker_line(self, worker: int) -> tuple[int, float, int, str] | None:
+        """(pid, seconds since its last step, batches made this pass, the step) of a worker's last
+        report, or None if it never reported (it never started its pass)."""
+        base = (worker % MAX_SLOTS) * LINE_BYTES
+        raw = bytes(memoryview(self._board).cast("B")[base : base + LINE_BYTES])
+        pid, t_ms, batches = _LINE.unpack_from(raw)
+        if pid == 0:
+            return None
+        text = raw[_LINE.size :].split(b"\0", 1)[0].decode("utf-8", "replace")
+        return pid, max(0.0, time.time() - t_ms / 1000), batches, text
+
+    def clear_board(self) -> None:
+        """Before a new set of workers starts: no line left from the last ones."""
+        memoryview(self._board).cast("B")[:] = bytes(len(self._board))
 
     def totals(self) -> dict[str, int]:
         width = len(COUNTERS)
@@ -40,24 +71,47 @@ class StreamStats:
         return {name: sum(values[i::width]) for i, name in enumerate(COUNTERS)}
 
     def __getstate__(self):
-        if multiprocessing.context.get_spawning_popen() is None:
-            return {"_array": list(self._array)}  # a plain copy: counts no longer shared
-        return {"_array": self._array}
+        if multiprocessing.context.get_spawning_popen() is None:  # a plain copy: counts no longer shared
+            return {"_array": list(self._array), "_board": bytes(memoryview(self._board).cast("B"))}
+        return {"_array": self._array, "_board": self._board}
+
+    def __setstate__(self, state) -> None:
+        self._array, self._board = state["_array"], state["_board"]
+        if isinstance(self._board, bytes):
+            board = multiprocessing.RawArray("b", len(self._board))
+            memoryview(board).cast("B")[:] = self._board
+            self._board = board
 
 
 class WorkerCounters:
-    __slots__ = ("_array", "_base")
+    __slots__ = ("_array", "_base", "_board", "_line", "batches")
 
-    def __init__(self, array: Any, slot: int):
+    def __init__(self, array: Any, slot: int, board: Any = None):
         self._array = array
         self._base = slot * len(COUNTERS)
+        self._board = memoryview(board).cast("B") if board is not None else None
+        self._line = slot * LINE_BYTES
+        self.batches = 0
 
     def add(self, name: str, value: int = 1) -> None:
         self._array[self._base + _INDEX[name]] += value
 
+    def step(self, what: str, batch: bool = False) -> None:
+        """Report progress on this worker's board line (``batch``: one more batch made)."""
+        if self._board is None:
+            return
+        if batch:
+            self.batches += 1
+        text = what.encode("utf-8", "replace")[: _TEXT - 1] + b"\0"
+        line = _LINE.pack(os.getpid(), int(time.time() * 1000), self.batches) + text
+        self._board[self._line : self._line + len(line)] = line
+
 
 class NullCounters:
     def add(self, name: str, value: int = 1) -> None:
+        pass
+
+    def step(self, what: str, batch: bool = False) -> None:
         pass
 
 

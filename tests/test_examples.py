@@ -43,3 +43,21 @@ def test_train_ddp_prints_its_worker_count_and_one_summary_of_its_resume(tmp_pat
     elastic = _train(tmp_path / "ds", checkpoint, workers=1)  # another worker count: elastic
     assert "1 workers per rank" in elastic and "2 workers per rank" not in elastic
     assert elastic.count("resuming epoch 0") == 1 and "resuming epoch 0 elastically" in elastic and "exactly" not in elastic
+
+
+def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch(tmp_path):
+    """The demo's command, run for 120 epochs: 2 gloo ranks under torchrun, 1 DataLoader worker
+    each, started anew every epoch, beside gloo's native threads. Forking there once hung the demo
+    (CPython gh-112275); every epoch boundary is a chance, so this finishes every time or fails
+    (the loader's watchdog, then this test's bound) with every rank's stack."""
+    write_image_folder(tmp_path / "images", classes=2, per_class=8, size=8, with_json=False)
+    pack(str(tmp_path / "images"), str(tmp_path / "ds"), label_from_dir=True, max_count=4)  # 16 samples, 4 shards
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), str(EXAMPLE), str(tmp_path / "ds"), "--epochs", "120",
+                           "--batch-size", "4", "--workers", "1"],
+                          capture_output=True, text=True, env=env, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] epoch 119: 2 batches" in done.stdout, done.stdout[-2000:]

@@ -224,6 +224,8 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
     try:
         for index, rng in enumerate(ranges):
             delivered = 0
+            if source.counters is not None:  # the watchdog's view of this worker (stats.py)
+                source.counters.step(f"reading samples {rng.start}-{rng.stop} of {source.manifest.shard_url(rng.shard)}")
             try:
                 if prefetcher is not None:
                     read, close = prefetcher.reader(index), None

@@ -1,0 +1,302 @@
+"""How a loader's DataLoader workers start, live and die.
+
+Start. ``fork()`` copies one thread of a process that may have many. On CPython before 3.12
+(gh-112275) a child forked while another thread creates or deletes a Python thread state (gloo's
+threads around collectives, pybind11 and other native threads entering Python) deadlocks in
+CPython's after-fork clean-up before it runs a line of Python; under torch.distributed that chance
+comes at every epoch boundary, since workers are new every pass by default. ``start_method="auto"``
+therefore forks only where that cannot happen (no thread that Python did not start, or a Python
+without the bug) and otherwise starts workers from ``forkserver``: a single-threaded server process, started
+once (fork+exec), that forks each worker; the worker receives the dataset pickled (a few KB).
+
+Life. Each worker reports its steps on the rank's board (stats.py). The loader bounds every wait
+for a batch (``timeout``, and ``first_batch_timeout`` for a pass's first one) and raises
+``WorkerTimeout`` naming the rank, the worker, its pid and its last step, so a hung rank fails the
+job (and ``torchrun`` restarts it from a checkpoint) instead of every rank waiting forever.
+
+Death. A worker dies with its rank: ``PR_SET_PDEATHSIG`` on Linux, and everywhere a thread that
+sees the parent go (``getppid`` changes) or, for a worker whose parent is a forkserver (which stays
+up while any worker it forked lives), the rank itself go (a pidfd). A worker of a killed rank
+otherwise blocks for good flushing its queue to a reader that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+from _multiprocessing import sem_unlink
+from collections.abc import Callable
+from multiprocessing import resource_tracker, synchronize, util
+from typing import Any
+
+from shardstream.errors import ConfigError, WorkerTimeout
+
+logger = logging.getLogger(__name__)
+
+START_METHODS = ("auto", "fork", "forkserver", "spawn")
+DEFAULT_TIMEOUT = 600.0  # seconds a worker may take for any batch after its first
+DEFAULT_FIRST_BATCH_TIMEOUT = 1800.0  # for the first batch of a pass: start, plan, first reads
+PARENT_POLL_S = 1.0
+STATUS_CHECK_S = 5.0  # DataLoader's own MP_STATUS_CHECK_INTERVAL: how often worker liveness is checked
+# Imported once by the forkserver's server, so each worker it forks starts without importing them
+# (measured: 0.25 s per worker start without, 0.07 s with).
+PRELOAD = ("torch", "numpy.random", "shardstream.loader")
+_PR_SET_PDEATHSIG = 1
+
+
+def fork_hazard() -> str | None:
+    """Why forking this process now could deadlock the child, or None where it cannot (one
+    thread, or a Python with the fix for gh-112275)."""
+    if not hasattr(os, "fork"):
+        return "this platform has no fork()"
+    if sys.implementation.name != "cpython" or sys.version_info >= (3, 12):
+        return None
+    native = native_threads()
+    if native <= 0:
+        return None
+    version = ".".join(map(str, sys.version_info[:3]))
+    return (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), and "
+            f"this process has {native} thread{'s' if native > 1 else ''} that Python did not start")
+
+
+def native_threads() -> int:
+    """Threads of this process that Python did not start (gloo's, OpenMP's, any C library's): those
+    not running Python code now. Threads Python started take the lock in question only while
+    holding the GIL, as ``fork()`` does, so they cannot hold it at a fork; a native thread entering
+    Python takes it before the GIL. Where /proc is missing every other thread counts."""
+    python = len(sys._current_frames())  # threads running Python code: threading's and _thread's alike
+    try:
+        return len(os.listdir("/proc/self/task")) - python
+    except OSError:
+        return threading.active_count() - 1
+
+
+def resolve_start_method(start_method: str) -> tuple[str, str]:
+    """(the start method to use now, why) for ``make_loader``'s ``start_method``."""
+    if start_method not in START_METHODS:
+        raise ConfigError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    if start_method != "auto":
+        return start_method, "asked for"
+    hazard = fork_hazard()
+    if hazard is None:
+        return "fork", "fork is safe here"
+    return "forkserver", hazard
+
+
+def context(method: str) -> Any:
+    """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
+    (and the main module, as it does by default), so a worker starts without importing them."""
+    if method == "forkserver":
+        from multiprocessing import forkserver
+
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet: preload counts
+            preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+            multiprocessing.set_forkserver_preload([*preload, *(m for m in PRELOAD if m not in preload)])
+    return multiprocessing.get_context(method)
+
+
+def check_picklable(method: str, why: str, **parts: Any) -> None:
+    """Workers that are not forked receive the dataset and the loader's functions pickled: say which
+    part cannot be, and what to do, before any worker starts."""
+    for name, obj in parts.items():
+        if obj is None:
+            continue
+        try:
+            pickle.dumps(obj)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                f"DataLoader workers start with {method!r} here ({why}), so the {name} is sent to them pickled, and it "
+                f"cannot be: {exc}. Define transforms, collate and decoder functions at module level (not lambdas or "
+                f"nested functions), or pass start_method='fork' to make_loader to accept the risk"
+            ) from exc
+
+
+# -- in the worker --------------------------------------------------------------------------------
+def die_with_parent(main_pid: int, forked: bool) -> None:
+    """In a worker, first thing: be killed when the process that started it goes. ``main_pid`` is
+    the rank's pid: the parent of a forked worker (under forkserver the parent is the server, which
+    exits when the rank does)."""
+    if forked and os.getppid() != main_pid:
+        os.kill(os.getpid(), signal.SIGKILL)  # orphaned before we got here
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # not glibc/musl: the thread below still watches
+            pass
+    if os.getppid() != parent:  # the parent went between the check and prctl
+        os.kill(os.getpid(), signal.SIGKILL)
+    # A forkserver's worker holds the server's "alive" pipe open, so the server outlives the rank as
+    # long as the worker lives: the worker watches the rank itself (a pidfd where there is one).
+    rank = None
+    if main_pid != parent:
+        try:
+            rank = os.pidfd_open(main_pid)
+        except (AttributeError, OSError):  # no pidfd (older kernel, not Linux): polled by pid
+            rank = -1
+    threading.Thread(target=_watch, args=(parent, main_pid, rank), name="shardstream-parent-watch", daemon=True).start()
+
+
+def _watch(parent: int, main_pid: int, rank: int | None) -> None:
+    while os.getppid() == parent:
+        if rank is not None and rank >= 0:
+            if select.select([rank], [], [], PARENT_POLL_S)[0]:  # readable: the rank exited
+                break
+            continue
+        if rank is not None and not _pid_alive(main_pid):
+            break
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class WorkerStart:
+    """The loader's ``worker_init_fn``: die with the rank, the hand-off's segment pool (if any), then
+    the user's function. A class, not a closure, so it pickles for workers that are not forked."""
+
+    def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None):
+        self.channels, self.fn = channels, fn
+        self.main_pid = os.getpid()
+        self.method = "fork"  # set by the loader before each set of workers starts
+        self.environ: dict[str, str] | None = None  # the rank's environment, for workers a forkserver forks
+
+    def start(self, method: str) -> None:
+        """In the main process, just before a set of workers starts with ``method``."""
+        self.method = method
+        # A forkserver's workers inherit the server's environment, taken when it started: they get
+        # the rank's as it is now instead, as a forked or spawned worker would (credentials, settings).
+        self.environ = dict(os.environ) if method not in ("fork", "spawn") else None
+
+    def __call__(self, worker_id: int) -> None:
+        die_with_parent(self.main_pid, self.method == "fork")
+        if self.environ is not None and self.environ != os.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        stats = getattr(info.dataset if info is not None else None, "_stats", None)
+        if stats is not None:  # the loader's watchdog (and semaphore reclaim) sees this worker started
+            stats.counters(worker_id).step(f"started ({self.method}), running worker_init_fn")
+        if self.channels is not None:
+            self.channels.start_worker(worker_id)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+
+# -- in the main process: named semaphores -------------------------------------------------------
+# Workers that are not forked open the DataLoader's queues and events by name: each lock is a named
+# POSIX semaphore in /dev/shm, unlinked when it is collected or by the resource tracker, which a
+# kill -9 of the process group kills too. Once every worker has started (opened them all), the
+# names are no longer needed: they are unlinked then, and the objects work on through their handles.
+def _registry() -> dict[Any, Any]:
+    return getattr(util, "_finalizer_registry", {})  # multiprocessing's finalizers, by (priority, order)
+
+
+def semaphores_mark() -> int:
+    """Before a DataLoader iterator is made: the point after which its semaphores are registered."""
+    return max((key[1] for key in list(_registry())), default=-1)
+
+
+def unlink_semaphores(mark: int) -> int:
+    """Unlink the names of the semaphores made since ``mark`` (their finalizers cancelled, the resource
+    tracker told): nothing of them stays in /dev/shm, whatever happens to this process. Returns how many."""
+    done = 0
+    cleanup = getattr(synchronize.SemLock, "_cleanup", None)
+    for key, fin in list(_registry().items()):
+        if key[1] <= mark or cleanup is None or getattr(fin, "_callback", None) is not cleanup:
+            continue
+        name = fin._args[0]
+        fin.cancel()
+        try:
+            sem_unlink(name)
+        except FileNotFoundError:
+            pass
+        resource_tracker.unregister(name, "semaphore")
+        done += 1
+    return done
+
+
+# -- in the main process: the watchdog ------------------------------------------------------------
+def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first_timeout: float | None,
+            semaphores: int | None = None) -> Any:
+    """Yield ``batches`` (a DataLoader iterator) with every wait bounded: ``first_timeout`` for the
+    first batch, ``timeout`` for each later one (None: unbounded). A wait past its bound raises
+    WorkerTimeout naming the worker that owes the next batch and its last step. With
+    ``semaphores`` (a ``semaphores_mark()``), the names of the semaphores made since are unlinked
+    once every worker has started."""
+    workers = getattr(batches, "_workers", None)
+    if workers is None or not hasattr(batches, "_timeout"):  # no worker processes: nothing to watch
+        yield from batches
+        return
+    started = time.monotonic()
+    bound = first_timeout
+    while True:
+        # Waited for in slices of at most MP_STATUS_CHECK_INTERVAL: after each, DataLoader checks that
+        # its workers live (workers forked by a forkserver are not our children: no SIGCHLD tells).
+        waiting = time.monotonic()
+        while True:
+            left = None if bound is None else bound - (time.monotonic() - waiting)
+            batches._timeout = STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001)
+            try:
+                batch = next(batches)
+                break
+            except StopIteration:
+                return
+            except RuntimeError as exc:
+                if not str(exc).startswith("DataLoader timed out"):
+                    raise
+                if left is not None and left <= STATUS_CHECK_S:
+                    message = _late_worker(batches, stats, rank, bound or 0, time.monotonic() - started)
+                    if hasattr(batches, "_shutdown_workers"):
+                        batches._shutdown_workers()  # stopped now (terminated if they do not answer), not when collected
+                    raise WorkerTimeout(message) from None
+        bound = timeout
+        if semaphores is not None and all(_has_started(stats, i, w) for i, w in enumerate(workers)):
+            unlink_semaphores(semaphores)
+            semaphores = None
+        yield batch
+
+
+def _has_started(stats: Any, index: int, proc: Any) -> bool:
+    line = stats.worker_line(index)
+    return line is not None and line[0] == proc.pid
+
+
+def _late_worker(it: Any, stats: Any, rank: int, bound: float, elapsed: float) -> str:
+    info = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1))
+    worker = info[0] if info else None
+    which = [worker] if worker is not None else list(range(len(it._workers)))
+    lines = []
+    for w in which:
+        proc = it._workers[w]
+        line = stats.worker_line(w)
+        if line is None or line[0] != proc.pid:
+            lines.append(f"worker {w} (pid {proc.pid}) has not started its pass: no line of the dataset ran in "
+                         f"{elapsed:.0f} s since the pass began (a start that hung: a fork deadlock, or an import or "
+                         f"worker_init_fn that blocks)")
+        else:
+            pid, ago, made, what = line
+            lines.append(f"worker {w} (pid {pid}) made {made} batches this pass; its last step, {ago:.0f} s ago: {what}")
+    return (f"rank {rank}: no batch from the DataLoader workers in {bound:g} s; " + "; ".join(lines)
+            + ". Raise make_loader's timeout / first_batch_timeout if this is expected (slow storage, huge batches); "
+              "py-spy dump --pid PID shows where a worker is stuck")
