@@ -352,8 +352,8 @@ class ShardLoader(webdataset.WebLoader):
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
                 self._watch["semaphores"] = semaphores_mark()
         self.dataset._stats.clear_board()
-        if self.channels is not None and method == "fork":
-            self.channels.prepare_workers()  # forked workers inherit the last pass's segments
+        if self.channels is not None:
+            self.channels.prepare_workers()  # new workers inherit the last pass's segments
 
     def _workers_alive(self) -> bool:
         it = self.pipeline[0]._iterator

@@ -47,7 +47,10 @@ batch view holds any more, under a token it chose for that worker and registered
 mappings, so the worker sends them by number from its first batch. A pass cut short (``break``)
 unmaps its segments as before: its workers may still be running when that is noticed.
 
-Without fork (spawned workers), or where a pipe is full, segments are simply fresh, as before.
+Workers that are not forked (forkserver, spawn: see workers.py) receive the read end of their
+release pipe as a passed descriptor and the segments set aside for them as shared storages, with
+the loader's channels pickled into their ``worker_init_fn``: the same protocol, from the same
+first batch. Where a pipe is full, segments are simply fresh.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import os
 import struct
 import threading
 import weakref
+from multiprocessing import context, reduction
 from collections.abc import Sequence
 from typing import Any
 
@@ -309,11 +313,20 @@ class Channels:
         self._lock = threading.Lock()  # views are counted down by finalizers, in any thread
         self.dropped_releases = 0
 
-    def __getstate__(self) -> dict[str, Any]:  # a spawned worker gets no pipes: no pool
-        return {"owner": -1, "pipes": [], "id": 0, "inherit": {}}
+    def __getstate__(self) -> dict[str, Any]:
+        if context.get_spawning_popen() is None or not self.pipes:  # a plain copy: no pipes, no pool
+            return {"owner": -1, "pipes": [], "id": 0, "inherit": {}}
+        # A worker started by a forkserver or spawn: the read ends of the release pipes go as passed
+        # descriptors, the segments set aside for it as shared storages (torch's reduction: their fds).
+        return {"owner": _PASSED, "pipes": [(reduction.DupFd(r), -1) for r, _ in self.pipes], "id": self.id,
+                "inherit": self.inherit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state["pipes"] = [(r.detach() if hasattr(r, "detach") else r, w) for r, w in state["pipes"]]
         self.__dict__.update(state)
+        self.mapped, self.views, self.retired = {}, {}, {}
+        self._lock = threading.Lock()
+        self.dropped_releases = 0
 
     def prepare_workers(self) -> None:
         """In the main process, just before a new set of workers is forked: give each the retired
@@ -341,7 +354,7 @@ class Channels:
         process that made these pipes, with the segments the main process set aside for it."""
         global _pool
         _pool = None
-        if os.getppid() != self.owner or worker >= len(self.pipes):  # spawned: no pipes, no pool
+        if (self.owner != _PASSED and os.getppid() != self.owner) or worker >= len(self.pipes):  # a plain copy: no pool
             return
         token, inherited = self.inherit.get(worker, (None, []))
         # The arrays over this worker's inherited segments go, so that a segment's use count is the
@@ -417,6 +430,7 @@ class Channels:
 
 
 _live: weakref.WeakValueDictionary[int, Channels] = weakref.WeakValueDictionary()
+_PASSED = -2  # Channels.owner of a copy made for a worker that was not forked: its pipes came with it
 
 
 def _close_all(pipes: list[tuple[int, int]]) -> None:

@@ -366,16 +366,41 @@ class ReportReuse2:
         return batch
 
 
-@pytest.mark.parametrize("how", [{"multiprocessing_context": "spawn"}, {"reuse_shared_memory": False}])
-def test_spawned_workers_or_reuse_off_have_no_pool_and_batches_are_right(tmp_path, how):
+def test_with_reuse_off_workers_have_no_pool_and_batches_are_right(tmp_path):
     root, arrays = _npy_dataset(tmp_path / "d", n=16)
     ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
-    loader = make_loader(ds, num_workers=2, collate_fn=ReportReuse2(), log_interval=None, **how)
+    loader = make_loader(ds, num_workers=2, collate_fn=ReportReuse2(), log_interval=None, reuse_shared_memory=False)
     batches = list(loader)
     assert len(batches) == 4
     for batch in batches:
         assert batch["reused"] == -1
         assert torch.equal(batch["npy"], torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]]))
+
+
+class ReportInherited:
+    def __call__(self, batch):
+        pool = worker_pool()
+        batch["reused"] = -1 if pool is None else pool.reused
+        batch["inherited"] = -1 if pool is None else pool.inherited
+        return batch
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_workers_that_are_not_forked_reuse_and_inherit_segments_too(tmp_path, method):
+    root, arrays = _npy_dataset(tmp_path / "d", n=64)
+    ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, collate_fn=ReportInherited(), log_interval=None, start_method=method)
+    for p in range(2):  # the second pass's new workers inherit the first pass's segments
+        reused = 0
+        batches = 0
+        for batch in loader:
+            batches += 1
+            assert (batch["inherited"] > 0) == (p == 1)
+            assert batch["reused"] >= 0  # a pool: its pipe and segments came with its worker_init_fn
+            reused = max(reused, batch["reused"])
+            assert torch.equal(batch["npy"], torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]]))
+        assert batches == 16 and reused > 0
+    assert loader.channels is not None and loader.channels.retired  # kept for the next pass's workers
 
 
 def test_a_dropped_loader_closes_its_pipes(tmp_path):
