@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.pool import TERMINATE
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
@@ -251,6 +252,27 @@ def _load_all(items: list[Item], workers: int, storage_options):
         for start in range(0, len(items), window):
             yield from pool.imap(_load_safe, items[start : start + window], chunksize=16)
         pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
+    except BaseException:
+        _abandon(pool)
+        raise
+    pool.terminate()
+    pool.join()
+
+
+def _abandon(pool: Any) -> None:
+    """Stop a pool that is being given up on (Ctrl-C, an error) without waiting on it. ``terminate()``
+    joins the pool's result thread, and that thread never returns when a worker died halfway through
+    writing a result (the rest of the message never comes): pack then hung after Ctrl-C. The workers
+    are killed, the pool's exit-time clean-up (the same join) is cancelled, and its daemon threads
+    are left to the interpreter's exit."""
+    handler = getattr(pool, "_worker_handler", None)
+    if handler is not None:
+        handler._state = TERMINATE  # no replacement workers for the ones killed below
+        handler.join(5)
+    for proc in list(getattr(pool, "_pool", [])):
+        proc.kill()
+    for proc in list(getattr(pool, "_pool", [])):
+        proc.join(5)
+    finalizer = getattr(pool, "_terminate", None)
+    if finalizer is not None:
+        finalizer.cancel()
