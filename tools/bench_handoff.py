@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-def run(root: str, reuse: bool, persistent: bool, passes: int, workers: int = 2) -> float:
+def run(root: str, reuse: bool, persistent: bool, passes: int, workers: int = 2, start_method: str = "fork") -> float:
     from shardstream import ShardStream, World, make_loader
 
     ds = ShardStream(root, batch_size=32, shuffle=False, world=World(0, 1))
     loader = make_loader(ds, num_workers=workers, pin_memory=False, persistent_workers=persistent,
-                         reuse_shared_memory=reuse, log_interval=None)
+                         reuse_shared_memory=reuse, log_interval=None, start_method=start_method if workers else "auto")
     total = 0
     t = time.perf_counter()
     for _ in range(passes):
