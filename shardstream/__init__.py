@@ -24,6 +24,8 @@ _EXPORTS = {
     "OnError": "options",
     "Read": "options",
     "Cache": "options",
+    "Store": "options",
+    "Schedule": "options",
     "Source": "mixing",
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
@@ -49,6 +51,7 @@ _EXPORTS = {
     "StorageUnavailable": "errors",
     "StorageTimeout": "errors",
     "TooManyErrors": "errors",
+    "WorkerTimeout": "errors",
     "StorageConfig": "storage.config",
 }
 
@@ -74,6 +77,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "RandomResizedCrop",
     "Read",
     "SampleError",
+    "Schedule",
     "ShardFormatError",
     "ShardStream",
     "ShardstreamError",
@@ -86,9 +90,11 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "StorageNotFound",
     "StorageTimeout",
     "StorageUnavailable",
+    "Store",
     "to_device",
     "TooManyErrors",
     "World",
+    "WorkerTimeout",
     "__version__",
 ]
 
@@ -111,11 +117,12 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
         StorageTimeout,
         StorageUnavailable,
         TooManyErrors,
+        WorkerTimeout,
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.loader import make_loader
     from shardstream.mixing import Source
-    from shardstream.options import Cache, Decode, OnError, Read, Shuffle
+    from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
     from shardstream.pipeline.augment import RandomResizedCrop
     from shardstream.plan.epoch import EpochPlan, plan_epoch
     from shardstream.plan.mix import MixPlan, plan_mix
