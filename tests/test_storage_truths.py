@@ -19,6 +19,7 @@ from faultproxy import FaultProxy
 from shardstream import Cache, ShardStream, World
 from shardstream.cli.main import main
 from shardstream.errors import BucketNotFound, ManifestError, ShardFormatError, StorageNotFound, StorageUnavailable
+from shardstream.format.manifest import load_manifest
 from shardstream.format.offsets import decode_offsets, encode_offsets
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.ranges import read_object
@@ -151,6 +152,9 @@ def test_ls_says_the_bucket_does_not_exist_as_pack_does(s3, tmp_path, capsys):
     with pytest.raises(BucketNotFound):  # one class for it, found by type (a StorageNotFound still)
         read_object("s3://typo-bucket-25/x/index.json", options)
     assert issubclass(BucketNotFound, StorageNotFound)
+    with pytest.raises(ManifestError, match="the bucket does not exist") as info:  # the library says it too
+        load_manifest("s3://typo-bucket-25/x", options)
+    assert "shardstream index" not in str(info.value) and isinstance(info.value.__cause__, BucketNotFound)
 
 
 # -- 5. the cache never trusts a short file ---------------------------------------------------------

@@ -24,7 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardstream.errors import BucketNotFound, ManifestError
     from shardstream.format.manifest import load_manifest, manifest_url
     from shardstream.mixing import is_mix_url, open_mix
 
@@ -32,14 +31,7 @@ def run(args: argparse.Namespace) -> int:
         mix = open_mix(args.url, storage_options_from(args), load_manifest)
         if mix is not None:
             return show_mix(args, mix)
-    try:
-        manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
-    except ManifestError as exc:
-        # A missing bucket is no dataset root without its manifest: say what pack says (both words
-        # come from storage.classify.storage_error), not "run shardstream index".
-        if isinstance(exc.__cause__, BucketNotFound):
-            raise ManifestError(f"cannot read the manifest: {exc.__cause__}") from exc.__cause__
-        raise
+    manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
     summary = {
         "manifest": manifest_url(args.url),
         "shards": len(manifest.shards),

@@ -26,7 +26,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound
+from shardstream.errors import BucketNotFound, ConfigError, ManifestError, StorageError, StorageNotFound
 from shardstream.format.compression import SUFFIXES as COMPRESSED_SUFFIXES
 from shardstream.format.compression import UNKNOWN_END, shard_compression
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
@@ -439,6 +439,8 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
     url = manifest_url(source)
     try:
         raw = read_object(url, storage_options, config=config)
+    except BucketNotFound as exc:  # no dataset root without a bucket: say so, as pack does
+        raise ManifestError(f"cannot read the manifest: {exc}") from exc
     except StorageNotFound as exc:
         root = url.rsplit("/", 1)[0] if "/" in url else "."
         raise ManifestError(
