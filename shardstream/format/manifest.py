@@ -436,6 +436,8 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
                   config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
     """Read and validate a manifest; shard paths resolve against its directory and may not leave
     it (see ``confine``). The read follows ``config``: timeouts, retries, resume mid-body."""
+    if "::" in source:  # the writers' rule (dataset_root_problem), on the reader's side too
+        raise ConfigError(f"{source!r} cannot be a dataset root: {dataset_root_problem(source)}")
     url = manifest_url(source)
     try:
         raw = read_object(url, storage_options, config=config)
