@@ -120,9 +120,9 @@ def check_picklable(method: str, why: str, **parts: Any) -> None:
 
 # -- in the worker --------------------------------------------------------------------------------
 def die_with_parent(main_pid: int, forked: bool) -> None:
-    """In a worker, first thing: be killed when the process that started it goes. ``main_pid`` is
-    the rank's pid: the parent of a forked worker (under forkserver the parent is the server, which
-    exits when the rank does)."""
+    """In a worker, first thing: be killed when the rank goes. ``main_pid`` is the rank's pid: the
+    parent of a forked or spawned worker; a forkserver's worker has the server as its parent, and
+    watches the rank itself (below)."""
     if forked and os.getppid() != main_pid:
         os.kill(os.getpid(), signal.SIGKILL)  # orphaned before we got here
     parent = os.getppid()
