@@ -52,11 +52,14 @@ _EXPORTS = {
     "StorageTimeout": "errors",
     "TooManyErrors": "errors",
     "WorkerTimeout": "errors",
+    "BucketNotFound": "errors",
+    "StateError": "errors",
     "StorageConfig": "storage.config",
 }
 
 __all__ = [  # literal, so linters and type checkers see it; tests check it matches _EXPORTS
     "AccessDenied",
+    "BucketNotFound",
     "Cache",
     "ChecksumError",
     "ConfigError",
@@ -85,6 +88,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "Shuffle",
     "Source",
     "SourceError",
+    "StateError",
     "StorageConfig",
     "StorageError",
     "StorageNotFound",
@@ -103,6 +107,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.device import DevicePrefetcher, to_device
     from shardstream.errors import (
         AccessDenied,
+        BucketNotFound,
         ChecksumError,
         ConfigError,
         DestinationError,
@@ -112,6 +117,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
         ShardFormatError,
         ShardstreamError,
         SourceError,
+        StateError,
         StorageError,
         StorageNotFound,
         StorageTimeout,

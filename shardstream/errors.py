@@ -6,8 +6,9 @@
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, inconsistent, or reaching outside its root
     ├── StateError                   a resume state from another dataset, seed, mode or version
-    ├── StorageError                 an object cannot be opened or read (``.url`` names it)
+    ├── StorageError                 an object cannot be opened or read (its url attribute names it)
     │   ├── StorageNotFound          no such object or bucket (also a FileNotFoundError)
+    │   │   └── BucketNotFound       the bucket itself does not exist
     │   ├── AccessDenied             the store refused these credentials (also a PermissionError)
     │   ├── NoCredentials            no credentials found where botocore looks for them
     │   ├── StorageUnavailable       a transient cause that outlasted the retries: refused, DNS,
@@ -22,7 +23,8 @@
                                      (names rank, worker, pid and its last step; also a TimeoutError)
 
 Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
-act on it without a traceback. Callers catch the classes, never match message text.
+act on it without a traceback. Callers catch the classes, never match message text. Every class
+is importable from ``shardstream`` and from ``shardstream.errors``.
 
 Every class can be rebuilt from its message alone (``cls(str(exc))``): that is how pickling
 and PyTorch's DataLoader hand a worker's exception to the training loop, so the loop sees the

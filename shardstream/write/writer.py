@@ -1,6 +1,7 @@
 """ShardWriter: samples in, uniform WebDataset tar shards plus the manifest out.
 
-Shards are named ``{prefix}-{index:06d}.tar`` and rolled by sample count and byte size. Members of
+Shards are named ``{prefix}-{index:06d}.tar`` (``shard_name``; with ``prefixes=N`` under one of N
+directories, shard i in ``i mod N``) and rolled by sample count and byte size. Members of
 a sample are adjacent and sorted; headers are deterministic, so the same samples give the same
 bytes. Each shard is published atomically (temp file then rename, or one S3 upload), and the
 manifest is written last, only when the writer closes without an error: an interrupted pack leaves
@@ -35,6 +36,18 @@ _FLUSH_BYTES = 1 << 20
 _PARTIAL_MARK = ".partial-"
 
 
+def shard_name(stem: str, index: int, prefixes: int = 1) -> str:
+    """Shard ``index``'s path under the dataset root: ``{stem}-{index:06d}.tar``, or with
+    ``prefixes`` N > 1 that name under the directory ``index mod N``, zero-padded to the digits of
+    N - 1 (N = 16: ``00/shard-000000.tar``, ``01/shard-000001.tar``, ..., ``15/...``,
+    ``00/shard-000016.tar``). Consecutive shards land on different S3 prefixes, each with its own
+    request rate; the manifest lists the paths, so readers find them wherever they are."""
+    name = f"{stem}-{index:06d}.tar"
+    if prefixes <= 1:
+        return name
+    return f"{index % prefixes:0{len(str(prefixes - 1))}d}/{name}"
+
+
 def _is_leftover(name: str) -> bool:
     """A temporary file of an interrupted pack: a shard's (``.partial-``), or a sidecar's or the
     manifest's (``write_bytes_atomic``'s ``.tmp-``)."""
@@ -57,10 +70,12 @@ def encode_members(key: str, fields: Mapping[str, bytes]) -> tuple[list[bytes], 
 class ShardWriter:
     """Write samples into tar shards under ``dest`` (a local directory or any fsspec URL).
 
-    Use as a context manager::
+    Use it as a context manager:
 
-        with ShardWriter("s3://bucket/train", max_count=1000) as writer:
-            writer.write({"__key__": "cat/0001", "jpg": image, "cls": 3})
+    ```python
+    with ShardWriter("s3://bucket/train", max_count=1000) as writer:
+        writer.write({"__key__": "cat/0001", "jpg": image, "cls": 3})
+    ```
 
     ``dest`` must be a URL the reader takes as a dataset root (``format.manifest.dataset_root_problem``):
     no ``::`` (fsspec chaining), no ``* ? [ {`` (shard patterns), no tar suffix; ConfigError otherwise.
@@ -79,6 +94,7 @@ class ShardWriter:
         overwrite: bool = False,
         label_map: Mapping[str, int] | None = None,
         check_unique_keys: bool = True,
+        prefixes: int = 1,
     ):
         if max_count < 1:
             raise ConfigError(f"max_count must be >= 1, got {max_count}")
@@ -86,6 +102,9 @@ class ShardWriter:
             raise ConfigError(f"max_size must be at least 1 KB, got {max_size}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", prefix):
             raise ConfigError(f"prefix {prefix!r} must be a plain file-name stem")
+        if not isinstance(prefixes, int) or isinstance(prefixes, bool) or prefixes < 1:
+            raise ConfigError(f"prefixes must be an integer >= 1 (directories the shards are spread over), got {prefixes!r}")
+        self.prefixes = prefixes
         check_dataset_root(dest)  # what the reader could not read back is refused before anything is written
         self.dest = dest.rstrip("/") or dest
         self.max_count = max_count
@@ -123,6 +142,12 @@ class ShardWriter:
         url = storage.full_url(self.fs, self.root)
         ours = [e for e in entries if self._shard_re.fullmatch(e) or _is_leftover(e)]
         foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
+        for folder in [e for e in foreign if e.isdigit()]:  # a prefix directory (``shard_name``) of a dataset here
+            inside = self._prefix_entries(folder)
+            if inside is not None:
+                foreign.remove(folder)
+                ours += [f"{folder}/{e}" for e in inside if self._shard_re.fullmatch(e) or _is_leftover(e)]
+                foreign += [f"{folder}/{e}" for e in inside if not (self._shard_re.fullmatch(e) or _is_leftover(e))]
         if not overwrite:
             if MANIFEST_NAME in entries:
                 raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); to replace it pass "
@@ -143,6 +168,13 @@ class ShardWriter:
             if _is_leftover(path):
                 self.fs.rm_file(path)
         return [p for p in stale if not _is_leftover(p)]
+
+    def _prefix_entries(self, folder: str) -> list[str] | None:
+        """The names in a prefix directory of the root, or None when ``folder`` is not a directory."""
+        path = storage.join(self.root, folder)
+        if not self.fs.isdir(path):
+            return None
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(path, detail=False, refresh=True)]
 
     # -- writing -------------------------------------------------------------------------------
     def write(self, sample: Mapping[str, Any]) -> None:
@@ -185,7 +217,7 @@ class ShardWriter:
         sidecar already published under ``info.index``; the manifest lists it when this closes."""
         if self._file is not None:
             raise ValueError("add_shard between samples written here would break the shard order")
-        expected = f"{self.prefix}-{len(self.shards):06d}.tar"
+        expected = shard_name(self.prefix, len(self.shards), self.prefixes)
         if info.path != expected:
             raise ValueError(f"shard {info.path!r} added where {expected!r} comes next")
         self.shards.append(info)
@@ -202,6 +234,12 @@ class ShardWriter:
             entries = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return
+        for folder in {shard_name(self.prefix, i, self.prefixes).rpartition("/")[0] for i in range(min(self.prefixes, len(self.shards)))}:
+            if folder:  # the prefix directories written to (a local task's partials are made beside its shard)
+                try:
+                    entries += self.fs.ls(storage.join(self.root, folder), detail=False, refresh=True)
+                except FileNotFoundError:
+                    pass
         for entry in entries:
             if _is_leftover(entry.rsplit("/", 1)[-1]):
                 try:
@@ -217,12 +255,14 @@ class ShardWriter:
         logger.warning("skipped %s: %s", where, error)
 
     def _start_shard(self) -> None:
-        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        name = shard_name(self.prefix, len(self.shards), self.prefixes)
+        folder, _, base = name.rpartition("/")
         if self._local:
-            self._tmp_path = os.path.join(self.root, f".{name}{_PARTIAL_MARK}{uuid.uuid4().hex[:8]}")
+            os.makedirs(os.path.join(self.root, folder), exist_ok=True)
+            self._tmp_path = os.path.join(self.root, folder, f".{base}{_PARTIAL_MARK}{uuid.uuid4().hex[:8]}")
         else:
             # The pid in the name lets a later run reclaim the file if this process dies (kill -9).
-            fd, self._tmp_path = tempfile.mkstemp(prefix=f"shardstream-{os.getpid()}-{name}{_PARTIAL_MARK}")
+            fd, self._tmp_path = tempfile.mkstemp(prefix=f"shardstream-{os.getpid()}-{base}{_PARTIAL_MARK}")
             os.close(fd)
         self._file = open(self._tmp_path, "wb")
         self._name = name
@@ -344,4 +384,4 @@ def reclaim_temp_partials(tmpdir: str | None = None) -> int:
     return removed
 
 
-__all__ = ["ShardWriter", "encode_members", "check_key", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]
+__all__ = ["ShardWriter", "encode_members", "check_key", "shard_name", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]
