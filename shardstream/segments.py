@@ -59,8 +59,8 @@ import os
 import struct
 import threading
 import weakref
-from multiprocessing import context, reduction
 from collections.abc import Sequence
+from multiprocessing import context, reduction
 from typing import Any
 
 from shardstream.buffers import PAGE, new_shared, populate

@@ -377,7 +377,7 @@ def test_with_reuse_off_workers_have_no_pool_and_batches_are_right(tmp_path):
         assert torch.equal(batch["npy"], torch.stack([torch.from_numpy(arrays[int(k)]) for k in batch["__key__"]]))
 
 
-class ReportInherited:
+class ReportPool:
     def __call__(self, batch):
         pool = worker_pool()
         batch["reused"] = -1 if pool is None else pool.reused
@@ -389,7 +389,7 @@ class ReportInherited:
 def test_workers_that_are_not_forked_reuse_and_inherit_segments_too(tmp_path, method):
     root, arrays = _npy_dataset(tmp_path / "d", n=64)
     ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
-    loader = make_loader(ds, num_workers=2, collate_fn=ReportInherited(), log_interval=None, start_method=method)
+    loader = make_loader(ds, num_workers=2, collate_fn=ReportPool(), log_interval=None, start_method=method)
     for p in range(2):  # the second pass's new workers inherit the first pass's segments
         reused = 0
         batches = 0
