@@ -52,18 +52,36 @@ _PR_SET_PDEATHSIG = 1
 
 
 def fork_hazard() -> str | None:
-    """Why forking this process now could deadlock the child, or None where it cannot (one
-    thread, or a Python with the fix for gh-112275)."""
+    """Why forking this process could deadlock the child, or None where it cannot (no native
+    thread seen in this process so far and torch.distributed not initialized, or a Python with
+    the fix for gh-112275)."""
     if not hasattr(os, "fork"):
         return "this platform has no fork()"
+    global _hazard
     if sys.implementation.name != "cpython" or sys.version_info >= (3, 12):
         return None
-    native = native_threads()
-    if native <= 0:
-        return None
+    if _hazard is not None:  # once seen, for good: native threads come and go (a snapshot can miss them)
+        return _hazard
     version = ".".join(map(str, sys.version_info[:3]))
-    return (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), and "
-            f"this process has {native} thread{'s' if native > 1 else ''} that Python did not start")
+    native = native_threads()
+    if native > 0:
+        _hazard = (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
+                   f"and this process has {native} thread{'s' if native > 1 else ''} that Python did not start")
+    elif _distributed_initialized():
+        _hazard = (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
+                   "and torch.distributed is initialized (its threads do)")
+    return _hazard
+
+
+_hazard: str | None = None
+
+
+def _distributed_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def native_threads() -> int:
