@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py data/demo/shards --epochs 2
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 \
         examples/train_ddp.py s3://bucket/train --endpoint-url https://s3.example.com
+    torchrun --nproc-per-node 2 examples/train_ddp.py --mix mix.yaml --steps 1000 --epochs 50 --checkpoint ckpt
 
 gloo on CPU, nccl on GPU. Prints per-rank batch counts (equal on every rank), samples/s and the
 time spent waiting for data.
@@ -12,6 +13,12 @@ DIR/checkpoint.pt every ``--checkpoint-every`` steps (temp file, then rename: a 
 leaves the previous checkpoint), and a restart resumes from it mid-epoch: exactly where it
 stopped with the same world, or with every unseen sample once after an elastic restart
 (``torchrun`` with another ``--nproc-per-node``/``--nnodes``).
+
+A run by steps: ``--mix FILE`` reads a weighted mix (a JSON or YAML mix file, docs/mixing.md)
+instead of one dataset, and ``--steps N`` makes every loader epoch N steps on every rank, drawn
+from data epochs back to back; ``--epochs`` then counts those. A restart on another world size
+yields the rest of the interrupted epoch's N steps on every rank, finishing the interrupted data
+epoch first.
 """
 
 from __future__ import annotations
@@ -56,7 +63,9 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", help="dataset root or index.json URL (local or s3://)")
+    parser.add_argument("data", nargs="?", help="dataset root or index.json URL (local or s3://)")
+    parser.add_argument("--mix", metavar="FILE", help="a mix file (JSON or YAML) to read instead of one dataset")
+    parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps per epoch, from data epochs back to back")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
@@ -65,6 +74,8 @@ def main() -> None:
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="save here every N steps; resume when present")
     parser.add_argument("--checkpoint-every", type=int, default=100, metavar="N")
     args = parser.parse_args()
+    if (args.data is None) == (args.mix is None):
+        parser.error("give a dataset (DATA) or a mix file (--mix FILE), one of them")
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
@@ -75,10 +86,10 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
-    dataset = shardstream.ShardStream(args.data, batch_size=args.batch_size, seed=0,
-                                      shuffle=shardstream.Shuffle(500), storage_options=options)
+    dataset = shardstream.ShardStream(args.mix or args.data, batch_size=args.batch_size, seed=0, shuffle=shardstream.Shuffle(500),
+                                      store=shardstream.Store(options=options), schedule=shardstream.Schedule(steps=args.steps))
     loader = shardstream.make_loader(dataset, num_workers=args.workers)
-    classes = len(dataset.manifest.label_map or {}) or 10
+    classes = max(len(m.label_map or {}) for m in dataset.sources.manifests) or 10
     model = nn.parallel.DistributedDataParallel(SmallNet(classes).to(device), device_ids=[local_rank] if use_cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     start_epoch = 0

@@ -3,11 +3,17 @@
 Rules followed: copies are ``non_blocking`` from pinned memory on a dedicated stream; before a
 batch is used the consumer's stream waits on the copy stream; every tensor is
 ``record_stream``-ed on the consumer's stream so the caching allocator does not reuse its memory
-while kernels still read it. On CPU, batches pass through unchanged.
+while kernels still read it. Elsewhere batches are moved as they come (a copy there is not
+asynchronous), unless ``copy_ahead=1`` asks for the same one-batch copy-ahead anyway.
+
+The batch held copied ahead was received from the loader but not yet by the training loop, so
+``state_dict`` asks the loader for its state one batch earlier (``loader.state_dict(batches=)``):
+the held batch is delivered again after a resume, whatever the state holds (one dataset or a mix).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,11 +42,15 @@ def _record(obj: Any, stream: torch.cuda.Stream) -> None:
 
 
 class DevicePrefetcher:
-    """Iterate ``loader`` with each batch already on ``device``; one batch copied ahead."""
+    """Iterate ``loader`` with each batch already on ``device``; ``copy_ahead`` batches (0 or 1)
+    copied ahead: by default 1 on CUDA, 0 elsewhere."""
 
-    def __init__(self, loader: Iterable[Any], device: str | torch.device):
+    def __init__(self, loader: Iterable[Any], device: str | torch.device, copy_ahead: int | None = None):
         self.loader = loader
         self.device = torch.device(device)
+        if copy_ahead not in (None, 0, 1):
+            raise ValueError(f"copy_ahead is 0 or 1 batches, got {copy_ahead!r}")
+        self.copy_ahead = (1 if self.device.type == "cuda" else 0) if copy_ahead is None else copy_ahead
         self._held = 0  # batches taken from the loader but not yet yielded
 
     def __len__(self) -> int:
@@ -49,23 +59,21 @@ class DevicePrefetcher:
     def state_dict(self) -> dict[str, Any]:
         """The loader's state, less the batch copied ahead and not yet handed to the loop (it is
         delivered again after a resume)."""
-        state = self.loader.state_dict()  # type: ignore[attr-defined]
+        loader: Any = self.loader
         if self._held:
-            from shardstream.plan.resume import ResumeState
-
-            loaded = ResumeState.from_json(state)
-            state = loaded.advanced(loaded.batches - self._held).to_json()
-        return state
+            return loader.state_dict(batches=loader.received - self._held)
+        return loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[Any]:
-        if self.device.type != "cuda":
+        if not self.copy_ahead:
             for batch in self.loader:
                 yield move_to(batch, self.device)
             return
-        copy_stream = torch.cuda.Stream(self.device)
+        cuda = self.device.type == "cuda"
+        copy_stream = torch.cuda.Stream(self.device) if cuda else None
         it = iter(self.loader)
 
         def preload():
@@ -73,21 +81,24 @@ class DevicePrefetcher:
                 batch = next(it)
             except StopIteration:
                 return None, False
-            with torch.cuda.stream(copy_stream):
-                return move_to(batch, self.device, non_blocking=True), True
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext():
+                return move_to(batch, self.device, non_blocking=cuda), True
 
         nxt, more = preload()
-        while more:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(copy_stream)
-            batch = nxt
-            _record(batch, compute)
-            nxt, more = preload()  # the next copy overlaps the caller's work on this batch
-            self._held = int(more)
-            yield batch
-        self._held = 0
+        try:
+            while more:
+                batch = nxt
+                if copy_stream is not None:
+                    compute = torch.cuda.current_stream(self.device)
+                    compute.wait_stream(copy_stream)
+                    _record(batch, compute)
+                nxt, more = preload()  # the next copy overlaps the caller's work on this batch
+                self._held = int(more)
+                yield batch
+        finally:
+            self._held = 0
 
 
-def to_device(loader: Iterable[Any], device: str | torch.device) -> DevicePrefetcher:
+def to_device(loader: Iterable[Any], device: str | torch.device, copy_ahead: int | None = None) -> DevicePrefetcher:
     """``for batch in to_device(loader, "cuda"):`` batches arrive on the device, copied ahead."""
-    return DevicePrefetcher(loader, device)
+    return DevicePrefetcher(loader, device, copy_ahead)

@@ -31,6 +31,7 @@ import webdataset
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
+from shardstream.plan.run import PassPlan
 from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
 from shardstream.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -296,10 +297,10 @@ class ShardLoader(webdataset.WebLoader):
         self.start_method = start_method
         self.worker_start = kwargs.get("worker_init_fn") if isinstance(kwargs.get("worker_init_fn"), WorkerStart) else None
         self._checked: set[str] = set()  # start methods the dataset was found picklable for
-        self._watch = {"stats": dataset._stats, "rank": dataset.world.rank, "timeout": timeout,
+        self._watch = {"stats": dataset.counters, "rank": dataset.world.rank, "timeout": timeout,
                        "first_timeout": first_batch_timeout, "semaphores": None}
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
-        self._pass: list[Any] | None = None  # [epoch, batches received, ResumePlan or None] of the last pass
+        self._pass: tuple[PassPlan, list[int]] | None = None  # the last pass's plan, and [batches received in it]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -309,11 +310,11 @@ class ShardLoader(webdataset.WebLoader):
         next_log = time.monotonic() + interval if interval else None
         # Counted here, in the main process, as the loop receives them: batches still in worker
         # queues at checkpoint time are not counted, so they are delivered again after a resume.
-        resume = self.dataset.resume_plan(self.num_workers)
-        if resume is not None:
-            logger.info("%s", resume.summary())
-        record: list[Any] = [self.dataset._clock.upcoming, 0, resume]  # the epoch this pass will follow
-        self._pass = record
+        plan = self.dataset.pass_plan(self.num_workers)
+        if plan.loaded is not None:
+            logger.info("%s", plan.summary())
+        received = [0]
+        self._pass = (plan, received)
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
         self._watch["semaphores"] = None
@@ -321,7 +322,7 @@ class ShardLoader(webdataset.WebLoader):
             self._start_workers()
         try:
             for batch in super().__iter__():
-                record[1] += 1
+                received[0] += 1
                 yield batch
                 if interval and next_log is not None and time.monotonic() >= next_log:
                     next_log = time.monotonic() + interval
@@ -330,7 +331,6 @@ class ShardLoader(webdataset.WebLoader):
             if self.persistent_workers:
                 self._forget_workers()  # a failed pass leaves no half-dead workers for the next one
             raise
-        self._end_pass(record)
 
     def _start_workers(self) -> None:
         """Just before a new set of workers starts: how (fork only where it is safe, see workers.py),
@@ -351,7 +351,7 @@ class ShardLoader(webdataset.WebLoader):
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
                 self._watch["semaphores"] = semaphores_mark()
-        self.dataset._stats.clear_board()
+        self.dataset.counters.clear_board()
         if self.channels is not None:
             self.channels.prepare_workers()  # new workers inherit the last pass's segments
 
@@ -361,30 +361,26 @@ class ShardLoader(webdataset.WebLoader):
             return True
         return all(w.is_alive() for w in it._workers)  # (statuses are all down between passes)
 
-    def _end_pass(self, record: list[Any]) -> None:
-        if record[2] is None:
-            return
-        # The resumed pass is over: later passes over this epoch start it afresh, so persistent
-        # workers (which hold the dataset as it was when they started) are replaced.
-        self.dataset._resume = None
-        record[1], record[2] = len(self.dataset), None
-        if self.persistent_workers:
-            self._forget_workers()
+    @property
+    def received(self) -> int:
+        """Batches the loop received in the current pass (0 before it starts)."""
+        return self._pass[1][0] if self._pass is not None and self._pass[0].loader_epoch == self.dataset.epoch else 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
         """The data position (torchdata ``Stateful``): small, JSON-serialisable, versioned. It
-        counts the batches this loop received in the current epoch; every rank receives the same
-        count, so rank 0's state is enough for all. See ``ShardStream.load_state_dict``."""
-        record = self._pass
-        if record is not None and record[0] == self.dataset.epoch:
-            return self.dataset._state(record[1], record[2], self.num_workers)
-        return self.dataset.state_dict(batches=0)
+        counts the batches this loop received in the current pass; ``batches`` overrides that
+        count (``to_device`` passes it, less the batch it holds copied ahead). Every rank receives
+        the same count, so rank 0's state is enough for all. See ``ShardStream.load_state_dict``."""
+        if self._pass is not None and self._pass[0].loader_epoch == self.dataset.epoch:
+            plan, received = self._pass
+            return plan.state_after(received[0] if batches is None else batches)
+        return self.dataset.pass_plan(self.num_workers).state_after(batches or 0)  # the next pass, not started
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next pass over its epoch delivers the rest of it
         (exactly, or elastically on another topology). Persistent workers already started are
         replaced, so they see the state."""
-        self.dataset._load_state(state, self.num_workers)  # the loader knows its workers: topology checked now
+        self.dataset.load_state_dict(state)
         self._pass = None
         self._forget_workers()
 

@@ -1,5 +1,7 @@
-"""Mixes as users write them: ``Source`` values and mix files (JSON, or YAML when pyyaml is
-installed), resolved to one manifest per source. The planning itself is ``plan/mix.py``.
+"""A stream's sources as users give them, resolved to one manifest per source: a dataset root (a
+single source), ``Source`` values or a mix file (JSON, or YAML when pyyaml is installed). What
+planning needs of them is ``plan_sources`` (``plan.run.Sources``); the planning itself is
+``plan/mix.py`` and ``plan/run.py``.
 
 A mix file::
 
@@ -20,15 +22,23 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import ConfigError, ManifestError
-from shardstream.format.manifest import MANIFEST_NAME, Manifest
+from shardstream.errors import ConfigError, ManifestError, StorageError
+from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
+from shardstream.plan.run import Sources
+from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.scan import scan_shards
+from shardstream.storage.urls import expand_urls, is_shard_pattern
+
+logger = logging.getLogger(__name__)
 
 MIX_KEYS = ("url", "weight", "repeat", "samples", "name", "storage_options")
 
@@ -70,6 +80,7 @@ class Mix:
     manifests: list[Manifest]
     storage_options: list[dict[str, Any]]
     names: list[str] = field(default_factory=list)
+    mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__)
 
     def plan(self, *, world_size: int, num_workers: int, batch_size: int, seed: int, epoch: int, shuffle: bool,
              per_batch: str) -> MixPlan:
@@ -146,8 +157,6 @@ def _relative_to(base: str, path: str) -> str:
 
 
 def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None) -> list[Source] | None:
-    from shardstream.errors import StorageError
-
     fs, path = storage.get_fs(url, storage_options)
     try:
         raw = storage.read_bytes(fs, path)
@@ -188,3 +197,62 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None,
     if len(set(names)) != len(names):
         raise ConfigError(f"two mix sources share a name ({names}); give each a distinct name=")
     return Mix(sources, manifests, options, names)
+
+
+def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None,
+                     config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+    """A manifest, a dataset root / index.json URL, or shard URLs (brace pattern, glob, list): the
+    resolver of a mix's ``Source`` values (an explicit value per source, so a pattern there is a
+    request to index it). Shard URLs are indexed here: every shard is read end to end (8 in
+    parallel) to count its samples and find their offsets."""
+    if isinstance(source, Manifest):
+        return source
+    if isinstance(source, str) and not is_shard_pattern(source):
+        return load_manifest(source, storage_options, config=config)
+    patterns = [source] if isinstance(source, str) else list(source)
+    urls = [u for p in patterns for u in expand_urls(p, storage_options)]
+    if not urls:
+        raise ConfigError(f"no shards match {source!r}")
+    logger.info("no manifest given: indexing %d shards (one full read each)", len(urls))
+    return scan_shards(urls, storage_options, config=config)
+
+
+def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+    """A Manifest as is, or the manifest of a dataset root / index.json URL. Shard URLs are refused
+    here: indexing them reads every shard, which ``ShardStream.from_urls`` does on request."""
+    if isinstance(source, Manifest):
+        return source
+    if not isinstance(source, str) or is_shard_pattern(source):
+        shown = source if isinstance(source, str) else "[...]"
+        raise ConfigError(
+            f"{source!r} names shard files, not a packed dataset (a folder or URL with index.json): use "
+            f"ShardStream.from_urls({shown!r}, ...) to index them at start-up (one full read of every shard), "
+            f"or write their manifest once with `shardstream index '{shown}' DEST` and pass DEST"
+        )
+    return load_manifest(source, storage_options, config=config)
+
+
+def open_sources(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Mix:
+    """Every stream's sources as a Mix: a mix as given, or a single dataset as a mix of one."""
+    mix = open_mix(source, storage_options, lambda src, options: resolve_manifest(src, options, config))
+    if mix is not None:
+        return mix
+    manifest = load_source(source, storage_options, config)
+    return Mix([Source(manifest)], [manifest], [dict(storage_options or {})], [""], mixed=False)
+
+
+def manifest_digest(m: Manifest) -> str:
+    """What a resume state names a dataset by: its shards' paths, sizes and hashes (not where it is stored)."""
+    return dataset_digest(zip(m.paths, m.counts.tolist(), m.sizes.tolist(), (m.sha256(i) for i in range(len(m.paths)))))
+
+
+def plan_sources(mix: Mix) -> Sources:
+    """What planning knows of the sources, and what a resume state names them by."""
+    if mix.mixed:
+        identity = tuple({"name": name, "manifest": manifest_digest(m), "samples": m.total_samples, "ask": s.ask().describe()}
+                         for name, s, m in zip(mix.names, mix.sources, mix.manifests))
+        return Sources(tuple(m.counts for m in mix.manifests), identity, True, tuple(mix.names),
+                       tuple(s.ask() for s in mix.sources))
+    (m,) = mix.manifests
+    return Sources((m.counts,), ({"manifest": manifest_digest(m), "samples": int(m.counts.sum())},), False,
+                   compressed_shards=int(m.compressed.sum()))

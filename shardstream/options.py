@@ -6,8 +6,10 @@ travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
     Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
     Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True)
     OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
+    Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
     Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False, readahead_threads=1)
     Cache(dir, limit, verify=True)                         local copies of remote shards
+    Schedule(steps=None, samples_per_epoch=None, per_batch="spread")   a pass's length, a mix's interleave
 
 Every value checks itself when built, so a bad option is a ConfigError at the call that made it.
 """
@@ -15,7 +17,7 @@ Every value checks itself when built, so a bad option is a ConfigError at the ca
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec.utils
@@ -23,7 +25,10 @@ import fsspec.utils
 from shardstream.errors import ConfigError
 from shardstream.format.tar import DEFAULT_READ_SIZE
 from shardstream.pipeline.decode import IMAGE_MODES
+from shardstream.plan.mix import PER_BATCH
+from shardstream.plan.run import check_length
 from shardstream.policy import ON_ERROR
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 DEFAULT_READAHEAD = 64 << 20
 LOCAL_PROTOCOLS = ("file", "local")
@@ -170,4 +175,69 @@ class Cache:
             raise ConfigError(f"Cache(limit=...) is bytes of local disk the cache may use, got {self.limit}")
 
 
-__all__ = ["Shuffle", "Decode", "OnError", "Read", "Cache", "DEFAULT_READAHEAD"]
+@dataclass(frozen=True)
+class Store:
+    """Where the shards are and how they are read: one value for the store.
+
+    ``options``: fsspec storage options, e.g. ``{"endpoint_url": ..., "profile": ...}`` for S3 (a
+    mix's ``Source`` may give its own). ``config``: ``StorageConfig``, one policy for every storage
+    request (timeouts, retries, deadline, allowed roots, direct GETs). ``read``: ``Read(...)``,
+    how ranges are read. ``cache``: ``Cache(dir, limit)``, local copies of remote shards, or None.
+    """
+
+    options: Mapping[str, Any] | None = None
+    config: StorageConfig = DEFAULT_STORAGE
+    read: Read = field(default_factory=Read)
+    cache: Cache | None = None
+
+    def __post_init__(self) -> None:
+        if self.options is not None and not isinstance(self.options, Mapping):
+            raise ConfigError(f"Store(options=...) is a mapping of fsspec storage options, got {type(self.options).__name__}")
+        for name, kind in (("config", StorageConfig), ("read", Read), ("cache", Cache)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name == "cache" and value is None):
+                raise ConfigError(f"Store({name}=...) must be a {kind.__name__}(...), got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long a pass is, and how a mix interleaves its sources (plan/run.py, docs/mixing.md).
+
+    ``steps``: batches every rank yields per loader epoch (``len(loader)``), drawn from data epochs
+    laid back to back (None: a pass is one whole data epoch). ``samples_per_epoch``: the same,
+    counted in samples over all ranks (steps = samples_per_epoch // (world_size * batch_size)).
+    ``per_batch``: a mix's interleave, ``"spread"`` (every batch close to each source's share) or
+    ``"exact"`` (the same count of each source in every batch).
+    """
+
+    steps: int | None = None
+    samples_per_epoch: int | None = None
+    per_batch: str = "spread"
+
+    def __post_init__(self) -> None:
+        check_length(self.steps, self.samples_per_epoch)
+        if self.per_batch not in PER_BATCH:
+            raise ConfigError(f"Schedule(per_batch=...) must be one of {PER_BATCH}, got {self.per_batch!r}")
+
+
+# Keywords ShardStream took before they were grouped, and where they live now.
+MOVED = {
+    "storage_options": "store=Store(options={...})",
+    "storage": "store=Store(config=StorageConfig(...))",
+    "read": "store=Store(read=Read(...))",
+    "cache": "store=Store(cache=Cache(...))",
+    "steps": "schedule=Schedule(steps=N)",
+    "samples_per_epoch": "schedule=Schedule(samples_per_epoch=S)",
+    "per_batch": "schedule=Schedule(per_batch=...)",
+}
+
+
+def refuse_moved(where: str, given: Mapping[str, Any]) -> None:
+    """A ConfigError naming the new spelling of a keyword that moved; TypeError for an unknown one."""
+    for name in given:
+        if name in MOVED:
+            raise ConfigError(f"{where}({name}=...) moved: pass {MOVED[name]}")
+        raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+
+
+__all__ = ["Shuffle", "Decode", "OnError", "Read", "Cache", "Store", "Schedule", "DEFAULT_READAHEAD"]

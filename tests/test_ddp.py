@@ -23,7 +23,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, ou
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
-    dataset = shardstream.ShardStream(source, batch_size=4, seed=7, shuffle=shardstream.Shuffle(20), storage_options=options)
+    dataset = shardstream.ShardStream(source, batch_size=4, seed=7, shuffle=shardstream.Shuffle(20), store=shardstream.Store(options=options))
     loader = shardstream.make_loader(dataset, num_workers=2)
     result = {}
     for epoch in (0, 1):

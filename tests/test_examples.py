@@ -4,11 +4,13 @@ kind it makes (exact with the same topology, elastic with another)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from conftest import free_port, write_image_folder
 
 from shardstream.write.pack import pack
@@ -16,11 +18,11 @@ from shardstream.write.pack import pack
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 
 
-def _train(data: Path, checkpoint: Path, workers: int) -> str:
+def _train(data: Path | None, checkpoint: Path, workers: int, *more: str) -> str:
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, str(EXAMPLE), str(data), "--epochs", "1", "--batch-size", "4", "--workers", str(workers),
-                           "--checkpoint", str(checkpoint), "--checkpoint-every", "4"],
+    done = subprocess.run([sys.executable, str(EXAMPLE), *([str(data)] if data else []), "--epochs", "1", "--batch-size", "4",
+                           "--workers", str(workers), "--checkpoint", str(checkpoint), "--checkpoint-every", "4", *more],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -43,6 +45,26 @@ def test_train_ddp_prints_its_worker_count_and_one_summary_of_its_resume(tmp_pat
     elastic = _train(tmp_path / "ds", checkpoint, workers=1)  # another worker count: elastic
     assert "1 workers per rank" in elastic and "2 workers per rank" not in elastic
     assert elastic.count("resuming epoch 0") == 1 and "resuming epoch 0 elastically" in elastic and "exactly" not in elastic
+
+
+def test_train_ddp_runs_a_mix_by_steps_and_resumes_it(tmp_path):
+    """``--mix FILE --steps N --checkpoint DIR``: a weighted mix, 7 steps per epoch, a checkpoint every
+    4 steps (the last after step 12: epoch 1, step 5); the restart resumes epoch 1 exactly and yields
+    its remaining 2 steps (7 - 5). Read in the main process (elastic restarts on another world size,
+    with workers: test_mix_ddp.py)."""
+    for name, classes in (("a", 3), ("b", 2)):
+        write_image_folder(tmp_path / name, classes=classes, per_class=6, size=8, with_json=False)
+        pack(str(tmp_path / name), str(tmp_path / f"ds-{name}"), label_from_dir=True, max_count=5)
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"url": "ds-a", "weight": 0.6, "name": "a"}, {"url": "ds-b", "weight": 0.4, "name": "b"}]}))
+    checkpoint = tmp_path / "ckpt"
+    first = _train(None, checkpoint, 0, "--mix", str(mix), "--steps", "7", "--epochs", "2")
+    assert "mix of 2 sources" in first and "[rank 0] epoch 0: 7 batches" in first and "[rank 0] epoch 1: 7 batches" in first
+    state = json.loads(torch.load(checkpoint / "checkpoint.pt", weights_only=True)["loader"])
+    assert state["run"] == {"steps": 7} and state["loader_epoch"] == 1 and state["segments"][-1]["batches"] == 5
+    again = _train(None, checkpoint, 0, "--mix", str(mix), "--steps", "7", "--epochs", "2")
+    assert again.count("resuming epoch") == 1 and "resuming epoch 1 exactly after" in again and "[rank 0] epoch 1: 2 batches" in again
+    assert "epoch 0:" not in again.replace("data epoch", "")
 
 
 def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch(tmp_path):

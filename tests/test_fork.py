@@ -10,7 +10,7 @@ import os
 import s3fs
 from conftest import write_dataset
 
-from shardstream import ShardStream, World, make_loader
+from shardstream import ShardStream, Store, World, make_loader
 from shardstream.storage import fs as storage
 
 
@@ -36,7 +36,7 @@ def test_workers_never_finalize_the_parents_s3_filesystems(s3, tmp_path, monkeyp
     log = tmp_path / "finalized"
     _, patched = _count_calls_in_children(str(log))
     monkeypatch.setattr(s3fs.S3FileSystem, "close_session", staticmethod(patched))
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options))
     keys = [k for b in make_loader(ds, num_workers=2, multiprocessing_context="fork") for k in b["__key__"]]
     assert len(keys) == len(set(keys)) == 40
     assert not log.exists(), f"workers ran s3fs finalizers: {log.read_text()}"
@@ -92,7 +92,7 @@ def test_workers_make_no_botocore_session_of_their_own(s3, tmp_path, monkeypatch
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(botocore.session.Session, "__init__", init)
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options))
     keys = [k for b in make_loader(ds, num_workers=2, multiprocessing_context="fork") for k in b["__key__"]]
     assert len(keys) == len(set(keys)) == 40
     assert not log.exists(), f"workers made botocore sessions: {log.read_text()}"

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from conftest import make_samples
 
-from shardstream import ShardStream, ShardWriter, Source, make_loader
+from shardstream import Schedule, ShardStream, ShardWriter, Source, Store, make_loader
 from shardstream.cli.main import main
 from shardstream.errors import ConfigError
 from shardstream.options import Shuffle
@@ -49,7 +49,7 @@ def test_weighted_mix_every_rank_matches_plan(roots, per_batch, world, workers):
 
     def make(rank):
         return ShardStream(sources, batch_size=10, world=World(rank, world), seed=3, shuffle=Shuffle(30),
-                           per_batch=per_batch)
+                           schedule=Schedule(per_batch=per_batch))
 
     ranks = run_ranks(make, world, workers)
     plan = ranks[0][0].plan()
@@ -89,7 +89,7 @@ def test_steps_run_epochs_back_to_back(roots):
     per_epoch = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(1, 2)).plan()
     steps = 3 * per_epoch.batches_per_rank + 2  # more than three epochs of data
     ranks = run_ranks(lambda r: ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8,
-                                            world=World(r, 2), steps=steps, seed=5), 2, 2)
+                                            world=World(r, 2), seed=5, schedule=Schedule(steps=steps)), 2, 2)
     assert [len(bs) for _, bs in ranks] == [steps, steps]
     keys = [k for _, bs in ranks for batch in bs for k in batch["__key__"]]
     # Every data epoch is whole and fresh: each full epoch's samples are distinct.
@@ -98,7 +98,7 @@ def test_steps_run_epochs_back_to_back(roots):
     # The next loader epoch continues the stream where this one ended: nothing repeated early.
     plan = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1)).plan()
     ds = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1),
-                     steps=plan.batches_per_rank * 2)
+                     schedule=Schedule(steps=plan.batches_per_rank * 2))
     one = [k for batch in make_loader(ds, num_workers=0) for k in batch["__key__"]]
     assert len(one) == 2 * plan.used_samples and len(set(one[: plan.used_samples])) == plan.used_samples
     ds.set_epoch(1)
@@ -108,7 +108,7 @@ def test_steps_run_epochs_back_to_back(roots):
 
 def test_steps_and_samples_per_epoch_for_one_dataset(roots):
     a, _, _ = roots
-    ds = ShardStream(a, batch_size=7, world=World(0, 1), samples_per_epoch=500, shuffle=Shuffle(10))
+    ds = ShardStream(a, batch_size=7, world=World(0, 1), shuffle=Shuffle(10), schedule=Schedule(samples_per_epoch=500))
     assert len(ds) == 500 // 7
     loader = make_loader(ds, num_workers=2, pin_memory=False)
     keys = [k for batch in loader for k in batch["__key__"]]
@@ -117,15 +117,15 @@ def test_steps_and_samples_per_epoch_for_one_dataset(roots):
     seen = Counter(keys)
     assert len(seen) == 120 and max(seen.values()) <= 5 and sum(1 for v in seen.values() if v >= 4) >= 116
     with pytest.raises(ConfigError, match="steps=2 per rank but num_workers is 3"):
-        make_loader(ShardStream(a, batch_size=7, world=World(0, 1), steps=2), num_workers=3)
+        make_loader(ShardStream(a, batch_size=7, world=World(0, 1), schedule=Schedule(steps=2)), num_workers=3)
     with pytest.raises(ConfigError, match="steps or samples_per_epoch, not both"):
-        ShardStream(a, batch_size=7, steps=3, samples_per_epoch=50)
+        ShardStream(a, batch_size=7, schedule=Schedule(steps=3, samples_per_epoch=50))
 
 
 def test_steps_keys_match_plan_exactly(roots):
     """With steps, a rank yields exactly the planned batches of consecutive data epochs."""
     a, _, _ = roots
-    ds = ShardStream(a, batch_size=5, world=World(0, 1), steps=30, shuffle=Shuffle(0))
+    ds = ShardStream(a, batch_size=5, world=World(0, 1), shuffle=Shuffle(0), schedule=Schedule(steps=30))
     got = Counter(k for batch in make_loader(ds, num_workers=2) for k in batch["__key__"])
     want: Counter = Counter()
     for e in (0, 1):
@@ -143,7 +143,7 @@ def test_mix_file_json_and_yaml_everywhere(roots, tmp_path, capsys):
     (tmp_path / "mix.yaml").write_text(f"sources:\n  - url: a\n    weight: 2\n    name: A\n  - url: {b}\n    weight: 1\n")
     for name in ("mix.json", "mix.yaml"):
         ds = ShardStream(str(tmp_path / name), batch_size=6, world=World(0, 1))
-        assert ds.mix is not None and ds.mix.names == ["A", b]
+        assert ds.sources.mixed and ds.sources.names == ["A", b]
         assert [s.quota for s in ds.plan().shares()] == [120, 60]
         batch = next(iter(ds))
         assert set(batch["__source__"]) <= {"A", b}
@@ -171,10 +171,16 @@ def test_bad_mix_files(tmp_path, text, message):
         ShardStream(str(tmp_path / "m.json"), batch_size=2)
 
 
-def test_mix_refuses_pad_and_duplicate_names(roots):
-    a, b, _ = roots
-    with pytest.raises(ConfigError, match="a mix always drops"):
-        ShardStream([Source(a), Source(b)], batch_size=4, mode="pad")
+def test_mix_in_pad_mode_and_what_a_mix_refuses(roots):
+    a, b, c = roots
+    ds = ShardStream([Source(a, name="a"), Source(c, name="c")], batch_size=7, mode="pad", world=World(0, 3), shuffle=Shuffle(9))
+    plan = ds.plan()
+    assert plan.batches_per_rank == -(-160 // 21) and plan.repeated == 3 * 8 * 7 - 160  # 160 samples padded to 3 x 8 x 7
+    keys = [k for r in range(3) for batch in ShardStream([Source(a, name="a"), Source(c, name="c")], batch_size=7, mode="pad",
+                                                          world=World(r, 3), shuffle=Shuffle(9)) for k in batch["__key__"]]
+    assert len(keys) == 168 and len(set(keys)) == 160  # every sample at least once, 8 repeated
+    with pytest.raises(ConfigError, match="mode='pad' with per_batch='exact' cannot work: .*use per_batch='spread'"):
+        ShardStream([Source(a), Source(b)], batch_size=4, mode="pad", schedule=Schedule(per_batch="exact"))
     with pytest.raises(ConfigError, match="share a name"):
         ShardStream([Source(a), Source(a)], batch_size=4)
     with pytest.raises(ConfigError, match="wrap every dataset in Source"):
@@ -188,9 +194,9 @@ def test_mix_file_on_s3_with_relative_sources(s3, roots):
             w.write(s)
     doc = {"sources": [{"url": "../data/web", "weight": 1, "name": "web"}, {"url": roots[1], "weight": 1, "name": "disk"}]}
     client.put_object(Bucket=bucket, Key="mixes/m.json", Body=json.dumps(doc).encode())
-    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, world=World(0, 1), storage_options=options)
-    assert ds.mix is not None and ds.mix.manifests[0].base_url == f"s3://{bucket}/data/web"
-    assert ds.mix.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
+    ds = ShardStream(f"s3://{bucket}/mixes/m.json", batch_size=5, world=World(0, 1), store=Store(options=options))
+    assert ds.sources.mixed and ds.sources.manifests[0].base_url == f"s3://{bucket}/data/web"
+    assert ds.sources.storage_options[0] == options and ds.readahead[0] > 0 and ds.readahead[1] == 0
     tags = Counter(t for batch in make_loader(ds, num_workers=0) for t in batch["__source__"])
     assert tags == {s.name: s.used for s in ds.plan().shares()} and tags["web"] == 30
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import threading
@@ -10,7 +11,7 @@ import pytest
 from conftest import _child_pids, _leaked_threads, write_dataset
 
 import shardstream
-from shardstream import Cache, ConfigError, Decode, OnError, Read, ShardStream, Shuffle, World
+from shardstream import Cache, ConfigError, Decode, OnError, Read, Schedule, ShardStream, Shuffle, StorageConfig, Store, World
 from shardstream.options import DEFAULT_READAHEAD
 
 
@@ -24,6 +25,12 @@ from shardstream.options import DEFAULT_READAHEAD
     (lambda: Read(read_size=0), "read_size"),
     (lambda: Read(readahead_bytes=-1), "readahead_bytes"),
     (lambda: Cache("/tmp/c", 0), "limit"),
+    (lambda: Store(options="endpoint"), "options"),
+    (lambda: Store(read=4096), r"Store\(read=...\) must be a Read"),
+    (lambda: Schedule(steps=0), "steps"),
+    (lambda: Schedule(steps=3, samples_per_epoch=9), "not both"),
+    (lambda: Schedule(samples_per_epoch=True), "samples_per_epoch"),
+    (lambda: Schedule(per_batch="even"), "per_batch"),
 ])
 def test_bad_options_are_config_errors_at_the_call_that_made_them(make, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,9 +57,35 @@ def test_the_common_call_is_one_line_and_options_land(tmp_path):
     ds = ShardStream(root, batch_size=4)
     assert ds.shuffler == Shuffle() and ds.decode == Decode() and ds.on_error == OnError() and ds.readahead_bytes == 0
     ds = ShardStream(root, batch_size=4, shuffle=False, decode=False, on_error="skip", world=World(1, 2),
-                     read=Read(readahead_bytes=1 << 20, read_size=4096))
+                     store=Store(read=Read(readahead_bytes=1 << 20, read_size=4096)))
     assert ds.shuffler is None and ds.on_error.policy == "skip" and ds.readahead_bytes == 1 << 20
     assert isinstance(next(iter(ds))["txt"][0], bytes) and len(ds) == 5
+
+
+@pytest.mark.parametrize("old,new", [
+    ({"storage_options": {}}, r"store=Store\(options=\{...\}\)"),
+    ({"storage": StorageConfig()}, r"store=Store\(config=StorageConfig\(...\)\)"),
+    ({"read": Read()}, r"store=Store\(read=Read\(...\)\)"),
+    ({"cache": None}, r"store=Store\(cache=Cache\(...\)\)"),
+    ({"steps": 10}, r"schedule=Schedule\(steps=N\)"),
+    ({"samples_per_epoch": 100}, r"schedule=Schedule\(samples_per_epoch=S\)"),
+    ({"per_batch": "exact"}, r"schedule=Schedule\(per_batch=...\)"),
+])
+def test_old_spellings_are_refused_naming_the_new_one(tmp_path, old, new):
+    root = write_dataset(tmp_path / "d", 20, max_count=10)
+    with pytest.raises(ConfigError, match=rf"ShardStream\({next(iter(old))}=...\) moved: pass {new}"):
+        ShardStream(root, batch_size=4, **old)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bach_size'"):
+        ShardStream(root, batch_size=4, bach_size=4)
+    with pytest.raises(ConfigError, match=r"from_urls\(storage_options=...\) moved"):
+        ShardStream.from_urls(f"{root}/shard-*.tar", batch_size=4, storage_options={})
+
+
+def test_the_front_door_takes_at_most_twelve_parameters():
+    named = [p for p in inspect.signature(ShardStream.__init__).parameters.values()
+             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert len(named) <= 12, [p.name for p in named]
+    assert {p.name for p in named} >= {"source", "batch_size", "store", "schedule"}
 
 
 def test_the_package_exports_real_names():

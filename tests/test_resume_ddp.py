@@ -14,7 +14,7 @@ import signal
 import pytest
 from conftest import make_samples, spawned_ranks
 
-from shardstream import ShardStream, ShardWriter, make_loader
+from shardstream import ShardStream, ShardWriter, Store, make_loader
 from shardstream.options import Shuffle
 from shardstream.plan.topology import World
 
@@ -34,7 +34,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, wo
                             timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = make_loader(ShardStream(source, storage_options=options, **SETTINGS), num_workers=2, log_interval=None)
+    loader = make_loader(ShardStream(source, **SETTINGS, store=Store(options=options)), num_workers=2, log_interval=None)
     checkpoint = os.path.join(work, "checkpoint.pt")
     start = 0
     if os.path.exists(checkpoint):
@@ -99,7 +99,7 @@ def reference(source: str, options: dict, world: int) -> dict[int, dict[int, lis
     """The uninterrupted run, rank by rank in this process (the order does not depend on DDP)."""
     out: dict[int, dict[int, list]] = {}
     for rank in range(world):
-        loader = make_loader(ShardStream(source, storage_options=options, world=World(rank, world), **SETTINGS),
+        loader = make_loader(ShardStream(source, world=World(rank, world), **SETTINGS, store=Store(options=options)),
                              num_workers=2, log_interval=None)
         for epoch in (0, 1):
             loader.set_epoch(epoch)
@@ -127,7 +127,7 @@ def preempt_and_resume(source: str, options: dict, tmp_path) -> None:
     assert len({len(three[r][0]) for r in range(3)}) == 1  # equal batches per rank
     epoch = set(flat(ref[0][0]) + flat(ref[1][0]))
     assert len(before + after) == len(set(before + after))  # no sample twice
-    probe = ShardStream(source, storage_options=options, world=World(0, 3), **SETTINGS)
+    probe = ShardStream(source, world=World(0, 3), **SETTINGS, store=Store(options=options))
     with open(os.path.join(work, "checkpoint.pt"), "rb") as f:
         import torch
 

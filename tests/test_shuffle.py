@@ -1,4 +1,5 @@
-"""pipeline/shuffle.py: every item exactly once, memory bounded by the buffer, deterministic by seed."""
+"""pipeline/shuffle.py (plan/shuffle.py's state machine run over samples): every item exactly once, memory
+bounded by the buffer, deterministic by seed."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import random
 
 import pytest
 
-from shardstream.pipeline.shuffle import shuffle_samples, worker_rng
+from shardstream.pipeline.shuffle import shuffle_samples
+from shardstream.plan.shuffle import stream_rng as worker_rng
 
 
 def chunks_of(n: int, size: int):

@@ -53,13 +53,13 @@ def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: f
     """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures."""
     from shardstream.dataset import ShardStream
     from shardstream.loader import make_loader
-    from shardstream.options import Shuffle
+    from shardstream.options import Shuffle, Store
     from shardstream.plan.topology import World
 
     started = time.perf_counter()
     dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle=Shuffle(shuffle_buffer),
-                          world=World(0, 1), storage_options=storage_options)
-    manifests = [dataset.manifest] if dataset.mix is None else dataset.mix.manifests
+                          world=World(0, 1), store=Store(options=storage_options))
+    manifests = dataset.sources.manifests
     bytes_per_sample = sum(m.total_bytes for m in manifests) / max(1, sum(m.total_samples for m in manifests))
     loader = make_loader(dataset, num_workers=workers, pin_memory=False)
     samples = batches = epoch = 0

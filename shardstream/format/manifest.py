@@ -34,6 +34,7 @@ from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import read_head, read_object
 from shardstream.storage.urls import PATTERN_CHARS, is_shard_pattern
+from shardstream.version import __version__
 
 FORMAT_NAME = "shardstream-index"
 FORMAT_VERSION = 2
@@ -209,8 +210,6 @@ class Manifest:
 
     # -- writing ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
-        from shardstream import __version__
-
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,

@@ -1,16 +1,23 @@
-"""Interleave the sample streams of a mix's sources by the plan's pattern, tagging each sample.
+"""Interleave the sample streams of a mix's sources by the plan's pattern, tagging each sample;
+and ``read_planned``, a worker's whole planned read: window by window, every source read (its
+buffered samples read back first in a resumed window), shuffled from where the plan says its
+shuffle stood, then interleaved.
 
 Record shape in: one stream per source of lists of samples (already shuffled within the source,
 so the shuffle never blurs a batch's composition). Out: lists of samples in the planned mixed
-order, each with ``"__source__": name``.
+order, each with ``"__source__": name`` (a single dataset has one stream, passed on as it is).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+from shardstream.pipeline.shuffle import continue_samples
+from shardstream.plan.epoch import Range
+from shardstream.plan.run import WorkerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +31,21 @@ def _tagged(chunks: Iterable[list[dict[str, Any]]], name: str) -> Iterator[list[
         yield chunk
 
 
-def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: Iterable[int],
-                  names: Sequence[str]) -> Iterator[list[dict[str, Any]]]:
-    """Position by position, take the next sample of the source the pattern names.
+def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: Iterable[int] | None,
+                  names: Sequence[str] | None) -> Iterator[list[dict[str, Any]]]:
+    """Position by position, take the next sample of the source the pattern names (no pattern:
+    one stream, passed on; no names: samples are not tagged).
 
     A source that comes up short (samples skipped under the error policy) leaves its positions
     empty; the batch stage refills at the end, so every worker still yields its planned batches.
     Afterwards every stream is run to its end, so the checks after a range's last sample run.
     """
-    flat = [itertools.chain.from_iterable(_tagged(s, name)) for s, name in zip(streams, names)]
+    if pattern is None:
+        (stream,) = streams
+        yield from (_tagged(stream, names[0]) if names else stream)
+        return
+    tagged: list[Iterable[list[dict[str, Any]]]] = [_tagged(s, name) for s, name in zip(streams, names)] if names else list(streams)
+    flat = [itertools.chain.from_iterable(s) for s in tagged]
     pattern = iter(pattern)
     short = 0
     while block := list(itertools.islice(pattern, CHUNK)):
@@ -44,3 +57,17 @@ def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: It
     left = sum(1 for stream in flat for _ in stream)
     if short or left:
         logger.debug("mix: %d positions found their source short, %d samples left over", short, left)
+
+
+def read_planned(part: WorkerPlan, read: Callable[[int, list[Range]], Iterable[list[Any]]],
+                 read_back: Callable[[int, list[Range]], Iterable[list[Any]]] | None = None) -> Iterator[list[Any]]:
+    """The samples of a worker's planned pass (``plan.run.WorkerPlan``), window after window.
+    ``read(source, ranges)`` yields lists of samples in range order; ``read_back`` (default
+    ``read``) does so for the buffered samples a resumed window reads back (scattered single
+    samples: a pool of requests, see ``pipeline.read.read_scattered``)."""
+    back = read_back or read
+    for window in part.windows:
+        streams = [continue_samples(back(i, s.back) if s.back else iter(()), read(i, s.ranges) if s.ranges else iter(()), s.cut,
+                                    s.placement, buffer_size=part.shuffle_buffer, initial=part.shuffle_initial)
+                   for i, s in enumerate(window.sources)]
+        yield from merge_sources(streams, window.pattern(), part.names)

@@ -1,78 +1,26 @@
 """Buffered sample shuffle with a seeded RNG: memory bounded by the buffer (plus one read block).
 
-The RNG is seeded from (seed, epoch, rank, worker), so an epoch's order is reproducible. The
-shuffle's decisions depend only on how many items went in, never on their contents, so running
-the same ``BufferShuffler`` over stream positions (plain ints, no I/O) tells exactly which items
-were output after k outputs and which sit in the buffer: that is how a resumed epoch rebuilds
-the buffer without re-reading what was already consumed (``plan/resume.py``).
+The RNG comes from ``plan.shuffle.stream_rng`` (seed, epoch, rank, worker, ...), so an order is
+reproducible. The shuffle is ``plan.shuffle.BufferShuffler`` run over samples: the planner runs
+the same state machine over positions to know, without I/O, which samples a resumed worker still
+holds (``StreamCut``); ``continue_samples`` puts them back and goes on from there.
+
+Record shape in and out: lists of samples.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+
+from shardstream.plan.shuffle import BufferShuffler, StreamCut
 
 T = TypeVar("T")
 
 
-def worker_rng(seed: int, epoch: int, rank: int, worker: int, segment: int = 0) -> random.Random:
-    # String seeds hash through SHA-512: stable across runs and Python versions. Segment 0 is the
-    # epoch as planned; later segments are the rest of an epoch laid out again after an elastic resume.
-    suffix = f":segment{segment}" if segment else ""
-    return random.Random(f"shardstream:{seed}:{epoch}:{rank}:{worker}{suffix}")
-
-
-class BufferShuffler(Generic[T]):
-    """The shuffle as a state machine: ``push`` items, collect outputs, ``drain`` at the end.
-
-    Fills the buffer to ``initial`` items before the first output, then lets it grow to
-    ``buffer_size``; each output takes a random buffered item. ``buffer``/``grow`` restore a
-    state captured by an earlier run (with ``rng`` in the matching state).
-    """
-
-    def __init__(self, buffer_size: int, initial: int, rng: random.Random, *,
-                 buffer: list[T] | None = None, grow: bool = False):
-        self.buffer_size = buffer_size
-        self.initial = max(1, min(initial, buffer_size))
-        self.rng = rng
-        self.buffer: list[T] = buffer if buffer is not None else []
-        self.grow = grow
-
-    def push(self, items: Sequence[T], out: list[T], limit: int = -1) -> int:
-        """Feed ``items`` in order, appending outputs to ``out``; stop once ``len(out) == limit``.
-        Returns how many items were taken."""
-        buf = self.buffer
-        rand = self.rng.random
-        initial, size, grow = self.initial, self.buffer_size, self.grow
-        taken = 0
-        for item in items:
-            taken += 1
-            buf.append(item)
-            n = len(buf)
-            if n < initial:
-                continue
-            if n < size:
-                # Past the initial fill, output on every other item so the buffer grows to full size.
-                grow = not grow
-                if grow:
-                    continue
-            i = int(rand() * n)
-            buf[i], buf[-1] = buf[-1], buf[i]
-            out.append(buf.pop())
-            if len(out) == limit:
-                break
-        self.grow = grow
-        return taken
-
-    def drain(self) -> list[T]:
-        """The end of the input: what is left, in a random order."""
-        buf, self.buffer = self.buffer, []
-        self.rng.shuffle(buf)
-        return buf
-
-
-def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: random.Random,
+def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: Any,
                     buffer: list[T] | None = None, grow: bool = False) -> Iterator[list[T]]:
     """Yield every item of the incoming lists (and of ``buffer``) exactly once, shuffled, as lists."""
     if buffer_size <= 1:
@@ -87,3 +35,28 @@ def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int
     rest = shuffler.drain()
     if rest:
         yield rest
+
+
+def continue_samples(back: Iterable[list[T]], rest: Iterable[list[T]], cut: StreamCut, placement: np.ndarray | None, *,
+                     buffer_size: int, initial: int) -> Iterator[list[T]]:
+    """A stream's shuffled samples from where ``cut`` stood: ``back`` holds the samples that sat in
+    its buffer, read back in ``placement`` order (sorted by sample: ``placement[i]`` is the buffer
+    slot of the i-th read), ``rest`` the samples it had not read yet. A fresh stream has nothing
+    to read back and a fresh cut: this is then ``shuffle_samples``."""
+    buffer: list[Any] = []
+    if cut.buffered:
+        got = [s for chunk in back for s in chunk]
+        if placement is not None and len(got) == len(placement):  # fewer only when reads were skipped (on_error="skip")
+            buffer = [None] * len(got)
+            for sample, slot in zip(got, placement.tolist()):
+                buffer[slot] = sample
+        else:
+            buffer = got
+    if cut.drained:
+        if buffer:
+            yield buffer
+        return
+    if buffer_size <= 1 or cut.rng is None:
+        yield from rest
+        return
+    yield from shuffle_samples(rest, buffer_size=buffer_size, initial=initial, rng=cut.rng, buffer=buffer, grow=cut.grow)

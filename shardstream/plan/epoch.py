@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardstream.errors import ConfigError
+from shardstream.plan.topology import worker_share
 
 MODES = ("drop", "pad")
 
@@ -45,7 +46,8 @@ class Range:
 
 class RankSlices:
     """Steps 4-5 of the module docstring, shared by every plan (one dataset, a mix): rank r takes a
-    contiguous slice of R batches of the laid-out sequence, its workers split it in whole batches."""
+    contiguous slice of R batches of the laid-out sequence, its workers split it in whole batches
+    (``topology.worker_share``, the split every pass uses)."""
 
     world_size: int
     num_workers: int
@@ -57,17 +59,15 @@ class RankSlices:
         return self.batches_per_rank * self.batch_size
 
     def worker_batches(self, worker: int) -> int:
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        return base + (1 if worker < extra else 0)
+        return worker_share(0, self.batches_per_rank, self.num_workers, worker)[1]
 
     def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
         """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
         if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
             raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
-        base, extra = divmod(self.batches_per_rank, self.num_workers)
-        before = worker * base + min(worker, extra)
+        before, count = worker_share(0, self.batches_per_rank, self.num_workers, worker)
         begin = rank * self.samples_per_rank + before * self.batch_size
-        return begin, begin + self.worker_batches(worker) * self.batch_size
+        return begin, begin + count * self.batch_size
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ class EpochPlan(RankSlices):
     shard_order: tuple[int, ...]
     starts: tuple[int, ...]  # start of each shard_order entry in the laid-out sequence
     compressed_shards: int = 0  # shards read by decompressing from their start (no byte-offset entry)
-    resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/resume.py)
+    resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/run.py)
+    requests: str = ""  # set by ShardStream.plan() for a remote dataset: the GETs it makes (storage/requests.py)
 
     @property
     def dropped(self) -> int:
@@ -122,6 +123,7 @@ class EpochPlan(RankSlices):
             + (f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
                "shard's start and skips to it (repack as plain .tar to split cheaply)" if self.compressed_shards else "")
             + (f"; {self.resumed}" if self.resumed else "")
+            + (f"; {self.requests}" if self.requests else "")
         )
 
 

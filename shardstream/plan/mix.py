@@ -29,8 +29,10 @@ What an epoch of a mix is (docs/mixing.md says the same for users):
 4. Topology exactly as for one dataset (plan/epoch.py): every rank gets R = floor(batches / W)
    batches, rank r takes a contiguous slice of the mixed sequence, workers split a rank's slice
    in whole batches, and the tail that cannot make equal batches is dropped and counted per
-   source. A worker's slice holds a contiguous run of each source's sequence, read as shard
-   ranges, plus the pattern saying which source each position takes.
+   source (``mode="drop"``), or the mixed sequence wraps around to fill the last batches
+   (``mode="pad"``, R = ceil(batches / W): every position of the epoch at least once). A
+   worker's slice holds a contiguous run of each source's sequence, read as shard ranges, plus
+   the pattern saying which source each position takes (``Interleave``).
 
 All arithmetic on keys is exact (integers), so every rank and worker agrees on every boundary.
 """
@@ -42,11 +44,12 @@ import heapq
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from shardstream.errors import ConfigError
-from shardstream.plan.epoch import Range, RankSlices
+from shardstream.plan.epoch import MODES, Range, RankSlices
 
 PER_BATCH = ("spread", "exact")
 PHASES = 1 << 16  # phases are multiples of 1/PHASES, so keys are exact rationals
@@ -161,52 +164,24 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class MixPlan(RankSlices):
-    epoch: int
-    seed: int
-    shuffle: bool
-    world_size: int
-    num_workers: int
-    batch_size: int
-    per_batch: str
-    names: tuple[str, ...]
-    asks: tuple[Ask, ...]
-    counts: tuple[tuple[int, ...], ...]  # per source, samples per shard
+class Interleave:
+    """Step 3 of the module docstring: which source each position of a mixed sequence of
+    ``sum(quotas)`` positions takes, as exact integer arithmetic (every rank and worker agrees)."""
+
     quotas: tuple[int, ...]
-    targets: tuple[float, ...]
-    batches_per_rank: int
-    passes: tuple[tuple[Pass, ...], ...]
+    per_batch: str
+    batch_size: int
     phases: tuple[int, ...]  # spread: source i's phase is phases[i] / PHASES
-    per_batch_counts: tuple[int, ...]  # exact: samples of each source in every batch
-    batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
-
-    # -- sizes ----------------------------------------------------------------------------------
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(sum(c) for c in self.counts)
+    per_batch_counts: tuple[int, ...] = ()  # exact: samples of each source in every batch
+    batch_pattern: tuple[int, ...] = ()  # exact: the source of each position in a batch
 
     @property
-    def total_samples(self) -> int:
-        """T: the length of the mixed sequence (sum of quotas)."""
+    def total(self) -> int:
         return sum(self.quotas)
 
-    @property
-    def used_samples(self) -> int:
-        return self.world_size * self.samples_per_rank
-
-    @property
-    def dropped(self) -> int:
-        return self.total_samples - self.used_samples
-
-    @property
-    def repeated(self) -> int:
-        used = self.used_before(self.used_samples)
-        return sum(max(0, u - n) for u, n in zip(used, self.sizes))
-
-    # -- the mixed sequence ----------------------------------------------------------------------
     def _key_scale(self) -> tuple[int, list[int]]:
         """A common denominator for all keys and each source's factor onto it (exact integer keys)."""
-        lcm = math.lcm(*(q for q in self.quotas if q))
+        lcm = math.lcm(*(q for q in self.quotas if q)) if any(self.quotas) else 1
         return PHASES * lcm, [lcm // q if q else 0 for q in self.quotas]
 
     def _position(self, k: int, j: int, factors: list[int]) -> int:
@@ -224,8 +199,10 @@ class MixPlan(RankSlices):
 
     def used_before(self, pos: int) -> tuple[int, ...]:
         """How many samples of each source the first ``pos`` positions of the mixed sequence take."""
-        if not 0 <= pos <= self.total_samples:
-            raise ValueError(f"position {pos} outside the mixed sequence of {self.total_samples}")
+        if not 0 <= pos <= self.total:
+            raise ValueError(f"position {pos} outside the mixed sequence of {self.total}")
+        if len(self.quotas) == 1:
+            return (pos,)
         if self.per_batch == "exact":
             k, o = divmod(pos, self.batch_size)
             head = self.batch_pattern[:o]
@@ -245,6 +222,8 @@ class MixPlan(RankSlices):
 
     def pattern(self, begin: int, end: int) -> Iterator[int]:
         """The source of each position in [begin, end) of the mixed sequence, in order."""
+        if len(self.quotas) == 1:
+            return iter([0] * (end - begin))
         if self.per_batch == "exact":
             pattern, size = self.batch_pattern, self.batch_size
             return (pattern[p % size] for p in range(begin, end))
@@ -256,6 +235,78 @@ class MixPlan(RankSlices):
             return (((j * PHASES + phase) * factor, i) for j in range(first[i], last[i]))
 
         return (i for _, i in heapq.merge(*(keys(i) for i in range(len(self.quotas)))))
+
+
+def exact_pattern(per_batch_counts: Sequence[int]) -> tuple[int, ...]:
+    """Each source spread over the batch positions (phase one half, the same in every batch)."""
+    keyed = sorted(((2 * j + 1) / (2 * c), i) for i, c in enumerate(per_batch_counts) for j in range(c))
+    return tuple(i for _, i in keyed)
+
+
+@dataclass(frozen=True)
+class MixPlan(RankSlices):
+    epoch: int
+    seed: int
+    shuffle: bool
+    world_size: int
+    num_workers: int
+    batch_size: int
+    per_batch: str
+    names: tuple[str, ...]
+    asks: tuple[Ask, ...]
+    counts: tuple[tuple[int, ...], ...]  # per source, samples per shard
+    quotas: tuple[int, ...]
+    targets: tuple[float, ...]
+    batches_per_rank: int
+    passes: tuple[tuple[Pass, ...], ...]
+    phases: tuple[int, ...]  # spread: source i's phase is phases[i] / PHASES
+    per_batch_counts: tuple[int, ...]  # exact: samples of each source in every batch
+    batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
+    mode: str = "drop"
+    resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state
+
+    # -- sizes ----------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sum(c) for c in self.counts)
+
+    @property
+    def total_samples(self) -> int:
+        """T: the length of the mixed sequence (sum of quotas)."""
+        return sum(self.quotas)
+
+    @property
+    def used_samples(self) -> int:
+        """Positions read this epoch over all ranks (more than T in pad mode: the sequence wraps)."""
+        return self.world_size * self.samples_per_rank
+
+    @property
+    def dropped(self) -> int:
+        return max(0, self.total_samples - self.used_samples)
+
+    @property
+    def repeated(self) -> int:
+        used = self.used_in(self.used_samples)
+        return sum(max(0, u - n) for u, n in zip(used, self.sizes))
+
+    # -- the mixed sequence ----------------------------------------------------------------------
+    @cached_property
+    def interleave(self) -> Interleave:
+        return Interleave(self.quotas, self.per_batch, self.batch_size, self.phases, self.per_batch_counts, self.batch_pattern)
+
+    def used_before(self, pos: int) -> tuple[int, ...]:
+        """How many samples of each source the first ``pos`` positions of the mixed sequence take."""
+        return self.interleave.used_before(pos)
+
+    def used_in(self, pos: int) -> tuple[int, ...]:
+        """Like ``used_before``, for positions past T too (pad mode wraps around the sequence)."""
+        laps, rest = divmod(pos, self.total_samples)
+        whole, part = self.used_before(self.total_samples), self.used_before(rest)
+        return tuple(laps * w + p for w, p in zip(whole, part))
+
+    def pattern(self, begin: int, end: int) -> Iterator[int]:
+        """The source of each position in [begin, end) of the mixed sequence, in order."""
+        return self.interleave.pattern(begin, end)
 
     # -- reads -----------------------------------------------------------------------------------
     def source_ranges(self, source: int, begin: int, end: int) -> list[Range]:
@@ -289,7 +340,7 @@ class MixPlan(RankSlices):
 
     # -- report ----------------------------------------------------------------------------------
     def shares(self) -> list[SourceShare]:
-        used = self.used_before(self.used_samples)
+        used = self.used_in(self.used_samples)
         total_used = max(1, sum(used))
         total_target = sum(self.targets)
         out = []
@@ -297,15 +348,16 @@ class MixPlan(RankSlices):
             n = self.sizes[i]
             out.append(SourceShare(
                 name=name, samples=n, quota=self.quotas[i], used=used[i], repeated=max(0, used[i] - n),
-                dropped=self.quotas[i] - used[i], unseen=max(0, n - used[i]),
+                dropped=max(0, self.quotas[i] - used[i]), unseen=max(0, n - min(used[i], self.quotas[i])),
                 asked_share=self.targets[i] / total_target, share=used[i] / total_used,
             ))
         return out
 
     def summary(self) -> str:
+        extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.used_samples - self.total_samples} repeated"
         head = (f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "
                 f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
-                f"{self.batch_size} ({self.dropped} dropped), {self.num_workers} workers per rank")
+                f"{self.batch_size} ({extra}), {self.num_workers} workers per rank" + (f"; {self.resumed}" if self.resumed else ""))
         return "\n".join([head, *(f"  {s}" for s in self.shares())])
 
 
@@ -321,11 +373,18 @@ def plan_mix(
     epoch: int = 0,
     shuffle: bool = True,
     per_batch: str = "spread",
+    mode: str = "drop",
 ) -> MixPlan:
     """Plan one epoch of a mix; raises ConfigError (naming the source and the numbers) for
     settings that cannot work."""
     if per_batch not in PER_BATCH:
         raise ConfigError(f"per_batch must be one of {PER_BATCH}, got {per_batch!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "pad" and per_batch == "exact":
+        raise ConfigError("mode='pad' with per_batch='exact' cannot work: the same count of each source in every batch "
+                          "leaves out what the smallest source's batches cannot carry, while pad mode promises every "
+                          "sample of the epoch at least once; use per_batch='spread' with mode='pad'")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1:
@@ -356,12 +415,10 @@ def plan_mix(
                 )
         batches = min(qi // c for qi, c in zip(q, per_batch_counts))
         q = [c * batches for c in per_batch_counts]
-        # Spread each source over the batch positions (phase one half, the same in every batch).
-        keyed = sorted(((2 * j + 1) / (2 * c), i) for i, c in enumerate(per_batch_counts) for j in range(c))
-        pattern = tuple(i for _, i in keyed)
+        pattern = exact_pattern(per_batch_counts)
     total = sum(q)
     per_step = world_size * batch_size
-    batches_per_rank = total // per_step
+    batches_per_rank = total // per_step if mode == "drop" else -(-total // per_step)
     if batches_per_rank == 0:
         raise ConfigError(
             f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but an epoch of this mix "
@@ -382,5 +439,5 @@ def plan_mix(
         epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers, batch_size=batch_size,
         per_batch=per_batch, names=tuple(names), asks=tuple(asks), counts=tuple(tuple(int(x) for x in c) for c in counts),
         quotas=tuple(q), targets=tuple(targets), batches_per_rank=batches_per_rank, passes=passes, phases=phases,
-        per_batch_counts=tuple(per_batch_counts), batch_pattern=pattern,
+        per_batch_counts=tuple(per_batch_counts), batch_pattern=pattern, mode=mode,
     )

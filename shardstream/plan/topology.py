@@ -37,6 +37,45 @@ class World:
         return cls(0, 1)
 
 
+@dataclass(frozen=True)
+class Topology:
+    """What a rank's share of a pass depends on besides the data: ranks, workers per rank, batch
+    size and the shuffle buffer (a state saved under one topology resumes exactly on the same one)."""
+
+    world_size: int
+    num_workers: int
+    batch_size: int
+    shuffle_buffer: int
+    shuffle_initial: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "shuffle_buffer": self.shuffle_buffer, "shuffle_initial": self.shuffle_initial}
+
+    def describe(self) -> str:
+        return f"{self.world_size} ranks x {self.num_workers} workers x batch {self.batch_size}"
+
+
+def _upto(t: int, worker: int, num_workers: int) -> int:
+    """How many of a pass's batches [0, t) come from ``worker`` (batch t' from worker t' % K)."""
+    return max(0, -(-(t - worker) // num_workers))
+
+
+def worker_share(t0: int, t1: int, num_workers: int, worker: int) -> tuple[int, int]:
+    """The worker split, written once. DataLoader hands a pass's batches out round-robin (the t-th
+    from worker t % K), so of the pass's batches [t0, t1) (one window, counted from the pass's
+    first) ``worker`` yields those with t % K == worker: (how many come from the workers before it,
+    how many from it). Its slice of the window starts after theirs, so reads stay contiguous; a
+    whole epoch from t0 = 0 gives the first R % K workers one batch more."""
+    shares = [_upto(t1, w, num_workers) - _upto(t0, w, num_workers) for w in range(worker + 1)]
+    return sum(shares[:-1]), shares[-1]
+
+
+def consumed_in(t0: int, t1: int, received: int, num_workers: int, worker: int) -> int:
+    """How many of ``worker``'s batches in the window [t0, t1) the loop received after ``received``."""
+    return max(0, _upto(min(received, t1), worker, num_workers) - _upto(t0, worker, num_workers))
+
+
 def current_worker() -> tuple[int, int]:
     """(worker id, number of workers) of the DataLoader worker we run in; (0, 1) in the main process."""
     from torch.utils.data import get_worker_info

@@ -1,0 +1,425 @@
+"""The one schedule: every pass of a run is a window over one sequence of data epochs. Pure: no I/O.
+
+A run reads data epochs one after another; data epoch e is a layout (plan/layout.py) of R
+batches per rank. Laid end to end they form the run's *timeline* of steps (one batch on every
+rank per step). A pass (one ``for batch in loader``, loader epoch k) is a window of it:
+
+- a run by epochs: pass k is data epoch k, whole (each on its own timeline from 0);
+- ``steps=N``: pass k is steps [kN, (k+1)N), crossing data epochs as it goes, so no rank ever
+  runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B).
+
+One source or a mix, drop or pad, every window is read the same way (``window_read``): DataLoader
+hands a pass's batches out round-robin, so worker w yields the pass's batches w, w + K, ...; in
+each window its share is a contiguous slice of every rank's part of the layout.
+
+A resume state (plan/state.py) is a position on the timeline. On the topology it was saved on,
+the pass goes on exactly: each worker replays its shuffle over positions to learn what sat in its
+buffer, reads that back and continues. On another topology the data epoch in progress is finished
+first: what it left unconsumed (every source's samples, once each) is laid out again over the new
+topology (``RestLayout``: fewer than W * B samples left out in drop mode, padded to a multiple of
+W * B in pad mode), then fresh data epochs follow on the new topology. A run by epochs yields the
+rest of that epoch in the resumed pass; a run by steps yields the rest of the pass (N - k steps).
+
+``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``plan_epoch(e)`` (the report),
+``pass_plan(loader_epoch, num_workers, state)`` -> ``PassPlan`` (``.worker(rank, worker)``: its
+reads; ``.state_after(n)``: the state after n received batches; ``.summary()``) and ``load(doc)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardstream.errors import ConfigError, StateError
+from shardstream.plan.epoch import EpochPlan, plan_epoch
+from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
+from shardstream.plan.mix import Ask, MixPlan, plan_mix
+from shardstream.plan.state import Segment, State
+from shardstream.plan.topology import Topology
+
+
+@dataclass(frozen=True, eq=False)
+class Sources:
+    """What planning knows of a run's data (one source is a stream, a mix several): samples per
+    shard of each source, what a state names it by, and for a mix each source's name and ask. A
+    single dataset (``mixed=False``) reads its shards in the epoch's order; a mix draws each source
+    pass by pass and interleaves them (plan/mix.py)."""
+
+    counts: tuple[np.ndarray, ...]
+    identity: tuple[dict[str, Any], ...]
+    mixed: bool
+    names: tuple[str, ...] = ()
+    asks: tuple[Ask, ...] = ()
+    compressed_shards: int = 0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    seed: int
+    shuffle: bool
+    mode: str
+    per_batch: str
+    world_size: int
+    batch_size: int
+    shuffle_buffer: int
+    shuffle_initial: int
+    steps: int | None = None
+    samples_per_epoch: int | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """Batches [lo, hi) of a layout, its batch lo at timeline position ``at``; ``start`` is where the
+    layout's batch 0 is, ``history`` the segments of its data epoch before this layout."""
+
+    layout: Layout
+    lo: int
+    hi: int
+    at: int
+    history: tuple[Segment, ...] = ()
+
+    @property
+    def start(self) -> int:
+        return self.at - self.lo
+
+    @property
+    def end(self) -> int:
+        return self.at + self.hi - self.lo
+
+
+class Timeline:
+    """Which layout covers each step of a run: data epochs of ``batches`` steps laid end to end,
+    data epoch ``epoch`` starting at ``start``; ``first`` (a layout and where it starts), when
+    given, is data epoch ``epoch - 1``: the epoch a state was loaded in, as it goes on."""
+
+    def __init__(self, fresh: Callable[[int], Layout], batches: int, epoch: int = 0, start: int = 0,
+                 first: tuple[Layout, int, tuple[Segment, ...]] | None = None):
+        self.fresh, self.batches, self.epoch, self.start, self.first = fresh, batches, epoch, start, first
+
+    def windows(self, a: int, b: int) -> list[Window]:
+        out = []
+        x = a
+        while x < b:
+            layout, start, history = self._at(x)
+            hi = min(b - start, layout.batches_per_rank)
+            if hi > x - start:
+                out.append(Window(layout, x - start, hi, x, history))
+            x = start + layout.batches_per_rank
+        return out
+
+    def _at(self, x: int) -> tuple[Layout, int, tuple[Segment, ...]]:
+        if self.first is not None:
+            layout, start, history = self.first
+            if start <= x < start + layout.batches_per_rank:
+                return layout, start, history
+            if x < start:  # before the loaded epoch: earlier epochs, back to back, ending where it starts
+                back = -(-(start - x) // self.batches)
+                return self.fresh(layout.epoch - back), start - back * self.batches, ()
+        epoch = self.epoch + (x - self.start) // self.batches
+        return self.fresh(epoch), self.start + (epoch - self.epoch) * self.batches, ()
+
+
+@dataclass
+class WorkerPlan:
+    """What one DataLoader worker of one rank yields in a pass: ``num_batches`` batches, read window by window."""
+
+    rank: int
+    worker: int
+    plays: int  # the pass's worker whose batches it delivers (a resumed pass keeps the round-robin order)
+    num_batches: int
+    windows: list[WindowRead]
+    names: tuple[str, ...] | None  # a mix tags each sample with its source's name
+    shuffle_buffer: int
+    shuffle_initial: int
+
+
+class PassPlan:
+    """One pass: windows [pass_start, pass_end) of the timeline, of which ``received`` batches were
+    received before (a pass resumed on its own topology); what every (rank, worker) reads."""
+
+    def __init__(self, run: RunPlan, loader_epoch: int, topology: Topology, windows: list[Window], pass_start: int,
+                 pass_end: int, received: int = 0, *, loaded: State | None = None, exact: bool | None = None, summary: str = "",
+                 dropped: int = 0, repeated: int = 0):
+        self.run, self.loader_epoch, self.topology, self.windows = run, loader_epoch, topology, windows
+        self.pass_start, self.pass_end, self.received = pass_start, pass_end, received
+        self.loaded, self.exact, self._summary = loaded, exact, summary
+        self.dropped, self.repeated = dropped, repeated
+        self.timeline: Timeline | None = None  # a resumed pass: the run's timeline from the loaded state on
+
+    @property
+    def batches_per_rank(self) -> int:
+        """Batches every rank yields in this pass (the rest of it, in a resumed pass)."""
+        return self.pass_end - self.pass_start - self.received
+
+    def worker(self, rank: int, worker: int) -> WorkerPlan:
+        k = self.topology.num_workers
+        if not 0 <= rank < self.topology.world_size or not 0 <= worker < k:
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.topology.world_size} ranks x {k} workers")
+        plays = (worker + self.received) % k
+        reads = []
+        for w in self.windows:
+            t0 = w.at - self.pass_start
+            read = window_read(w.layout, rank, plays, w.lo, t0, t0 + w.hi - w.lo, k, self.received,
+                               buffer=self.topology.shuffle_buffer, initial=self.topology.shuffle_initial)
+            if read is not None:
+                reads.append(read)
+        names = self.run.sources.names if self.run.sources.mixed else None
+        return WorkerPlan(rank, worker, plays, sum(r.batches for r in reads), reads, names,
+                          self.topology.shuffle_buffer, self.topology.shuffle_initial)
+
+    def state_after(self, batches: int) -> dict[str, Any]:
+        """The resume state once every rank received ``batches`` batches of this pass."""
+        if not 0 <= batches <= self.batches_per_rank:
+            raise ConfigError(f"{batches} batches received, but this pass has {self.batches_per_rank} per rank")
+        if self.loaded is not None and batches == 0:
+            return self.loaded.to_json()  # nothing new: the state as loaded, on whatever topology it was saved
+        received = self.received + batches
+        x = self.pass_start + received
+        window = self._window_at(x)
+        segment = Segment(self.topology, window.start, self.pass_start, None if self.run.by_epochs else self.pass_end, received)
+        return self.run.state(self.loader_epoch, window.layout.epoch, window.history + (segment,)).to_json()
+
+    def _window_at(self, x: int) -> Window:
+        for w in self.windows:
+            if w.at <= x < w.end:
+                return w
+        if self.windows and x == self.windows[-1].end:
+            return self.windows[-1]
+        # An empty pass (a resumed one with nothing left): the epoch it was in, complete.
+        layout = self.run.layout(self.loader_epoch)
+        return Window(layout, layout.batches_per_rank, layout.batches_per_rank, x)
+
+    def summary(self) -> str:
+        if self._summary:
+            return self._summary
+        first = self.windows[0].layout.epoch if self.windows else self.loader_epoch
+        head = self.run.plan_epoch(first, self.topology.num_workers if self.run.by_epochs else 1).summary()
+        if self.run.by_epochs:
+            return head
+        last = self.windows[-1].layout.epoch if self.windows else first
+        return (f"loader epoch {self.loader_epoch}: steps {self.pass_start}..{self.pass_end} of the run, "
+                f"{self.batches_per_rank} batches per rank from data epochs {first}..{last}; {head}")
+
+
+def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
+    """A run's length: by epochs (both None), ``steps`` or ``samples_per_epoch``, a positive integer."""
+    if steps is not None and samples_per_epoch is not None:
+        raise ConfigError("give steps or samples_per_epoch, not both")
+    for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"Schedule({name}=...) must be a positive integer, got {value!r}")
+
+
+class RunPlan:
+    """A run's schedule over its sources (see the module docstring)."""
+
+    def __init__(self, sources: Sources, settings: RunSettings):
+        self.sources, self.settings = sources, settings
+        s = settings
+        check_length(s.steps, s.samples_per_epoch)
+        self._layouts: dict[tuple[int, int, int], Layout] = {}
+        self._resumed_plan: tuple[State, Topology, PassPlan] | None = None  # the last resumed pass planned
+        self._replayed: tuple[State, list[Layout]] | None = None  # the last state's segment layouts
+        self.batches_per_epoch = self.plan_epoch(0, 1).batches_per_rank  # settings that cannot work fail here
+        self.batches_per_pass = self._pass_length(s.world_size, s.batch_size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_layouts"], state["_resumed_plan"], state["_replayed"] = {}, None, None  # caches: rebuilt where needed
+        return state
+
+    @property
+    def by_epochs(self) -> bool:
+        return self.settings.steps is None and self.settings.samples_per_epoch is None
+
+    @property
+    def run_json(self) -> dict[str, int]:
+        s = self.settings
+        return {"steps": s.steps} if s.steps is not None else {"samples_per_epoch": s.samples_per_epoch} \
+            if s.samples_per_epoch is not None else {}
+
+    def _pass_length(self, world_size: int, batch_size: int) -> int:
+        s = self.settings
+        if s.samples_per_epoch is not None:
+            steps = s.samples_per_epoch // (world_size * batch_size)
+            if steps < 1:
+                raise ConfigError(f"samples_per_epoch={s.samples_per_epoch} is less than one step of batch_size x world_size "
+                                  f"= {world_size * batch_size} samples")
+            return steps
+        return s.steps if s.steps is not None else self.batches_per_epoch
+
+    def topology(self, num_workers: int) -> Topology:
+        s = self.settings
+        return Topology(s.world_size, max(1, num_workers), s.batch_size, s.shuffle_buffer, s.shuffle_initial)
+
+    def check_workers(self, num_workers: int) -> None:
+        """Refuse a worker count that leaves workers with nothing to yield, naming the numbers."""
+        if self.by_epochs:
+            self.plan_epoch(0, num_workers)  # plan_epoch / plan_mix say it with their numbers
+        elif self.batches_per_pass < num_workers:
+            raise ConfigError(f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
+                              f"{num_workers - self.batches_per_pass} workers would have nothing to yield")
+
+    def report(self, epoch: int, num_workers: int | None = None) -> EpochPlan | MixPlan:
+        """The plan of data epoch ``epoch`` as a report, ``num_workers`` checked: a run by epochs
+        splits each epoch among the workers; a run by steps splits each pass, so its plan is for one."""
+        if num_workers is not None:
+            self.check_workers(num_workers)
+        return self.plan_epoch(epoch, max(1, num_workers or 0) if self.by_epochs else 1)
+
+    # -- data epochs --------------------------------------------------------------------------------
+    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None,
+                   batch_size: int | None = None) -> EpochPlan | MixPlan:
+        """The plan of data epoch ``epoch`` (the report: ``.summary()``); raises ConfigError for
+        settings that cannot work."""
+        s, src = self.settings, self.sources
+        world = world_size or s.world_size
+        batch = batch_size or s.batch_size
+        if src.mixed:
+            return plan_mix([c.tolist() for c in src.counts], list(src.asks), world_size=world, num_workers=num_workers,
+                            batch_size=batch, names=list(src.names), seed=s.seed, epoch=epoch, shuffle=s.shuffle,
+                            per_batch=s.per_batch, mode=s.mode)
+        return plan_epoch(src.counts[0], world_size=world, num_workers=num_workers, batch_size=batch, seed=s.seed,
+                          epoch=epoch, shuffle=s.shuffle, mode=s.mode, compressed_shards=src.compressed_shards)
+
+    def layout(self, epoch: int, world_size: int | None = None, batch_size: int | None = None) -> Layout:
+        key = (epoch, world_size or self.settings.world_size, batch_size or self.settings.batch_size)
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) > 8:
+                self._layouts.clear()
+            found = self._layouts[key] = epoch_layout(self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts,
+                                                      seed=self.settings.seed, mixed=self.sources.mixed)
+        return found
+
+    # -- states ---------------------------------------------------------------------------------------
+    def state(self, loader_epoch: int, epoch: int, segments: tuple[Segment, ...]) -> State:
+        s = self.settings
+        return State(self.sources.identity, s.seed, s.shuffle, s.mode, s.per_batch, self.run_json, loader_epoch, epoch, segments)
+
+    def load(self, doc: Mapping[str, Any]) -> State:
+        """Read and check a state: StateError for a state of other data, order or run."""
+        state = State.from_json(doc)
+        s = self.settings
+        state.check(sources=self.sources.identity, seed=s.seed, shuffle=s.shuffle, mode=s.mode, per_batch=s.per_batch,
+                    run=self.run_json)
+        self._replay(state)  # a state that does not fit this data fails now, not in a worker
+        return state
+
+    def _replay(self, state: State) -> list[Layout]:
+        """The layout of every segment of the state's data epoch."""
+        if self._replayed is not None and self._replayed[0] is state:
+            return self._replayed[1]
+        layouts: list[Layout] = []
+        for i, seg in enumerate(state.segments):
+            t = seg.topology
+            if i == 0:
+                layout = self.layout(state.epoch, t.world_size, t.batch_size)
+            else:
+                layout = self._rest(layouts[-1], state.segments[i - 1], i, t)
+            if seg.position - seg.start > layout.batches_per_rank:
+                raise StateError(f"the resume state says {seg.position - seg.start} batches were received in segment {i}, "
+                                 f"which has only {layout.batches_per_rank} per rank; the state does not fit this dataset")
+            layouts.append(layout)
+        self._replayed = (state, layouts)
+        return layouts
+
+    def _consumption(self, layout: Layout, seg: Segment) -> Consumption:
+        t = seg.topology
+        end = seg.pass_end if seg.pass_end is not None else seg.start + layout.batches_per_rank
+        return Consumption(seg.start, seg.pass_start, end, t.num_workers, seg.batches, t.shuffle_buffer, t.shuffle_initial)
+
+    def _rest(self, layout: Layout, seg: Segment, index: int, topology: Topology) -> RestLayout:
+        s = self.settings
+        targets = self.plan_epoch(layout.epoch).targets if self.sources.mixed else (1.0,)  # type: ignore[union-attr]
+        return RestLayout(unconsumed(layout, self._consumption(layout, seg)), layout.ids, epoch=layout.epoch, segment=index,
+                          seed=s.seed, shuffle=s.shuffle, mixed=self.sources.mixed, world_size=topology.world_size,
+                          batch_size=topology.batch_size, mode=s.mode, per_batch=s.per_batch, targets=targets)
+
+    # -- passes ---------------------------------------------------------------------------------------
+    def pass_plan(self, loader_epoch: int, num_workers: int, state: State | None = None, resumed: bool = False) -> PassPlan:
+        """Pass ``loader_epoch`` with ``num_workers`` workers per rank. ``state``: the state loaded
+        (a run by steps lays its later passes out from it too); ``resumed``: this pass is the one
+        that continues it."""
+        topology = self.topology(num_workers)
+        if resumed and state is not None and state.loader_epoch == loader_epoch:
+            return self._resumed(state, topology)
+        if self.by_epochs:  # pass k is data epoch k, on its own timeline
+            timeline = Timeline(self.layout, self.batches_per_epoch, loader_epoch, 0)
+            return PassPlan(self, loader_epoch, topology, timeline.windows(0, self.batches_per_epoch), 0, self.batches_per_epoch)
+        timeline, at, anchor = self._timeline(state, topology)
+        a = at + (loader_epoch - anchor) * self.batches_per_pass
+        b = a + self.batches_per_pass
+        return PassPlan(self, loader_epoch, topology, timeline.windows(a, b), a, b)
+
+    def _timeline(self, state: State | None, topology: Topology) -> tuple[Timeline, int, int]:
+        """A run by steps: its timeline, and (x, k) where pass k starts at step x. Fresh, pass k
+        starts at k * N; after a state was loaded, the pass after the resumed one starts where it ends."""
+        if state is None:
+            return Timeline(self.layout, self.batches_per_epoch), 0, 0
+        plan = self._resumed(state, topology)
+        assert plan.timeline is not None
+        return plan.timeline, plan.pass_end, state.loader_epoch + 1
+
+    def _resumed(self, state: State, topology: Topology) -> PassPlan:
+        cached = self._resumed_plan
+        if cached is None or cached[0] is not state or cached[1] != topology:
+            cached = self._resumed_plan = (state, topology, self._plan_resumed(state, topology))
+        return cached[2]
+
+    def _plan_resumed(self, state: State, topology: Topology) -> PassPlan:
+        layouts = self._replay(state)
+        last, layout = state.last, layouts[-1]
+        x = last.position
+        epoch_end = last.start + layout.batches_per_rank
+        pass_end = last.pass_end if last.pass_end is not None else epoch_end
+        if pass_end < x:
+            raise StateError(f"the resume state stops at step {x}, past the end of its pass ({pass_end})")
+        k, e = state.loader_epoch, state.epoch
+        done = x - last.start
+        if last.topology == topology:  # exact: the same pass goes on, each worker from where it stood
+            timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, epoch_end, (layout, last.start, state.segments[:-1]))
+            windows = timeline.windows(max(last.pass_start, last.start), pass_end)
+            plan = PassPlan(self, k, topology, windows, last.pass_start, pass_end, last.batches, loaded=state, exact=True)
+            plan.timeline = timeline
+            plan._summary = (f"resuming epoch {e} exactly after {done} of {layout.batches_per_rank} batches per rank "
+                             f"({topology.describe()}): {plan.batches_per_rank} batches per rank to go")
+            return plan
+        old = last.topology
+        end = self._pass_end(x, pass_end, old, topology)
+        if len(state.segments) == 1 and x == last.start:  # nothing of this epoch consumed: it starts afresh here
+            fresh = self.layout(e)
+            timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + fresh.batches_per_rank, (fresh, x, ()))
+            windows = timeline.windows(x, x + fresh.batches_per_rank if self.by_epochs else end)
+            plan = PassPlan(self, k, topology, windows, x, windows[-1].end if self.by_epochs and windows else end, loaded=state,
+                            exact=False, dropped=fresh.dropped, repeated=fresh.repeated)
+            plan.timeline = timeline
+            extra = f"{fresh.dropped} dropped" if self.settings.mode == "drop" else f"{fresh.repeated} repeated"
+            plan._summary = (f"resuming epoch {e} from its start on {topology.describe()} (none of it was consumed on "
+                             f"{old.describe()}): {fresh.batches_per_rank} batches per rank ({extra})")
+            return plan
+        rest = self._rest(layout, last, len(state.segments), topology)
+        timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + rest.batches_per_rank, (rest, x, state.segments))
+        if self.by_epochs:
+            end = x + rest.batches_per_rank
+        plan = PassPlan(self, k, topology, timeline.windows(x, end), x, end, loaded=state, exact=False,
+                        dropped=rest.dropped, repeated=rest.repeated)
+        plan.timeline = timeline
+        extra = f"{rest.dropped} dropped" if self.settings.mode == "drop" else f"{rest.repeated} repeated"
+        plan._summary = (f"resuming epoch {e} elastically: {rest.total + rest.left_out} samples not yet consumed after {done} "
+                         f"batches per rank on {old.describe()} -> {topology.describe()}: {rest.batches_per_rank} batches per "
+                         f"rank ({extra})")
+        if not self.by_epochs:
+            plan._summary += f"; this pass yields {plan.batches_per_rank} batches per rank, then fresh data epochs follow"
+        return plan
+
+    def _pass_end(self, x: int, pass_end: int, old: Topology, new: Topology) -> int:
+        """Where a resumed pass of a run by steps ends on the new topology: ``steps`` counts steps
+        (the same N - k on any topology), ``samples_per_epoch`` samples (the rest, in new steps)."""
+        if self.settings.samples_per_epoch is None:
+            return pass_end
+        return x + (pass_end - x) * old.world_size * old.batch_size // (new.world_size * new.batch_size)
+
