@@ -30,6 +30,7 @@ COUNTERS = (
     "cache_bypass",     # reads that skipped a full cache (every cached shard in use)
     "shards_verified",  # whole shards hashed while streaming (verify_stream) and found intact
     "checksum_failures",  # shards whose bytes did not match the manifest's sha256
+    "requests",         # storage requests for shard bytes (on S3 one GET per range, one more per resume)
 )
 MAX_SLOTS = 256  # DataLoader workers per rank that get their own row
 

@@ -5,7 +5,8 @@ stay clean), can: drop the connection after N bytes of a response body (``cut="f
 close; ``cut="rst"``: a TCP reset, once the client's kernel holds those bytes), answer 503 SlowDown to
 every k-th request, add latency before answering, cap bandwidth, and stall: accept the request and
 then send nothing (``stall="accept"``) or send the status line and headers and then nothing of the
-body (``stall="headers"``), until the proxy shuts down. Counts what it did.
+body (``stall="headers"``), until the proxy shuts down. Counts what it did, and logs every request
+(method, path, Range header) in ``log``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class FaultProxy:
         self.bandwidth = bandwidth
         self.faulty_methods = set(faulty_methods)
         self.counts = {"requests": 0, "resets": 0, "slowdowns": 0, "stalls": 0}
+        self.log: list[tuple[str, str, str | None]] = []  # (method, path, Range header) of every request, in order
         self._lock = threading.Lock()
         proxy = self
 
@@ -85,6 +87,7 @@ class FaultProxy:
                 with proxy._lock:
                     proxy.counts["requests"] += 1
                     n = proxy.counts["requests"]
+                    proxy.log.append((self.command, self.path, self.headers.get("Range")))
                 if faulty and proxy.latency:
                     time.sleep(proxy.latency)
                 if faulty and proxy.stall == "accept":

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from conftest import make_samples
 
-from shardstream import ShardStream, ShardWriter, World
+from shardstream import ShardStream, ShardWriter, Store, World
 from shardstream.cli.main import main as cli_main
 from shardstream.errors import DestinationError, ManifestError, StorageError
 
@@ -85,17 +85,17 @@ def test_unknown_access_key_and_wrong_secret_say_which(auth):
     started = time.monotonic()
     with pytest.raises(ManifestError, match="access key ID is not known to this endpoint"):
         ShardStream(url, batch_size=5, world=World(0, 1),
-                    storage_options=_options(endpoint, {"key": "AKIANOBODYKNOWS00000", "secret": "x"}))
+                    store=Store(options=_options(endpoint, {"key": "AKIANOBODYKNOWS00000", "secret": "x"})))
     with pytest.raises(ManifestError, match="secret key does not match the access key ID"):
         ShardStream(url, batch_size=5, world=World(0, 1),
-                    storage_options=_options(endpoint, {"key": users["reader"]["key"], "secret": "wrong"}))
+                    store=Store(options=_options(endpoint, {"key": users["reader"]["key"], "secret": "wrong"})))
     assert time.monotonic() - started < 20
 
 
 def test_permission_denied_on_a_shard_fails_fast_naming_it(auth):
     url, endpoint, users = auth
     ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                     storage_options=_options(endpoint, users["manifest-only"]))
+                     store=Store(options=_options(endpoint, users["manifest-only"])))
     assert ds.manifest.total_samples == 50  # the manifest itself was readable
     with pytest.raises(StorageError, match=r"ds/shard-000000\.tar: access denied: these credentials may not do this"):
         list(ds)
@@ -105,7 +105,7 @@ def test_permission_denied_on_a_shard_fails_fast_naming_it(auth):
 def test_the_right_credentials_read_everything(auth):
     url, endpoint, users = auth
     ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                     storage_options=_options(endpoint, users["reader"]))
+                     store=Store(options=_options(endpoint, users["reader"])))
     keys = [k for batch in ds for k in batch["__key__"]]
     assert keys == [s["__key__"] for s in make_samples(50)]
 

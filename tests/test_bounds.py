@@ -17,7 +17,7 @@ import pytest
 from conftest import make_samples
 from faultproxy import FaultProxy
 
-from shardstream import Cache, Read, ShardStream, ShardWriter, World, make_loader
+from shardstream import Cache, Read, ShardStream, ShardWriter, Store, World, make_loader
 from shardstream.errors import ManifestError, ShardFormatError, StorageTimeout
 from shardstream.storage.config import StorageConfig
 
@@ -36,8 +36,7 @@ def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
 def test_stalled_shard_read_fails_within_the_deadline(s3, stall):
     bucket, options, _ = s3
     url = write_s3(bucket, options)
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options, storage=FAST,
-                     read=Read(readahead_bytes=0))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, config=FAST, read=Read(readahead_bytes=0)))
     with FaultProxy(options["endpoint_url"], stall=stall) as proxy:
         ds.storage_options = {"endpoint_url": proxy.url}  # the store hangs after planning
         started = time.monotonic()
@@ -55,8 +54,7 @@ def test_stalled_manifest_read_fails_within_the_deadline(s3):
     with FaultProxy(options["endpoint_url"], stall="headers") as proxy:
         started = time.monotonic()
         with pytest.raises(ManifestError, match=r"cannot read the manifest: s3://.*/ds/index.json: .*timeout") as info:
-            ShardStream(url, batch_size=5, world=World(0, 1), storage_options={"endpoint_url": proxy.url},
-                        storage=FAST)
+            ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options={"endpoint_url": proxy.url}, config=FAST))
         assert time.monotonic() - started < FAST.deadline + 10
     assert isinstance(info.value.__cause__, StorageTimeout) and "packed dataset root" not in str(info.value)
     assert proxy.counts["stalls"] >= 2
@@ -65,7 +63,7 @@ def test_stalled_manifest_read_fails_within_the_deadline(s3):
 def test_stall_reaches_the_training_loop_as_the_same_type_through_workers(s3):
     bucket, options, _ = s3
     url = write_s3(bucket, options)
-    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options, storage=FAST)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options, config=FAST))
     with FaultProxy(options["endpoint_url"], stall="accept") as proxy:
         ds.storage_options = {"endpoint_url": proxy.url}
         with pytest.raises(StorageTimeout, match="timeout"):
@@ -89,7 +87,7 @@ def test_manifest_entries_outside_the_root_are_refused(s3, entry):
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with FaultProxy(options["endpoint_url"]) as proxy:
         with pytest.raises(ManifestError, match=r"shard #0 .* points outside the dataset's root"):
-            ShardStream(url, batch_size=4, world=World(0, 1), storage_options={"endpoint_url": proxy.url})
+            ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options={"endpoint_url": proxy.url}))
         assert proxy.counts["requests"] == 1  # the manifest's one GET: no shard was touched
 
 
@@ -105,9 +103,9 @@ def test_allow_list_lets_a_dataset_span_buckets(s3):
     doc["shards"]["path"][1] = f"s3://{other}/x/shard-000001.tar"
     client.put_object(Bucket=bucket, Key="ds/index.json", Body=json.dumps(doc).encode())
     with pytest.raises(ManifestError, match="points outside"):
-        ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options)
+        ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options))
     allowed = StorageConfig(allow_roots=(f"s3://{other}/x",))
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options, storage=allowed)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, config=allowed))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     assert sorted(keys) == sorted(s["__key__"] for s in make_samples(40))
 
@@ -148,15 +146,14 @@ def _du(path):
 
 
 def _read_rank(url, options, cache_dir, limit, rank, out):
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(rank, 2), storage_options=options,
-                     cache=Cache(cache_dir, limit))
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(rank, 2), store=Store(options=options, cache=Cache(cache_dir, limit)))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((rank, keys))
 
 
 def _slow_fill(url, endpoint, cache_dir, limit):
-    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options={"endpoint_url": endpoint},
-                     cache=Cache(cache_dir, limit), read=Read(readahead_bytes=0))
+    store = Store(options={"endpoint_url": endpoint}, cache=Cache(cache_dir, limit), read=Read(readahead_bytes=0))
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), store=store)
     for _ in ds:
         pass
 
@@ -165,7 +162,7 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
     bucket, options, _ = s3
     url = write_s3(bucket, options, n=120, max_count=10, size=4000)  # 12 shards of about 25 KB
     cache_dir = str(tmp_path / "cache")
-    manifest = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options).manifest
+    manifest = ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options)).manifest
     limit = int(max(s.bytes for s in manifest.shards) * 3.5)
     ctx = multiprocessing.get_context("spawn")
     with FaultProxy(options["endpoint_url"], bandwidth=20_000) as proxy:  # slow: the kill lands mid-download
@@ -222,8 +219,7 @@ def tiny_tmpfs(tmp_path):
 def test_full_disk_falls_back_to_streaming_with_one_warning(s3, tiny_tmpfs, caplog):
     bucket, options, _ = s3
     url = write_s3(bucket, options, n=120, max_count=10, size=4000)  # 12 shards of ~25 KB on a 64 KB disk
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
-                     cache=Cache(str(tiny_tmpfs), 10**9))
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(str(tiny_tmpfs), 10**9)))
     with caplog.at_level(logging.WARNING, logger="shardstream"):
         keys = [k for b in ds for k in b["__key__"]]
     assert sorted(keys) == sorted(s["__key__"] for s in make_samples(120))  # every sample once
@@ -245,8 +241,7 @@ def test_shard_larger_than_the_limit_is_streamed_not_cached(s3, tmp_path, caplog
     small, big = sorted(doc["shards"]["bytes"])
     cache_dir = tmp_path / "cache"
     with caplog.at_level(logging.WARNING, logger="shardstream"):
-        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options,
-                         cache=Cache(str(cache_dir), small + 100))
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(str(cache_dir), small + 100)))
     assert any("larger than cache_limit" in r.getMessage() for r in caplog.records)
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(15))
     assert ds.stats()["cache_bypass"] == 1 and _du(cache_dir) == small

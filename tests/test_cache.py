@@ -11,7 +11,7 @@ import os
 import pytest
 from conftest import make_samples, write_dataset
 
-from shardstream import Cache, Read, ShardStream, World, make_loader
+from shardstream import Cache, Read, ShardStream, Store, World, make_loader
 from shardstream.errors import ConfigError, StorageError
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
@@ -23,8 +23,7 @@ def cache_files(cache_dir):
 
 
 def _read_all(url, options, cache_dir, limit, out):
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
-                     cache=Cache(cache_dir, limit))
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(cache_dir, limit)))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((keys, ds.stats()))
 
@@ -54,8 +53,7 @@ def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
 def test_next_epoch_reads_from_cache_only(s3, tmp_path):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
-    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
-                     cache=Cache(str(tmp_path / "cache"), 10**9))
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(str(tmp_path / "cache"), 10**9)))
     first = sorted(k for b in ds for k in b["__key__"])
     after_first = ds.stats()
     ds.set_epoch(1)
@@ -74,8 +72,8 @@ def test_eviction_keeps_the_cache_under_its_limit(s3, tmp_path):
     limit = int(shard_bytes * 2.5)
     cache_dir = tmp_path / "cache"
     for epoch in range(2):
-        ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
-                         cache=Cache(str(cache_dir), limit), read=Read(readahead_bytes=0))
+        store = Store(options=options, cache=Cache(str(cache_dir), limit), read=Read(readahead_bytes=0))
+        ds = ShardStream(url, batch_size=4, world=World(0, 1), store=store)
         ds.set_epoch(epoch)
         assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(100))
         tars, partials = cache_files(cache_dir)
@@ -115,8 +113,7 @@ def test_checksum_mismatch_leaves_no_file(s3, tmp_path):
     doc = json.loads(client.get_object(Bucket=bucket, Key="c/index.json")["Body"].read())
     doc["shards"]["sha256"][0] = "0" * 64
     client.put_object(Bucket=bucket, Key="c/index.json", Body=json.dumps(doc).encode())
-    ds = ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
-                     cache=Cache(str(tmp_path / "cache"), 10**9))
+    ds = ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(str(tmp_path / "cache"), 10**9)))
     with pytest.raises(StorageError, match="sha256 .* does not match the manifest's 0000"):
         list(ds)
     tars, partials = cache_files(tmp_path / "cache")
@@ -127,7 +124,6 @@ def test_limit_smaller_than_a_shard_is_a_clear_error(s3, tmp_path):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/c", 20, size=2000, storage_options=options)
     with pytest.raises(ConfigError, match=r"cache_limit 1000 bytes is smaller than shard s3://.*shard-000000.tar"):
-        ShardStream(url, batch_size=4, world=World(0, 1), storage_options=options,
-                    cache=Cache(str(tmp_path / "cache"), 1000))
+        ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(str(tmp_path / "cache"), 1000)))
     with pytest.raises(ConfigError, match="Cache.limit=.... is bytes of local disk"):
         Cache(str(tmp_path / "c"), 0)

@@ -13,7 +13,7 @@ import tarfile
 import pytest
 from conftest import make_samples, write_dataset
 
-from shardstream import ChecksumError, Read, ShardFormatError, ShardStream, World, make_loader
+from shardstream import ChecksumError, Read, ShardFormatError, ShardStream, Store, World, make_loader
 from shardstream.tools.index import write_index
 
 
@@ -30,7 +30,7 @@ def keys(ds, workers=0):
 def test_intact_shards_are_verified_and_read_the_same(tmp_path):
     url = write_dataset(str(tmp_path / "ds"), size=500)
     plain = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1))
-    checked = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), read=Read(verify_stream=True))
+    checked = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(read=Read(verify_stream=True)))
     assert keys(checked) == keys(plain) == [s["__key__"] for s in make_samples(60)]
     assert checked.stats()["shards_verified"] == 3 and checked.stats()["checksum_failures"] == 0
     assert plain.stats()["shards_verified"] == 0
@@ -42,7 +42,7 @@ def test_a_changed_shard_is_named_after_its_samples(tmp_path):
     shard.write_bytes(tamper(shard.read_bytes(), 512 + 3))  # inside the first member's data
     # Without the check the change goes unnoticed: headers and counts are all still right.
     assert len(keys(ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1)))) == 60
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), read=Read(verify_stream=True))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(read=Read(verify_stream=True)))
     seen = []
     with pytest.raises(ChecksumError, match=r"shard-000001\.tar: sha256 [0-9a-f]{64} does not match the manifest's"):
         for batch in ds:
@@ -55,7 +55,7 @@ def test_under_skip_a_mismatch_is_logged_and_counted(tmp_path, caplog):
     url = write_dataset(str(tmp_path / "ds"), size=500)
     shard = tmp_path / "ds" / "shard-000002.tar"
     shard.write_bytes(tamper(shard.read_bytes(), 512 + 1))
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), read=Read(verify_stream=True), on_error="skip")
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), on_error="skip", store=Store(read=Read(verify_stream=True)))
     assert len(keys(ds)) == 60
     stats = ds.stats()
     assert stats["checksum_failures"] == 1 and stats["shards_verified"] == 2 and stats["samples_skipped"] == 0
@@ -65,15 +65,13 @@ def test_under_skip_a_mismatch_is_logged_and_counted(tmp_path, caplog):
 def test_s3_with_readahead_and_workers(s3):
     bucket, options, client = s3
     url = write_dataset(f"s3://{bucket}/v", n=80, storage_options=options, size=500)
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
-                     read=Read(verify_stream=True))
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, read=Read(verify_stream=True)))
     assert ds.readahead_bytes > 0  # the remote default: verified bytes come through the prefetcher
     assert sorted(keys(ds, workers=2)) == [s["__key__"] for s in make_samples(80)]
     assert ds.stats()["shards_verified"] == 4
     body = client.get_object(Bucket=bucket, Key="v/shard-000003.tar")["Body"].read()
     client.put_object(Bucket=bucket, Key="v/shard-000003.tar", Body=tamper(body, 512 + 5))
-    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=options,
-                     read=Read(verify_stream=True))
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, read=Read(verify_stream=True)))
     with pytest.raises(ChecksumError, match=r"s3://.*/v/shard-000003\.tar: sha256"):
         keys(ds)
 
@@ -96,7 +94,7 @@ def test_others_tar_with_a_directory_entry_first(tmp_path):
     (root / "a.tar").write_bytes(buf.getvalue())
     manifest, _ = write_index(str(root / "a.tar"), str(root))
     assert manifest.offsets(0)[0] > 0 and manifest.shards[0].span[0] > 0
-    ds = ShardStream(str(root), batch_size=7, shuffle=False, world=World(0, 1), read=Read(verify_stream=True))
+    ds = ShardStream(str(root), batch_size=7, shuffle=False, world=World(0, 1), store=Store(read=Read(verify_stream=True)))
     assert [x["i"] for b in ds for x in b["json"]] == list(range(7))
     assert ds.stats()["shards_verified"] == 1
 
@@ -105,7 +103,7 @@ def test_partial_ranges_are_not_claimed_as_verified(tmp_path):
     url = write_dataset(str(tmp_path / "ds"), n=40, max_count=40, size=500)  # one shard, split across 4 ranks
     total = 0
     for rank in range(4):
-        ds = ShardStream(url, batch_size=2, shuffle=False, world=World(rank, 4), read=Read(verify_stream=True))
+        ds = ShardStream(url, batch_size=2, shuffle=False, world=World(rank, 4), store=Store(read=Read(verify_stream=True)))
         total += len(keys(ds))
         assert ds.stats()["shards_verified"] == 0 and ds.stats()["checksum_failures"] == 0
     assert total == 40
@@ -116,6 +114,6 @@ def test_a_shard_cut_in_its_trailer_is_caught_only_when_verifying(tmp_path):
     shard = tmp_path / "ds" / "shard-000000.tar"
     shard.write_bytes(shard.read_bytes()[:-100])  # end-of-archive zeros: no sample is touched
     assert len(keys(ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1)))) == 20
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), read=Read(verify_stream=True))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(read=Read(verify_stream=True)))
     with pytest.raises(ShardFormatError, match=r"shard-000000\.tar at byte \d+: stream ended with 100 bytes"):
         keys(ds)

@@ -10,13 +10,13 @@ import pytest
 from conftest import make_samples, write_dataset
 from faultproxy import FaultProxy
 
-from shardstream import Read, ShardStream, Shuffle, World, make_loader
+from shardstream import Read, ShardStream, Shuffle, Store, World, make_loader
 from shardstream.errors import ManifestError, StorageError
 
 
 def keys_and_bytes(url, options, rank, world, workers, read_size):
     ds = ShardStream(url, batch_size=5, seed=4, shuffle=Shuffle(20), world=World(rank, world),
-                     storage_options=options, read=Read(read_size=read_size))
+                     store=Store(options=options, read=Read(read_size=read_size)))
     loader = make_loader(ds, num_workers=workers, pin_memory=False)
     out = [(k, b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])]
     return out, ds.stats()
@@ -40,7 +40,7 @@ def test_resets_slowdowns_and_latency_change_nothing(s3):
 def test_stats_count_bytes_and_ranges(s3):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/f", 60, max_count=40, size=3000, storage_options=options)
-    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options)
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options))
     assert sum(len(b["__key__"]) for b in ds) == 60
     stats = ds.stats()
     assert stats["ranges_opened"] == 2 and stats["bytes_read"] > 60 * 100 and stats["retries"] == 0
@@ -50,7 +50,7 @@ def test_missing_shard_fails_fast_naming_it(s3):
     bucket, options, client = s3
     url = write_dataset(f"s3://{bucket}/f", 60, max_count=40, size=3000, storage_options=options)
     client.delete_object(Bucket=bucket, Key="f/shard-000001.tar")
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options)
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options))
     with pytest.raises(StorageError, match=r"shard-000001.tar: not found \(it is listed in the manifest"):
         list(ds)
     assert ds.stats()["retries"] == 0  # fails fast: no retry on a 404
@@ -60,7 +60,7 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
     started = time.monotonic()
     with pytest.raises(ManifestError, match="no-such-bucket-x"):
         ShardStream("s3://no-such-bucket-x/data", batch_size=1, world=World(0, 1),
-                    storage_options={"endpoint_url": s3_endpoint})
+                    store=Store(options={"endpoint_url": s3_endpoint}))
     import socket
 
     with socket.socket() as s:  # a port with nothing listening
@@ -68,7 +68,7 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(ManifestError, match="cannot read the manifest"):
         ShardStream("s3://bucket/data", batch_size=1, world=World(0, 1),
-                    storage_options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}})
+                    store=Store(options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}}))
     assert time.monotonic() - started < 60
 
 
@@ -78,8 +78,7 @@ def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3):
 
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options)
-    ds = ShardStream(url, batch_size=5, world=World(0, 1), storage_options=options,
-                     storage=StorageConfig(backoff_cap=0.05))
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options, config=StorageConfig(backoff_cap=0.05)))
     import socket
 
     with socket.socket() as s:
@@ -107,9 +106,9 @@ def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, direct_get, cut):
     with FaultProxy(options["endpoint_url"], reset_after=40_000, cut=cut) as proxy:
         faulty = {"endpoint_url": proxy.url}
         fetch = resolve(f"{url}/shard-000000.tar", faulty, config)[2]
-        assert fetch is not None and fetch.__qualname__.startswith("direct_fetcher" if direct_get else "s3_fetcher")
-        ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), storage_options=faulty, storage=config,
-                         read=Read(read_size=256 << 10, readahead_bytes=0))
+        assert fetch is not None and fetch.kind == ("direct" if direct_get else "s3fs")
+        ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1),
+                         store=Store(options=faulty, config=config, read=Read(read_size=256 << 10, readahead_bytes=0)))
         got = {k: bytes(b) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])}
         stats = ds.stats()
     assert got == {s["__key__"]: s["bin"] for s in samples}  # every byte, none lost, none repeated

@@ -16,7 +16,7 @@ import pytest
 from conftest import make_samples, write_dataset
 from faultproxy import FaultProxy
 
-from shardstream import Cache, ShardStream, World
+from shardstream import Cache, ShardStream, Store, World
 from shardstream.cli.main import main
 from shardstream.errors import BucketNotFound, ManifestError, ShardFormatError, StorageNotFound, StorageUnavailable
 from shardstream.format.manifest import load_manifest
@@ -67,8 +67,8 @@ def test_a_hostile_sidecar_is_a_manifest_error_on_s3(s3, direct_get):
     key = "d/shard-000000.tar.idx"
     data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     client.put_object(Bucket=bucket, Key=key, Body=hostile_sidecar(data))
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12), storage_options=options,
-                     storage=StorageConfig(direct_get=direct_get))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12),
+                     store=Store(options=options, config=StorageConfig(direct_get=direct_get)))
     with pytest.raises(ManifestError, match=rf"s3://{bucket}/{key}: .*sample #0 is byte {HOSTILE}"):
         list(ds)
 
@@ -93,16 +93,14 @@ def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_on_s3_as_on_loca
     shard.write_bytes(cut)
     client.put_object(Bucket=bucket, Key="d/shard-000001.tar", Body=cut)
     on_disk = _truncation_error(local, world=world)
-    kwargs: dict = {"storage_options": options, "storage": StorageConfig(direct_get=how != "s3fs")}
-    if how == "cache":
-        kwargs["cache"] = Cache(str(tmp_path / "cache"), 10**8)
-    on_s3 = _truncation_error(url, world=world, **kwargs)
+    cache = Cache(str(tmp_path / "cache"), 10**8) if how == "cache" else None
+    on_s3 = _truncation_error(url, world=world, store=Store(options=options, config=StorageConfig(direct_get=how != "s3fs"), cache=cache))
     assert "416" not in str(on_s3) and "truncated shard" in str(on_s3)
     assert str(on_s3).startswith(f"s3://{bucket}/d/shard-000001.tar at byte ")
     if how != "cache":  # the same words as on local disk: where the stream ended, where it should have
         assert str(on_s3).replace(f"s3://{bucket}/d", str(tmp_path / "local")) == str(on_disk)
     else:  # the cache fetches the whole shard: it names the manifest's size
-        size = int(ShardStream(url, batch_size=5, storage_options=options).manifest.sizes[1])
+        size = int(ShardStream(url, batch_size=5, store=Store(options=options)).manifest.sizes[1])
         assert str(on_s3).endswith(f"stream ended at byte 15000, expected {size} (truncated shard)")
 
 
@@ -163,8 +161,7 @@ def test_a_cached_shard_cut_short_after_its_fill_is_fetched_again(s3, tmp_path):
     samples = make_samples(30, size=3000)
     url = write_dataset(f"s3://{bucket}/c", samples=samples, max_count=10, storage_options=options)
     cache_dir = tmp_path / "cache"
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), storage_options=options,
-                     cache=Cache(str(cache_dir), 10**8))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(str(cache_dir), 10**8)))
     expected = [(s["__key__"], s["bin"]) for s in samples]
     assert [(k, bytes(b)) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])] == expected
     first = ds.stats()

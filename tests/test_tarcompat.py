@@ -18,7 +18,7 @@ import webdataset as wds
 
 from shardstream.errors import ShardFormatError
 from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
-from shardstream.options import Cache, Read
+from shardstream.options import Cache, Read, Store
 from shardstream.plan.topology import World
 
 GNU_TAR = shutil.which("tar")
@@ -435,9 +435,9 @@ def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
     client.put_object(Bucket=bucket, Key="wds/a.tar.gz", Body=local.read_bytes())
     manifest, url = write_index(f"s3://{bucket}/wds/*.tar.gz", f"s3://{bucket}/wds", storage_options=options)
     assert manifest.shards[0].path == "a.tar.gz"
-    for extra in ({"read": Read(readahead_bytes=1 << 20)}, {"cache": Cache(str(tmp_path / "cache"), 1 << 30)}):
+    for store in (Store(options=options, read=Read(readahead_bytes=1 << 20)), Store(options=options, cache=Cache(str(tmp_path / "cache"), 1 << 30))):
         stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world=World(2, 3),
-                             storage_options=options, collate=lambda samples: samples, **extra)
+                             collate=lambda samples: samples, store=store)
         got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
         assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]

@@ -25,7 +25,7 @@ def main() -> None:
     from bench_s3 import moto_bucket  # type: ignore[import-not-found]
     from faultproxy import FaultProxy  # type: ignore[import-not-found]
 
-    from shardstream import Read, ShardStream, ShardWriter, World
+    from shardstream import Read, ShardStream, ShardWriter, Store, World
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency", type=float, default=0.03)
@@ -44,7 +44,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for n in counts:
                     ds = ShardStream("s3://bench/small", batch_size=50, shuffle=False, decode=False, world=World(0, 1),
-                                     storage_options=options, read=Read(readahead_threads=n))
+                                     store=Store(options=options, read=Read(readahead_threads=n)))
                     t = time.perf_counter()
                     got = sum(len(b["__key__"]) for b in ds)
                     times[n].append(time.perf_counter() - t)

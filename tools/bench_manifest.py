@@ -94,14 +94,14 @@ def run_child(*args: str) -> dict:
 def first_batch_on_moto(shards: int, repeats: int) -> None:
     from bench_s3 import many_shards, moto_bucket  # type: ignore[import-not-found]
 
-    from shardstream import ShardStream, World, make_loader
+    from shardstream import ShardStream, Store, World, make_loader
 
     with moto_bucket() as (_, options, client, _):
         many_shards(client, options, "many", shards, {"txt": b"x" * 100, "cls": b"1"})
         firsts, constructs = [], []
         for _ in range(repeats):
             t = time.perf_counter()
-            ds = ShardStream("s3://bench/many", batch_size=32, world=World(0, 8), storage_options=options, decode=False)
+            ds = ShardStream("s3://bench/many", batch_size=32, world=World(0, 8), decode=False, store=Store(options=options))
             constructs.append(time.perf_counter() - t)
             next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
             firsts.append(time.perf_counter() - t)

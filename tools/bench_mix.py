@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from shardstream import Shuffle, World
+from shardstream import Schedule, Shuffle, World
 
 BATCH = 64
 BUFFER = 1000
@@ -48,7 +48,7 @@ def make_small(root: str, first: int, n: int) -> None:
 def shardstream_loader(source, workers: int, per_batch: str = "spread"):
     from shardstream import ShardStream, make_loader
 
-    ds = ShardStream(source, batch_size=BATCH, shuffle=Shuffle(BUFFER), world=World(0, 1), per_batch=per_batch)
+    ds = ShardStream(source, batch_size=BATCH, shuffle=Shuffle(BUFFER), world=World(0, 1), schedule=Schedule(per_batch=per_batch))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 

@@ -59,11 +59,11 @@ def make_images(root: str, n: int) -> None:
 
 
 def shardstream_loader(root: str, kind: str, workers: int, reduced: bool = True, verify: bool = False):
-    from shardstream import RandomResizedCrop, Read, ShardStream, Shuffle, World, make_loader
+    from shardstream import RandomResizedCrop, Read, ShardStream, Shuffle, Store, World, make_loader
 
     decode = {"jpg": RandomResizedCrop(224, reduced_decode=reduced)} if kind == "images" else True
     ds = ShardStream(root, batch_size=BATCH, shuffle=Shuffle(BUFFER), decode=decode, world=World(0, 1),
-                     read=Read(verify_stream=verify))
+                     store=Store(read=Read(verify_stream=verify)))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from shardstream import Shuffle, World
+from shardstream import Shuffle, Store, World
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -47,7 +47,7 @@ def first_batch(source: str, options: dict | None, state: dict | None, world: in
     from shardstream import ShardStream, make_loader
 
     started = time.perf_counter()
-    ds = ShardStream(source, world=World(0, world), storage_options=options, **SETTINGS)
+    ds = ShardStream(source, world=World(0, world), **SETTINGS, store=Store(options=options))
     loader = make_loader(ds, num_workers=2, log_interval=None)
     if state is not None:
         loader.load_state_dict(state)
@@ -62,13 +62,13 @@ def first_batch(source: str, options: dict | None, state: dict | None, world: in
 def state_at(source: str, options: dict | None, fraction: float) -> dict:
     from shardstream import ShardStream, make_loader
 
-    ds = ShardStream(source, world=World(0, 2), storage_options=options, **SETTINGS)
+    ds = ShardStream(source, world=World(0, 2), **SETTINGS, store=Store(options=options))
     make_loader(ds, num_workers=2, log_interval=None)
-    return ds.state_dict(batches=int(fraction * len(ds)))
+    return ds.state_dict(batches=int(fraction * len(ds)), num_workers=2)
 
 
 def simulation_cost(lengths: list[int], repeats: int) -> list[str]:
-    from shardstream.plan.resume import cut_stream
+    from shardstream.plan.shuffle import cut_stream
 
     rows = []
     for n in lengths:

@@ -114,7 +114,7 @@ def many_shards(client, options: dict, prefix: str, count: int, sample: dict | N
 def main() -> None:
     import webdataset as wds
 
-    from shardstream import Read, ShardStream, ShardWriter, World, make_loader
+    from shardstream import Read, ShardStream, ShardWriter, Store, World, make_loader
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
@@ -162,8 +162,8 @@ def main() -> None:
             def ours(workers, readahead=None, threads=1):
                 def run():
                     ds = ShardStream(f"s3://bench/{kind}", batch_size=batch, shuffle=False, decode=False, world=World(0, 1),
-                                     storage_options=options, read=Read(read_size=read_size, readahead_bytes=readahead,
-                                                                        readahead_threads=threads))
+                                     store=Store(options=options, read=Read(read_size=read_size, readahead_bytes=readahead,
+                                                                        readahead_threads=threads)))
                     return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
                 return run
 
@@ -210,7 +210,7 @@ def main() -> None:
             firsts, constructs = [], []
             for _ in range(args.repeats):
                 t = time.perf_counter()
-                ds = ShardStream("s3://bench/tiny", batch_size=32, world=World(0, 1), storage_options=options)
+                ds = ShardStream("s3://bench/tiny", batch_size=32, world=World(0, 1), store=Store(options=options))
                 constructs.append(time.perf_counter() - t)
                 next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
                 firsts.append(time.perf_counter() - t)

@@ -43,7 +43,7 @@ def own_and_children() -> tuple[float, float]:
 def main() -> None:
     from bench_s3 import _get_all, moto_bucket
 
-    from shardstream import Read, ShardStream, ShardWriter, StorageConfig, World, make_loader
+    from shardstream import Read, ShardStream, ShardWriter, StorageConfig, Store, World, make_loader
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200)
@@ -58,8 +58,7 @@ def main() -> None:
         def shardstream(prefix: str, workers: int, direct: bool = True):
             def run() -> int:
                 ds = ShardStream(f"s3://bench/{prefix}", batch_size=4, shuffle=False, decode=False, world=World(0, 1),
-                                 storage_options=options, read=Read(read_size=17 << 20),
-                                 storage=StorageConfig(direct_get=direct))
+                                 store=Store(options=options, read=Read(read_size=17 << 20), config=StorageConfig(direct_get=direct)))
                 return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False,
                                                                   log_interval=None))
             return run

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from .options import add_storage_arguments, human_bytes, storage_config_from, storage_options_from
+from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from
 
 NAME = "ls"
 HELP = "summarize a dataset from its manifest: shards, samples, bytes, fields, labels"
@@ -13,6 +14,11 @@ EPILOG = """examples:
   shardstream ls ./shards
   shardstream ls s3://bucket/train --endpoint-url http://127.0.0.1:9000 --json
   shardstream ls mix.yaml                       # every source of a mix file
+  shardstream ls s3://bucket/train --world 64 --workers 8 --rate 1GB   # GET requests per epoch and per second
+
+--world/--workers: the GET requests an epoch makes on that many ranks with that many DataLoader
+workers each (one per shard range, plus offset sidecars), per second when every rank reads --rate
+bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per prefix.
 """
 
 
@@ -20,6 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="dataset root, index.json URL or mix file (.yaml/.json)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--shards", action="store_true", help="also list every shard")
+    requests = p.add_argument_group("request accounting (any of these shows it)")
+    requests.add_argument("--world", type=int, metavar="N", help="ranks reading the dataset (default 1)")
+    requests.add_argument("--workers", type=int, metavar="W", help="DataLoader workers per rank (default 1)")
+    requests.add_argument("--batch-size", type=int, default=1, metavar="B",
+                          help="batch size: where worker slices cut shards (default 1; the counts barely depend on it)")
+    requests.add_argument("--rate", type=parse_size, metavar="BYTES",
+                          help="bytes per second each rank reads, e.g. 1GB (default 1GB)")
     add_storage_arguments(p)
 
 
@@ -44,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
         "created": manifest.created,
         "shardstream_version": manifest.shardstream_version,
     }
+    accounting = requests_of(args, manifest)
+    if accounting is not None:
+        count, rate = accounting
+        prefix, busiest = count.busiest(rate)
+        summary["requests"] = {
+            "world_size": args.world or 1, "workers": args.workers or 1, "rate": rate, "gets_per_epoch": count.gets,
+            "ranges": count.ranges, "sidecars": count.sidecars, "gets_per_second": round(count.per_second(rate), 1),
+            "busiest_prefix": prefix, "busiest_prefix_gets_per_second": round(busiest, 1),
+            "prefixes": len(count.by_prefix), "warning": count.warning(rate),
+        }
     if args.json:
         if args.shards:
             summary["shard_list"] = [{"path": s.path, "samples": s.samples, "bytes": s.bytes} for s in manifest.shards]
@@ -62,10 +85,27 @@ def run(args: argparse.Namespace) -> int:
     if summary["skipped"]:
         print(f"  skipped while packing: {summary['skipped']}")
     print(f"  written {manifest.created or '?'} by shardstream {manifest.shardstream_version or '?'}")
+    if accounting is not None:
+        count, rate = accounting
+        print(f"  {args.world or 1} ranks x {args.workers or 1} workers, {count.describe(rate)}")
+        warning = count.warning(rate)
+        if warning:
+            print(f"shardstream ls: warning: {warning}", file=sys.stderr)
     if args.shards:
         for s in manifest.shards:
             print(f"  {s.path}  {s.samples} samples  {human_bytes(s.bytes)}")
     return 0
+
+
+def requests_of(args: argparse.Namespace, manifest):
+    """``(RequestCount, rate)`` for the topology the flags give, or None when none was asked for."""
+    if args.world is None and args.workers is None and args.rate is None:
+        return None
+    from shardstream.plan.epoch import plan_epoch
+    from shardstream.storage.requests import DEFAULT_RATE, count_requests
+
+    plan = plan_epoch(manifest.counts, world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size)
+    return count_requests(plan, manifest), float(args.rate or DEFAULT_RATE)
 
 
 def show_mix(args: argparse.Namespace, mix) -> int:

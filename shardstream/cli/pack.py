@@ -21,6 +21,7 @@ examples:
   shardstream pack captions.jsonl s3://bucket/captions --endpoint-url http://127.0.0.1:9000
   shardstream pack 's3://old/train-{000000..000099}.tar' ./repacked --shuffle --seed 7
   shardstream pack s3://raw/laion.jsonl s3://bucket/laion --dask tcp://scheduler:8786 --max-count 10000
+  shardstream pack ./train s3://bucket/train --prefixes 16   # shards under 00/ .. 15/: 16 S3 prefixes to read from
 
 --dask ADDRESS runs one task per shard on a Dask cluster (pip install 'shardstream[dask]'); the
 output is byte-identical to --workers 1. Sources must be readable from the workers (S3, a shared
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-count", type=int, default=DEFAULT_MAX_COUNT, help=f"samples per shard at most (default {DEFAULT_MAX_COUNT})")
     p.add_argument("--max-size", type=parse_size, default=DEFAULT_MAX_SIZE, help="bytes per shard at most, e.g. 256MB (default 256MB)")
     p.add_argument("--prefix", default="shard", help="shard file name stem (default: shard)")
+    p.add_argument("--prefixes", type=int, default=1, metavar="N",
+                   help="spread shards over N directories (S3 prefixes): shard i goes to DEST/(i mod N)/, zero-padded, "
+                        "e.g. 03/shard-000003.tar (default 1: all in DEST)")
     p.add_argument("--label-from-dir", action="store_true", help="add 'cls' from the first-level folder name (ImageFolder layout)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         result = pack(
             args.src, args.dest, kind=args.kind, max_count=args.max_count, max_size=args.max_size,
             shuffle=args.shuffle, seed=args.seed, workers=args.workers, label_from_dir=args.label_from_dir,
-            overwrite=args.overwrite, on_error=args.on_error, prefix=args.prefix,
+            overwrite=args.overwrite, on_error=args.on_error, prefix=args.prefix, prefixes=args.prefixes,
             storage_options=storage_options_from(args), progress=progress, executor=executor,
         )
     except KeyboardInterrupt:

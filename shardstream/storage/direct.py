@@ -19,8 +19,11 @@ bytes arrived (``partial``), and the fetcher hands those on as ``PartialRead``.
 ``usable`` keeps s3fs's path wherever this one could behave differently: a proxy for the endpoint,
 per-request extras (requester pays, SSE-C, ``s3_additional_kwargs``), client options beyond
 ``endpoint_url``/``verify``/``region_name``, proxies in ``config_kwargs``, or
-``StorageConfig(direct_get=False)``. Connections are kept alive per thread; a forked DataLoader
-worker opens its own.
+``StorageConfig(direct_get=False)``. A range is one GET whose body many reads take in turn
+(``DirectBody``): its request goes out when the body is made (read-ahead makes the next range's
+before this one ends), its answer is read by the first read. Connections are kept alive per
+thread, taken by a body while it streams and given back once it is read to its end (a body closed
+before, or broken, closes its connection); a forked DataLoader worker opens its own.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from urllib.parse import quote, urlsplit
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
-from shardstream.storage.retry import PartialRead
+from shardstream.storage.retry import OpenBody, PartialRead
 
 URL_LIFETIME = 3600  # (the presigned URL only shows where the object is; requests are signed anew)
 CREDENTIALS_TTL = 60.0  # seconds between looks at the client's (maybe refreshing) credentials
 BODY_BLOCK = 1 << 20  # a chunked body's reads (a Content-Length body is read as it arrives)
+IDLE_CONNECTIONS = 16  # kept-alive idle connections per thread and endpoint (read-ahead keeps up to 9 requests in flight)
 
 # query parameters of a presigned URL's signature, SigV4 or SigV2 (what remains names the object)
 _AUTH_PARAM = re.compile(r"(?i)(x-amz-[^=]*|awsaccesskeyid|signature|expires)=")
@@ -136,12 +140,17 @@ def _read_some(resp: http.client.HTTPResponse, view: memoryview) -> int:
     return n
 
 
+Where = tuple[str, str, "int | None"]  # (scheme, host, port)
+
+
 class _Connections(threading.local):
-    """Keep-alive connections of one thread, by (scheme, host, port); a forked child starts afresh."""
+    """Idle keep-alive connections of one thread, by (scheme, host, port); a forked child starts
+    afresh. A connection is taken out while a body streams on it and put back once that body is
+    read to its end, so two bodies never share one."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.open: dict[tuple[str, str, int | None], http.client.HTTPConnection] = {}
+        self.open: dict[Where, list[http.client.HTTPConnection]] = {}
 
 
 class DirectS3:
@@ -234,90 +243,197 @@ class DirectS3:
         return dict(request.headers.items())
 
     # -- connections --------------------------------------------------------------------------
-    def _connection(self, scheme: str, host: str, port: int | None) -> http.client.HTTPConnection:
+    def _take(self, where: Where) -> http.client.HTTPConnection:
+        """An idle kept-alive connection to ``where`` of this thread, else a new one."""
         pool = self._connections
         if pool.pid != os.getpid():  # inherited over fork: the parent's sockets are not ours to use
             pool.pid, pool.open = os.getpid(), {}
-        conn = pool.open.get((scheme, host, port))
-        if conn is None:
-            if scheme == "https":
-                if self._context is None:
-                    self._context = _ssl_context(self.fs)
-                conn = http.client.HTTPSConnection(host, port, timeout=self.config.connect_timeout, context=self._context)
-            else:
-                conn = http.client.HTTPConnection(host, port, timeout=self.config.connect_timeout)
-            pool.open[(scheme, host, port)] = conn
-        return conn
+        idle = pool.open.get(where)
+        if idle:
+            conn = idle.pop()
+            if not idle:
+                del pool.open[where]
+            return conn
+        scheme, host, port = where
+        if scheme == "https":
+            if self._context is None:
+                self._context = _ssl_context(self.fs)
+            return http.client.HTTPSConnection(host, port, timeout=self.config.connect_timeout, context=self._context)
+        return http.client.HTTPConnection(host, port, timeout=self.config.connect_timeout)
 
-    def _drop(self, scheme: str, host: str, port: int | None) -> None:
-        conn = self._connections.open.pop((scheme, host, port), None)
-        if conn is not None:
+    def _give_back(self, where: Where, conn: http.client.HTTPConnection) -> None:
+        """A connection whose last answer was read to its end serves the next request."""
+        pool = self._connections
+        if pool.pid != os.getpid():
+            conn.close()
+            return
+        idle = pool.open.setdefault(where, [])
+        if len(idle) < IDLE_CONNECTIONS:
+            idle.append(conn)
+        else:
             conn.close()
 
     # -- one GET ------------------------------------------------------------------------------
+    def open(self, bucket: str, key: str, version: str | None, a: int, b: int, timeout: float | None = None) -> DirectBody:
+        """Send a GET for bytes [a, b) now and return its body (``retry.Body``): the answer is read,
+        and an error answer or a broken connection raised, by the body's first ``readinto``."""
+        return DirectBody(self, self.url(bucket, key, version), a, b, timeout)
+
     def get(self, bucket: str, key: str, version: str | None, a: int, b: int, out: memoryview,
             timeout: float | None) -> int:
         """Bytes [a, b) into ``out``; returns how many arrived (fewer when the object is shorter).
         Raises S3ResponseError for an error answer, TimeoutError or OSError for the transport;
         ``got`` in the exception's ``partial`` attribute says how many bytes arrived first."""
-        url = self.url(bucket, key, version)
-        for attempt in (0, 1):
-            try:
-                return self._get_once(url, self._headers(url, a, b, fresh=attempt > 0), a, b, out, timeout)
-            except S3ResponseError as exc:
-                if exc.status != 403 or attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _get_once(self, url: str, headers: dict[str, str], a: int, b: int, out: memoryview, timeout: float | None) -> int:
-        parts = urlsplit(url)
-        scheme, host, port = parts.scheme, parts.hostname or "", parts.port
-        target = parts.path + ("?" + parts.query if parts.query else "")
         deadline = None if timeout is None else time.monotonic() + timeout
-        conn = self._connection(scheme, host, port)
+        body = self.open(bucket, key, version, a, b, timeout)
         got = 0
         try:
-            conn.timeout = self._timeout(self.config.connect_timeout, deadline)
+            while got < b - a:
+                n = body.readinto(out[got : b - a], None if deadline is None else deadline - time.monotonic())
+                if not n:
+                    break
+                got += n
+            return got
+        except BaseException as exc:
+            exc.partial = got  # type: ignore[attr-defined]
+            raise
+        finally:
+            body.close()
+
+
+class DirectBody:
+    """One direct GET's body (``retry.Body``). The request goes out when the body is made (a
+    failure to connect or send is kept and raised by the first ``readinto``); the answer is read by
+    the first ``readinto`` (a 403 is asked once more with fresh credentials), and every call after
+    it reads what one receive brings, straight into the caller's view (``_read_some``). A body read
+    to its end gives its connection back for the next request; one closed before, or broken, closes
+    it."""
+
+    __slots__ = ("_owner", "_url", "_a", "_b", "_where", "_conn", "_resp", "_left", "_got", "_failed", "_target",
+                 "_answered")
+
+    def __init__(self, owner: DirectS3, url: str, a: int, b: int, timeout: float | None):
+        parts = urlsplit(url)
+        self._owner, self._url, self._a, self._b = owner, url, a, b
+        self._where: Where = (parts.scheme, parts.hostname or "", parts.port)
+        self._target = parts.path + ("?" + parts.query if parts.query else "")
+        self._conn: http.client.HTTPConnection | None = None
+        self._resp: http.client.HTTPResponse | None = None
+        self._left = 0  # body bytes still to read, of those asked for
+        self._got = 0
+        self._answered = False
+        self._failed: BaseException | None = None
+        try:
+            self._send(fresh=False, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - raised by the first readinto, where the caller's policy sees it
+            self._failed = exc
+
+    def _send(self, fresh: bool, timeout: float | None) -> None:
+        owner = self._owner
+        headers = owner._headers(self._url, self._a, self._b, fresh)
+        conn = self._conn = owner._take(self._where)
+        try:
+            conn.timeout = _bounded(owner.config.connect_timeout, timeout)
             if conn.sock is not None:
-                conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
-            conn.request("GET", target, headers=headers)
+                conn.sock.settimeout(_bounded(owner.config.read_timeout, timeout))
+            conn.request("GET", self._target, headers=headers)
+        except http.client.HTTPException as exc:
+            self._drop()
+            raise ConnectionError(f"broken HTTP exchange ({type(exc).__name__}: {exc})") from exc
+        except BaseException:
+            self._drop()
+            raise
+
+    def _answer(self, timeout: float | None) -> None:
+        owner = self._owner
+        for attempt in (0, 1):
+            if self._failed is not None:
+                failed, self._failed = self._failed, None
+                raise failed
+            conn = self._conn
+            if conn is None:
+                raise ValueError("read from a closed body")
             if conn.sock is not None:
-                conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
+                conn.sock.settimeout(_bounded(owner.config.read_timeout, timeout))
             resp = conn.getresponse()
             if resp.status not in (200, 206):
                 body = resp.read()
-                raise S3ResponseError(resp.status, _xml_field(body, "Code"), _xml_field(body, "Message") or resp.reason)
-            if resp.status == 200 and a:  # the server ignored the Range header: never hand over the wrong bytes
-                raise S3ResponseError(416, "RangeIgnored", f"asked for bytes {a}-{b - 1}, got the whole object")
-            want = min(b - a, resp.length if resp.length is not None else b - a)
-            while got < want:
-                if deadline is not None and conn.sock is not None:
-                    conn.sock.settimeout(self._timeout(self.config.read_timeout, deadline))
-                n = _read_some(resp, out[got:want])  # counted at once: a reset after it keeps these bytes
-                if not n:  # the connection closed before the body's Content-Length
-                    raise ConnectionError(f"connection closed after {got} of {want} bytes of the body")
-                got += n
-            if resp.length:  # more than asked for (a Range ignored from byte 0): not reusable
-                self._drop(scheme, host, port)
-            return got
+                error = S3ResponseError(resp.status, _xml_field(body, "Code"), _xml_field(body, "Message") or resp.reason)
+                self._drop()
+                if resp.status == 403 and not attempt:  # maybe credentials that changed: once more with fresh ones
+                    try:
+                        self._send(fresh=True, timeout=timeout)
+                    except Exception as exc:  # noqa: BLE001 - raised at the top of the loop
+                        self._failed = exc
+                    continue
+                raise error
+            if resp.status == 200 and self._a:  # the server ignored the Range header: never hand over the wrong bytes
+                self._drop()
+                raise S3ResponseError(416, "RangeIgnored", f"asked for bytes {self._a}-{self._b - 1}, got the whole object")
+            self._resp = resp
+            self._answered = True
+            self._left = min(self._b - self._a, resp.length if resp.length is not None else self._b - self._a)
+            return
+        raise AssertionError("unreachable")
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+        try:
+            if not self._answered:
+                self._answer(timeout)
+            if self._left <= 0:
+                self._done()
+                return 0
+            resp, conn = self._resp, self._conn
+            assert resp is not None and conn is not None
+            if conn.sock is not None:
+                conn.sock.settimeout(_bounded(self._owner.config.read_timeout, timeout))
+            n = _read_some(resp, view[: self._left] if len(view) > self._left else view)
+            if not n:  # the connection closed before the body's Content-Length
+                raise ConnectionError(f"connection closed after {self._got} of {self._got + self._left} bytes of the body")
+            self._got += n
+            self._left -= n
+            if self._left <= 0:
+                self._done()
+            return n
         except http.client.HTTPException as exc:  # IncompleteRead, BadStatusLine...: a broken exchange
-            self._drop(scheme, host, port)
-            broken = ConnectionError(f"broken HTTP response ({type(exc).__name__}: {exc})")
-            broken.partial = got  # type: ignore[attr-defined]
-            raise broken from exc
-        except BaseException as exc:
-            self._drop(scheme, host, port)
-            exc.partial = got  # type: ignore[attr-defined]
+            self._drop()
+            raise ConnectionError(f"broken HTTP response ({type(exc).__name__}: {exc})") from exc
+        except BaseException:
+            self._drop()
             raise
 
-    @staticmethod
-    def _timeout(limit: float, deadline: float | None) -> float:
-        if deadline is None:
-            return limit
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request's deadline ran out")
-        return min(limit, left)
+    def _done(self) -> None:
+        """All asked for is in: the connection serves the next request if its answer is over."""
+        conn, resp = self._conn, self._resp
+        self._conn = self._resp = None
+        if conn is None:
+            return
+        if resp is not None and resp.isclosed() and not resp.will_close:
+            self._owner._give_back(self._where, conn)
+        else:  # more than asked for (a Range ignored from byte 0), or a server that closes: not reusable
+            conn.close()
+
+    def _drop(self) -> None:
+        conn, self._conn, self._resp = self._conn, None, None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            if self._answered and self._left <= 0:
+                self._done()
+            else:
+                self._drop()
+        self._failed = None
+
+
+def _bounded(limit: float, timeout: float | None) -> float:
+    """A socket timeout: ``limit``, or less when the request's try has less time left."""
+    if timeout is None:
+        return limit
+    if timeout <= 0:
+        raise TimeoutError("the request's deadline ran out")
+    return min(limit, timeout)
 
 
 _direct: dict[tuple[type, str, StorageConfig], DirectS3] = {}
@@ -362,3 +478,14 @@ def direct_fetcher(fs: Any, path: str, config: StorageConfig) -> Callable[..., b
         return out
 
     return fetch
+
+
+def direct_opener(fs: Any, path: str, config: StorageConfig) -> OpenBody:
+    """``open(a, b, timeout)`` for one S3 object: a range streamed through one DirectS3 GET."""
+    direct = direct_for(fs, config)
+    bucket, key, version = fs.split_path(path)
+
+    def open_body(a: int, b: int, timeout: float | None = None) -> DirectBody:
+        return direct.open(bucket, key, version or None, a, b, timeout)
+
+    return open_body

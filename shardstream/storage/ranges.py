@@ -3,10 +3,13 @@
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
     fetch(a, b, timeout)          one try: a ranged GET (``direct.direct_fetcher``, else
-                                  ``retry.s3_fetcher``) or fsspec's cat_file
-    make_range_reader             retry with backoff, exact resume after a broken body, deadline
+                                  ``retry.s3_fetcher``) or fsspec's cat_file; on S3 also
+    fetch.open(a, b, timeout)     one GET streamed as a body (``direct.DirectBody``, ``retry._S3fsBody``)
+    make_range_reader             a range's reads: on S3 one GET for all of it, read block by block;
+                                  retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
-    Prefetcher (readahead.py)     optional: the next blocks fetched in a background thread
+    Prefetcher (readahead.py)     optional: the next blocks fetched in a background thread, the
+                                  next ranges' GETs sent before this one's last block
 
 Local files skip the network layers: ``read`` is the file's own ``read`` (no per-read overhead),
 and opening them goes through the same error translation (``classify.storage_error``).
@@ -28,7 +31,7 @@ from shardstream.storage import fs as storage
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.retry import Fetch, call, fs_fetcher, make_range_reader, s3_fetcher
+from shardstream.storage.retry import Fetcher, RangeReader, call, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
@@ -38,7 +41,7 @@ SHARD_HINT = " (it is listed in the manifest: was it deleted or moved?)"
 Read = Callable[[int], bytes]
 
 
-def resolve(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> tuple[Any, str, Fetch | None]:
+def resolve(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> tuple[Any, str, Fetcher | None]:
     """``(fs, path, fetch)`` for a URL under ``config``; ``fetch`` is None for local files."""
     protocol = fsspec.utils.get_protocol(url)
     fs, path = storage.get_fs(url, config.fs_options(storage_options, protocol))
@@ -48,9 +51,9 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
         # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in retry.py.
         fs.retries = 1
         if direct.usable(fs, config):
-            return fs, path, direct.direct_fetcher(fs, path, config)
-        return fs, path, s3_fetcher(fs, path)
-    return fs, path, fs_fetcher(fs, path)
+            return fs, path, Fetcher("direct", direct.direct_fetcher(fs, path, config), direct.direct_opener(fs, path, config))
+        return fs, path, Fetcher("s3fs", s3_fetcher(fs, path), s3_opener(fs, path))
+    return fs, path, Fetcher("fsspec", fs_fetcher(fs, path))
 
 
 def _open_local(url: str, path: str, start: int, hint: str):
@@ -93,8 +96,11 @@ def open_range(
         def download(write: Callable[[bytes], None]) -> None:
             read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config,
                                          hint=hint, short_object_ends=True)
-            while chunk := read_all(DOWNLOAD_BLOCK):
-                write(chunk)
+            try:
+                while chunk := read_all(DOWNLOAD_BLOCK):
+                    write(chunk)
+            finally:
+                read_all.close()
 
         handle = cache.open(url, sha256, shard_size, download, counters)
         if handle is not None:
@@ -108,23 +114,39 @@ def open_range(
         # as it is; moto copies every range that stops short of the end) and drop those few bytes.
         inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config,
                                   hint=hint, short_object_ends=True)
-        return _EndsBefore(inner, end - start, tail), _noop
+        return _EndsBefore(inner, end - start, tail), inner.close
     # A 416 for a range asked here means the object is shorter than the manifest (or its HEAD)
     # said: the stream ends there, as a short local file's does, and the parser reports a truncated
     # shard naming the URL, the byte reached and the end expected, as it does on local disk.
-    return make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint,
-                             short_object_ends=True), _noop
+    reader = make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint,
+                               short_object_ends=True)
+    return reader, reader.close
 
 
 class _EndsBefore:
     """``read(n)`` over the first ``length`` bytes of a reader that goes ``tail`` bytes further:
-    the read that reaches ``length`` asks for the tail too (one request, not one more) and the
-    tail is cut off the block it arrives in."""
+    the read that reaches ``length`` asks for the tail too (no request of its own: on S3 the range's
+    one GET already runs to the object's end) and the tail is cut off the block it arrives in.
+    ``readinto``, ``remaining`` and ``start`` pass through (``RangeReader``)."""
 
     __slots__ = ("_read", "_left", "_tail")
 
-    def __init__(self, read: Read, length: int, tail: int):
+    def __init__(self, read: RangeReader, length: int, tail: int):
         self._read, self._left, self._tail = read, length, tail
+
+    def readinto(self, view: memoryview) -> int:
+        left = self._left
+        if left <= 0:
+            return 0
+        n = self._read.readinto(view[:left] if len(view) > left else view)
+        self._left = left - n
+        return n
+
+    def remaining(self) -> int:
+        return self._read.remaining()
+
+    def start(self) -> None:
+        self._read.start()
 
     def __call__(self, n: int) -> bytes:
         left = self._left
@@ -133,7 +155,10 @@ class _EndsBefore:
         data = self._read(n if n < left else left + self._tail)
         if len(data) > left:
             if isinstance(data, bytearray):
-                del data[left:]  # in place: no exports yet, and a few KiB off the end move nothing
+                try:
+                    del data[left:]  # in place: a few KiB off the end move nothing
+                except BufferError:  # a view of the block still alive somewhere: cut a copy
+                    data = data[:left]
             else:
                 data = data[:left]
         self._left = left - len(data)

@@ -1,6 +1,13 @@
 """Read-ahead: fetch the next blocks (and the next ranges) in background threads while the
 worker parses the current ones. Memory is bounded by ``max_bytes`` of fetched, unparsed blocks
 (one block may exceed it, so a block larger than the bound cannot stall the stream).
+
+Requests go out ahead too: once the bytes left of the range being fetched (and of the ranges
+already asked for) are within a lead (``SEND_AHEAD_BYTES``, at most ``max_bytes``), the next range
+is opened and its request sent
+(``RangeReader.start``), so its first byte is on its way while this one's last blocks arrive.
+A range's request is one GET for all of it (``storage/retry.py``): on a store with a first-byte
+latency, ranges follow each other with no wait between them.
 """
 
 from __future__ import annotations
@@ -8,8 +15,15 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 Opener = Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]
+SENT_AHEAD = 8  # ranges at most whose requests one fetch thread has sent beyond the range it reads (small shards: 9 in flight)
+# While a thread fetches its first range, requests go out ahead only once what is left of it is at
+# most this much (or twice the block, or the bound if smaller): a new range's answer then does not
+# compete with the first blocks of a pass, which its first batch waits for, and still arrives in
+# time (16 MiB: 160 ms at 100 MB/s, 40 ms at 400). After that, once what is left fits in the bound.
+SEND_AHEAD_BYTES = 16 << 20
 
 
 class Prefetcher:
@@ -26,6 +40,7 @@ class Prefetcher:
         self._openers = list(openers)
         self._block = block_size
         self._max = max_bytes
+        self._lead = min(max_bytes, max(SEND_AHEAD_BYTES, 2 * block_size))
         self._queues: list[deque] = [deque() for _ in self._openers]  # bytes, None at range end, or exception
         self._bytes = 0
         self._next = 0  # the next range a fetch thread starts
@@ -52,28 +67,84 @@ class Prefetcher:
             self._cond.notify_all()
             return True
 
+    def _claim(self) -> int | None:
+        """The next range no thread has started, or None when there is none (or on close)."""
+        with self._cond:
+            if self._stop or self._next >= len(self._openers):
+                return None
+            index = self._next
+            self._next += 1
+            return index
+
+    def _open(self, index: int) -> tuple[Any, Any, int | None]:
+        """Open range ``index`` and send its request: ``(read, close, bytes)``, or ``(error, None, 0)``."""
+        try:
+            read, close = self._openers[index]()
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer of that range, in order
+            return exc, None, 0
+        start, remaining = getattr(read, "start", None), getattr(read, "remaining", None)
+        if start is not None:
+            start()
+        return read, close, (remaining() if remaining is not None else None)
+
+    def _send_ahead(self, ahead: deque, read: Any, lead: int) -> None:
+        """Open the next ranges while what is left to fetch of this one and of those already
+        opened is within ``lead`` bytes (sizes from the readers' ``remaining``)."""
+        remaining = getattr(read, "remaining", None)
+        if remaining is None or len(ahead) >= SENT_AHEAD:
+            return
+        outstanding = remaining()
+        for entry in ahead:
+            if entry[3] is None:
+                return
+            outstanding += entry[3]
+        while outstanding <= lead and len(ahead) < SENT_AHEAD:
+            index = self._claim()
+            if index is None:
+                return
+            read_next, close_next, size = self._open(index)
+            ahead.append((index, read_next, close_next, size))
+            if size is None:
+                return
+            outstanding += size
+
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._stop or self._next >= len(self._openers):
-                    return
-                index = self._next
-                self._next += 1
-            try:
-                read, close = self._openers[index]()
-                wanted = True
+        ahead: deque = deque()  # (index, read, close, bytes left): ranges opened, requests sent
+        lead = self._lead  # for this thread's first range (see SEND_AHEAD_BYTES), then the bound
+        try:
+            while True:
+                if ahead:
+                    index, read, close, _ = ahead.popleft()
+                else:
+                    claimed = self._claim()
+                    if claimed is None:
+                        return
+                    index = claimed
+                    read, close, _ = self._open(index)
+                if close is None:  # opening it failed
+                    self._put(index, read)
+                    continue
+                wanted = index >= self._front  # (a range the consumer passed is not read at all)
                 try:
                     while wanted:
                         data = read(self._block)
                         if not data:
                             break
                         wanted = self._put(index, data)
+                        if wanted:  # once this range's answer is in (sent with it, they slowed its first bytes)
+                            self._send_ahead(ahead, read, lead)
+                except Exception as exc:  # noqa: BLE001 - handed to the consumer of that range, in order
+                    self._put(index, exc)
+                    wanted = False
                 finally:
                     close()
+                lead = self._max
                 if wanted:
                     self._put(index, None)
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer of that range, in order
-                self._put(index, exc)
+        finally:
+            for _, _, close, _ in ahead:  # closed before their turn: their requests are ended
+                if close is not None:
+                    close()
 
     def _take(self, index: int):
         with self._cond:

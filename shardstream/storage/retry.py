@@ -1,11 +1,13 @@
 """Reading byte ranges from storage so that a training run survives the real world.
 
-Each read asks for the next block of a range (a ranged GET on S3, its body streamed). A
-connection that breaks midway keeps the bytes that arrived and the next request starts at the
-exact byte where it broke; a failed request (reset before any data, timeout, throttling answer) is
-retried with exponential backoff and jitter, while ``StorageConfig.max_attempts`` and its
-``deadline`` allow. The bytes that come out are those of an undisturbed read, none lost, none
-repeated. Permanent failures (missing object, access denied, missing credentials, an invalid
+On S3 a range is one GET: its request asks for the whole range [start, end), and each read takes
+the next block of that one body (``Body.readinto`` into the block the caller gets). A new request
+is made only to resume after a failure: a connection that breaks midway keeps the bytes that
+arrived and the next request starts at the exact byte where it broke; a failed request (reset
+before any data, timeout, throttling answer) is retried with exponential backoff and jitter,
+while ``StorageConfig.max_attempts`` and its ``deadline`` allow. Stores with no streamed body
+(fsspec's others) make one request per read. The bytes that come out are those of an undisturbed
+read, none lost, none repeated. Permanent failures (missing object, access denied, missing credentials, an invalid
 request) fail at once with what to check; ``classify.storage_error`` words every failure.
 
 For S3, shardstream's reader turns off botocore's and s3fs's own retries (``StorageConfig.fs_options``,
@@ -17,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from shardstream.buffers import uninitialized_bytearray
+from shardstream.errors import StorageError
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -46,6 +51,41 @@ def reader_storage_options(options: Mapping[str, Any] | None, protocol: str,
 def backoff(attempt: int, rng: random.Random, config: StorageConfig = DEFAULT_STORAGE) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
     return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2**attempt))
+
+
+class Body(Protocol):
+    """One GET's body, streamed. ``readinto(view, timeout)`` puts its next bytes into ``view`` and
+    says how many (0: the body is complete), waiting at most ``timeout`` seconds; the request's
+    answer (an error status, a refused connection) is raised by the first call. ``close()`` ends
+    it (an unfinished body's connection is not reused)."""
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class OpenBody(Protocol):
+    """Send a GET for bytes [a, b) of one object now and return its ``Body`` at once: the answer is
+    read, and any failure raised, by the body's first ``readinto``. ``timeout`` bounds the connect."""
+
+    def __call__(self, a: int, b: int, timeout: float | None = None) -> Body: ...
+
+
+class Fetcher:
+    """One object's bytes, two ways: ``fetch(a, b, timeout)`` is one try at bytes [a, b) (a short
+    body gives fewer bytes, a break mid-body a ``PartialRead``); ``open`` streams a range through
+    one GET (``OpenBody``), None where the store has no streamed body (each read is then a request
+    of its own). ``kind`` names the path: "direct", "s3fs" or "fsspec"."""
+
+    __slots__ = ("kind", "_fetch", "open")
+
+    def __init__(self, kind: str, fetch: Fetch, open_body: OpenBody | None = None):
+        self.kind = kind
+        self._fetch = fetch
+        self.open = open_body
+
+    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes:
+        return self._fetch(a, b, timeout)
 
 
 class PartialRead(Exception):
@@ -110,11 +150,119 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     return fetch
 
 
+class _S3fsBody:
+    """A GET through s3fs's client (aiobotocore on fsspec's event loop). The request goes out when
+    the body is made, and a task on the loop reads the body as it arrives, at most ``WINDOW`` bytes
+    ahead of the consumer; ``readinto`` copies those pieces into the caller's view (aiohttp hands
+    over ``bytes``: that copy is the one this path always made). Reading as the bytes arrive keeps
+    them when the connection breaks: aiohttp raises a broken body's error before handing over what
+    it buffered, so a body read only when the consumer asks lost every byte of a cut it had not
+    asked for yet. The error comes after the pieces that arrived first."""
+
+    WINDOW = 4 << 20
+
+    def __init__(self, fs: Any, params: dict[str, Any], chunk_size: int):
+        self._loop = fs.loop
+        self._chunk = chunk_size
+        self._cond = threading.Condition()
+        self._pieces: deque[memoryview] = deque()
+        self._held = 0  # bytes in _pieces
+        self._error: BaseException | None = None
+        self._ended = False
+        self._room: asyncio.Event | None = None  # set by the consumer when the window has room again
+        self._task = asyncio.run_coroutine_threadsafe(self._pump(fs, params), self._loop)
+
+    async def _pump(self, fs: Any, params: dict[str, Any]) -> None:
+        room = self._room = asyncio.Event()
+        body = None
+        try:
+            resp = await fs._call_s3("get_object", **params)
+            body = resp["Body"]
+            while True:
+                while True:
+                    room.clear()
+                    with self._cond:
+                        if self._held < self.WINDOW:
+                            break
+                    await room.wait()
+                chunk = await body.read(self._chunk)
+                with self._cond:
+                    if chunk:
+                        self._pieces.append(memoryview(chunk))
+                        self._held += len(chunk)
+                    else:
+                        self._ended = True
+                    self._cond.notify_all()
+                if not chunk:
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, after the bytes that arrived
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            if body is not None:
+                body.close()
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._pieces and self._error is None and not self._ended:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)")
+                self._cond.wait(left)
+            got = 0
+            pieces = self._pieces
+            while pieces and got < len(view):
+                piece = pieces[0]
+                k = min(len(piece), len(view) - got)
+                view[got : got + k] = piece[:k]
+                got += k
+                if k == len(piece):
+                    pieces.popleft()
+                else:
+                    pieces[0] = piece[k:]
+            self._held -= got
+            if got:
+                if self._room is not None:
+                    self._loop.call_soon_threadsafe(self._room.set)
+                return got
+            if self._error is not None:
+                raise self._error
+            return 0
+
+    def close(self) -> None:
+        self._task.cancel()  # cancels the task on the loop; its body (not read to the end) closes its connection
+        with self._cond:
+            self._pieces.clear()
+            self._held = 0
+
+
+def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
+    """``open(a, b, timeout)`` for S3 through s3fs's client: one streamed GET per range."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+
+    def open_body(a: int, b: int, timeout: float | None = None) -> Body:
+        return _S3fsBody(fs, {"Bucket": bucket, "Key": key, "Range": f"bytes={a}-{b - 1}", **extra}, chunk_size)
+
+    return open_body
+
+
 def fs_fetcher(fs: Any, path: str) -> Fetch:
     """``fetch(a, b)`` for any other fsspec filesystem (its own timeouts apply)."""
 
+    # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
+    # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
+    extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
+
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        return fs.cat_file(path, start=a, end=b)
+        data = fs.cat_file(path, start=a, end=b, **extra)
+        if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
+            url = fs.unstrip_protocol(path)
+            raise StorageError(f"{url}: asked for bytes {a}-{b - 1}, the server sent {len(data)} bytes: it does not "
+                               "support HTTP Range requests (206 Partial Content), which shardstream needs", url=url)
+        return data
 
     return fetch
 
@@ -186,26 +334,153 @@ def make_range_reader(
     seed: int = 0,
     hint: str = "",
     short_object_ends: bool = False,
-) -> Callable[[int], bytes]:
-    """``read(n)`` over bytes [start, end) given ``fetch(a, b)`` -> bytes [a, b) (maybe fewer).
+) -> RangeReader:
+    """``read(n)`` over bytes [start, end) given ``fetch`` (see ``RangeReader``).
 
     ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
     (the read starts at or past the object's end) ends the stream, as a short local file does: the
     caller reports a truncated object, not an invalid request."""
-    counters = counters or NullCounters()
-    rng = random.Random(f"backoff:{url}:{start}:{seed}")
-    pos = start
+    return RangeReader(fetch, url=url, start=start, end=end, counters=counters, config=config, sleep=sleep, seed=seed,
+                       hint=hint, short_object_ends=short_object_ends)
 
-    def read(n: int) -> bytes:
-        nonlocal pos
-        stop = min(end, pos + n)
-        if stop <= pos:
+
+class RangeReader:
+    """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
+    the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
+
+    Where ``fetch`` has ``open`` (S3), the range is one GET: the first read sends a request for
+    all of [start, end) and every read takes its next bytes from that body, straight into the
+    block it returns (no copy but the kernel's). A body that breaks keeps what arrived (returned
+    short; the next read sends a new request from the byte reached), and a failure before any byte
+    is retried under the policy; ``start()`` sends the request before the first read (read-ahead
+    does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
+    ``fetch``. A read that makes progress starts the deadline afresh."""
+
+    def __init__(self, fetch: Fetch, *, url: str, start: int, end: int, counters: Any = None,
+                 config: StorageConfig = DEFAULT_STORAGE, sleep: Callable[[float], None] = time.sleep, seed: int = 0,
+                 hint: str = "", short_object_ends: bool = False):
+        self._fetch = fetch
+        self._open: OpenBody | None = getattr(fetch, "open", None)
+        self._body: Body | None = None
+        self.url, self.start_at, self.end, self.pos = url, start, end, start
+        self._counters = counters or NullCounters()
+        self._config, self._sleep, self._hint, self._short_ends = config, sleep, hint, short_object_ends
+        self._rng = random.Random(f"backoff:{url}:{start}:{seed}")
+
+    def remaining(self) -> int:
+        """Bytes of the range not yet handed out."""
+        return self.end - self.pos
+
+    def start(self) -> None:
+        """Send the request for the rest of the range now (streamed stores only); its answer is
+        read, and any failure handled, by the next read."""
+        if self._open is not None and self._body is None and self.pos < self.end:
+            self._send()
+
+    def close(self) -> None:
+        """End the range's request (a body not read to its end closes its connection)."""
+        body, self._body = self._body, None
+        if body is not None:
+            body.close()
+
+    def _send(self) -> Body:
+        assert self._open is not None
+        self._counters.add("requests")
+        self._body = self._open(self.pos, self.end, self._config.connect_timeout)
+        return self._body
+
+    def __call__(self, n: int) -> bytes:
+        stop = min(self.end, self.pos + n)
+        if stop <= self.pos:
+            self.close()
             return b""
-        attempts = _Attempts(url, config, rng, counters, sleep, hint)
+        if self._open is None:
+            return self._fetch_block(stop)
+        out = uninitialized_bytearray(stop - self.pos)
+        view = memoryview(out)
+        try:
+            got = self._fill(view)
+        finally:
+            view.release()
+        if got < len(out):
+            try:
+                del out[got:]  # in place; the object ended early, a break kept what arrived, or the end of the stream
+            except BufferError:  # a view of it still alive somewhere (a traceback): copy the part that arrived
+                out = out[:got]
+        return out  # a bytearray: no extra copy of a large block
+
+    def readinto(self, view: memoryview) -> int:
+        """The next bytes of the range into ``view`` (at most its length); 0 at the range's end."""
+        stop = min(self.end, self.pos + len(view))
+        if stop <= self.pos:
+            self.close()
+            return 0
+        if self._open is None:
+            data = self._fetch_block(stop)
+            view[: len(data)] = data
+            return len(data)
+        return self._fill(view[: stop - self.pos])
+
+    def _fill(self, view: memoryview) -> int:
+        """Fill ``view`` from the range's body (sending a request when none is open): as many bytes
+        as arrive before the body ends or breaks; 0 only at the end of the stream."""
+        attempts = _Attempts(self.url, self._config, self._rng, self._counters, self._sleep, self._hint)
+        counters = self._counters
+        got = 0
+        while True:
+            began = time.perf_counter()
+            body = self._body
+            sent = body is None
+            try:
+                if body is None:
+                    body = self._send()
+                while got < len(view):
+                    k = body.readinto(view[got:], attempts.remaining())
+                    if not k:
+                        break
+                    got += k
+            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
+                counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
+                self.close()
+                if got:  # keep what arrived; the next read sends a new request from the byte after it
+                    counters.add("retries")
+                    counters.add("resumes")
+                    if classify(exc) is Kind.THROTTLED:
+                        counters.add("throttles")
+                    # (words, not the exception: a log record that kept it would keep its frames' views of
+                    # ``view`` alive, and the block could not be cut to size)
+                    logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got,
+                                 f"{type(exc).__name__}: {exc}")
+                    break
+                if self._short_ends and is_past_end(exc):
+                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
+                    return 0
+                attempts.failed(exc, resumed=self.pos > self.start_at)
+                continue
+            counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
+            if got < len(view):  # the body is complete: the object ended before the range did
+                self.close()
+                if not got:
+                    if sent:  # a new request answered with nothing at all
+                        attempts.failed(EOFError(f"empty body for bytes {self.pos}-{self.end}"), resumed=self.pos > self.start_at)
+                    continue  # ask again from here: the answer says where the object ends (416)
+            break
+        counters.add("bytes_read", got)
+        self.pos += got
+        if self.pos >= self.end:
+            self.close()  # the whole body is in: its connection serves the next request
+        return got
+
+    def _fetch_block(self, stop: int) -> bytes:
+        """One request per read (stores with no streamed body)."""
+        attempts = _Attempts(self.url, self._config, self._rng, self._counters, self._sleep, self._hint)
+        counters = self._counters
+        pos = self.pos
         while True:
             began = time.perf_counter()
             try:
-                data = fetch(pos, stop, attempts.remaining())
+                counters.add("requests")
+                data = self._fetch(pos, stop, attempts.remaining())
                 if not data:
                     raise EOFError(f"empty body for bytes {pos}-{stop}")
             except PartialRead as partial:  # keep what arrived; the next read resumes right after it
@@ -214,17 +489,15 @@ def make_range_reader(
                 counters.add("resumes")
                 if classify(partial.cause) is Kind.THROTTLED:
                     counters.add("throttles")
-                logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
+                logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, pos + len(data), partial.cause)
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if short_object_ends and is_past_end(exc):
-                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", url, pos)
+                if self._short_ends and is_past_end(exc):
+                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, pos)
                     return b""
-                attempts.failed(exc, resumed=pos > start)
+                attempts.failed(exc, resumed=pos > self.start_at)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             counters.add("bytes_read", len(data))
-            pos += len(data)  # a short body is not an error: the next read resumes from here
+            self.pos = pos + len(data)  # a short body is not an error: the next read resumes from here
             return data
-
-    return read

@@ -29,7 +29,7 @@ from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ def pack_source(
     on_error: str = "raise",
     error_tolerance: int | None = None,
     prefix: str = "shard",
+    prefixes: int = 1,
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     executor: Executor | None = None,
@@ -111,11 +112,11 @@ def pack_source(
         raise SourceError(src, "source holds no samples")
     if executor is not None:
         return _pack_tasks(items, None, dest, src=src, executor=executor, max_count=max_count, max_size=max_size,
-                           prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                           prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
                            label_map=listing.label_map, errors=listing.errors, progress=progress, started=started,
                            in_flight=in_flight)
     with ShardWriter(
-        dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=storage_options,
+        dest, max_count=max_count, max_size=max_size, prefix=prefix, prefixes=prefixes, storage_options=storage_options,
         overwrite=overwrite, label_map=listing.label_map,
     ) as writer:
         for where, what in listing.errors:
@@ -162,6 +163,7 @@ def pack_fn(
     overwrite: bool = False,
     on_error: str = "raise",
     prefix: str = "shard",
+    prefixes: int = 1,
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     in_flight: int = DEFAULT_IN_FLIGHT,
@@ -186,26 +188,27 @@ def pack_fn(
     if executor is None and workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             return _pack_tasks(units, fn, dest, src=where, executor=pool, max_count=max_count, max_size=max_size,
-                               prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                               prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
                                label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
     return _pack_tasks(units, fn, dest, src=where, executor=executor, max_count=max_count, max_size=max_size,
-                       prefix=prefix, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
+                       prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
                        label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
 
 
 def _pack_tasks(units: Sequence[Any], fn: Callable[[Any], Any] | None, dest: str, *, src: str, executor: Executor | None,
-                max_count: int, max_size: int, prefix: str, storage_options: Mapping[str, Any] | None, overwrite: bool,
+                max_count: int, max_size: int, prefix: str, prefixes: int, storage_options: Mapping[str, Any] | None,
+                overwrite: bool,
                 on_error: str, label_map: dict[str, int] | None, errors: list[tuple[str, str]],
                 progress: Callable[[int, int], None] | None, started: float, in_flight: int) -> PackResult:
     """The driver of a task pack: prepare the destination, run one task per shard, adopt the
     results in shard order, write the manifest last (``ShardWriter.close``)."""
     options = dict(storage_options or {})
     keys: set[str] = set()
-    with ShardWriter(dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=options,
+    with ShardWriter(dest, max_count=max_count, max_size=max_size, prefix=prefix, prefixes=prefixes, storage_options=options,
                      overwrite=overwrite, label_map=label_map) as writer:
         for where, what in errors:
             writer.skip(where, what)
-        tasks = (ShardTask(dest=writer.dest, name=f"{prefix}-{i:06d}.tar", index=i, first=r.start,
+        tasks = (ShardTask(dest=writer.dest, name=shard_name(prefix, i, prefixes), index=i, first=r.start,
                            units=units[r.start:r.stop], fn=fn, on_error=on_error, storage_options=options)
                  for i, r in enumerate(cut_shards(len(units), max_count)))
         for result in run_tasks(executor, tasks, in_flight=in_flight):

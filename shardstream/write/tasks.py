@@ -103,11 +103,12 @@ def write_shard(task: ShardTask) -> ShardResult:
     set_worker_storage_options(task.storage_options)
     fs, root = storage.get_fs(task.dest, task.storage_options)
     local = storage.is_local(fs)
+    folder, _, base = task.name.rpartition("/")  # (a prefix directory: ``writer.shard_name``)
     if local:
-        os.makedirs(root, exist_ok=True)
-        tmp = os.path.join(root, f".{task.name}.partial-{uuid.uuid4().hex[:8]}")
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        tmp = os.path.join(root, folder, f".{base}.partial-{uuid.uuid4().hex[:8]}")
     else:
-        fd, tmp = tempfile.mkstemp(prefix=f"shardstream-{task.name}.partial-")
+        fd, tmp = tempfile.mkstemp(prefix=f"shardstream-{base}.partial-")
         os.close(fd)
     digest = hashlib.sha256()
     offsets: list[int] = []
