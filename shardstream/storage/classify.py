@@ -63,6 +63,8 @@ _TYPES = (
     (Kind.UNAVAILABLE, "botocore", {"EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError",
                                     "SSLError", "HTTPClientError", "ResponseStreamingError", "IncompleteReadError"}),
     (Kind.UNAVAILABLE, "aiohttp", {"ClientError"}),
+    (Kind.TIMEOUT, "httpx", {"TimeoutException"}),
+    (Kind.UNAVAILABLE, "httpx", {"TransportError"}),
     (Kind.UNAVAILABLE, "urllib3", {"HTTPError"}),
 )
 
@@ -96,6 +98,13 @@ def _response(exc: BaseException) -> tuple[str | None, int | None]:
     """The S3 error code and HTTP status behind an exception, if any link of its chain carries them."""
     for cur in _chain(exc):
         response = getattr(cur, "response", None)
+        # plain HTTP(S): aiohttp's ClientResponseError (fsspec's http) carries the status; an httpx
+        # HTTPStatusError and huggingface_hub's HfHubHTTPError carry their response
+        status = getattr(cur, "status", None) if _has_type(cur, "aiohttp", {"ClientResponseError"}) else None
+        if status is None and (_has_type(cur, "httpx", {"HTTPStatusError"}) or _has_type(cur, "huggingface_hub", {"HfHubHTTPError"})):
+            status = getattr(response, "status_code", None)
+        if isinstance(status, int) and status >= 400:
+            return None, status
         if isinstance(response, dict):
             code = (response.get("Error") or {}).get("Code")
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
@@ -140,14 +149,24 @@ def classify(exc: BaseException) -> Kind | None:
     if status is not None:
         if status in (429, 503):
             return Kind.THROTTLED
+        if status in (401, 403) and not code:  # plain HTTP(S) and the Hugging Face Hub: no S3 code
+            return Kind.DENIED
+        if status == 404 and not code:
+            return Kind.NOT_FOUND
         return Kind.UNAVAILABLE if status >= 500 else Kind.INVALID
     if code:  # an S3 code we do not list, without a status: the request itself was refused
         return Kind.INVALID
+    wrapped = None
     for cur in _chain(exc):
         kind = _kind_of_type(cur)
+        if kind is Kind.NOT_FOUND and type(cur) is FileNotFoundError and cur.__cause__ is not None and wrapped is None:
+            # fsspec's HTTP info() (an object's size) raises FileNotFoundError from any failure
+            # (a refused connection, a timeout): its cause, when it has a kind, says what happened
+            wrapped = kind
+            continue
         if kind is not None:
             return kind
-    return None
+    return wrapped
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -228,6 +247,9 @@ def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: fl
         if code == "NoSuchBucket":
             return BucketNotFound(f"{url}: the bucket does not exist (check the URL and --endpoint-url)", url=url)
         return StorageNotFound(f"{url}: not found{hint}", url=url)
+    if kind is Kind.DENIED and not url.startswith(("s3://", "s3a://")) and error_code(exc) is None:
+        return AccessDenied(f"{url}: access denied ({cause(exc)}): check the credentials in the storage options "
+                            "(for hf://, the token)", url=url)
     if kind is Kind.DENIED:
         return AccessDenied(f"{url}: {explain_denied(fs, path, exc) if path else denied_message(exc)}", url=url)
     if kind is Kind.NO_CREDENTIALS:

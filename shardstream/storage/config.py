@@ -59,7 +59,8 @@ class StorageConfig:
 
     def fs_options(self, storage_options: Mapping[str, Any] | None, protocol: str) -> dict[str, Any]:
         """fsspec options carrying this policy: for S3, botocore's timeouts and one try per call
-        (retries happen in ``retry.py``, where they are counted and bounded by the deadline).
+        (retries happen in ``retry.py``, where they are counted and bounded by the deadline); for
+        HTTP(S), aiohttp's connect and read timeouts.
         Options the user set explicitly win."""
         merged = dict(storage_options or {})
         if protocol in ("s3", "s3a"):
@@ -68,6 +69,12 @@ class StorageConfig:
             config.setdefault("connect_timeout", self.connect_timeout)
             config.setdefault("read_timeout", self.read_timeout)
             merged["config_kwargs"] = config
+        elif protocol in ("http", "https") and "timeout" not in (merged.get("client_kwargs") or {}):
+            import aiohttp  # fsspec's HTTP filesystem; aiohttp comes with s3fs
+
+            client = dict(merged.get("client_kwargs") or {})
+            client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout)
+            merged["client_kwargs"] = client
         return merged
 
 

@@ -25,7 +25,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from shardstream.errors import BucketNotFound, DestinationError, StorageNotFound
+from shardstream.errors import BucketNotFound, ConfigError, DestinationError, StorageNotFound
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
@@ -53,6 +53,8 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
     if protocol in ("file", "local"):
         return url_to_fs(url)
     options = dict(storage_options or {})
+    if protocol == "hf":
+        require_hf(url)
     if protocol in ("s3", "s3a"):
         config_kwargs = dict(options.get("config_kwargs") or {})
         config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "standard"})
@@ -68,6 +70,14 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         fs.retries = 1  # botocore retries (transient causes only); s3fs's loop would multiply them
         return fs, path
     return url_to_fs(url, **config.fs_options(options, protocol))
+
+
+def require_hf(url: str) -> None:
+    """``hf://`` URLs need huggingface_hub (its ``HfFileSystem`` registers the protocol): an optional extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("huggingface_hub") is None:
+        raise ConfigError(f"{url}: hf:// URLs (the Hugging Face Hub) need huggingface_hub: pip install 'shardstream[hf]'")
 
 
 # s3fs's own keyword arguments: options beyond these (and ``profile``) go to the botocore session
