@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_DIR ?= data/demo
 
-.PHONY: install demo lint test bench clean
+.PHONY: install demo lint test bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(BIN)/python:
 # would otherwise pull a multi-GB CUDA build.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,dask]"
+	$(BIN)/python -m pip install -q -e ".[test,dask,docs]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,9 +29,15 @@ demo: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadfile
+
+# the docs site (mkdocs.yml, docs/) into site/; --strict: a broken link or API reference fails
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_pack.py
