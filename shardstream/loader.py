@@ -11,7 +11,7 @@ cost of tens of microseconds per tensor that dominates for small fields (labels,
 tensors therefore travel inline as numpy arrays, anywhere in the batch (dict, tuple, list,
 namedtuple, nested, or a bare tensor), and become tensors again on arrival (``torch.from_numpy``,
 no copy); large ones (images) keep the shared-memory path. Large undecoded ``bytes`` fields
-(``SHARED_BYTES_MIN`` and up) cross in shared memory too, and are ``bytes`` again on arrival.
+(``SHARED_FIELD_MIN_BYTES`` and up) cross in shared memory too, and are ``bytes`` again on arrival.
 Under make_loader a worker writes its large batches into segments it used before, once the main
 process is done with them, and sends those by number (segments.py).
 """
@@ -50,7 +50,7 @@ INLINE_MAX_BYTES = 64 * 1024
 # Undecoded fields at least this large (bytes, bytearray) cross in shared memory and are rebuilt as
 # the same type on arrival: pickling them through the worker's pipe copies every byte four times
 # and measured 4x slower for 4 MB fields (0.16 against 0.5-0.7 GB/s, 2 workers).
-SHARED_BYTES_MIN = 1 << 20
+SHARED_FIELD_MIN_BYTES = 1 << 20
 # A packed batch is {PACKED: spec, "batch": structure}: a plain dict, so DataLoader's pin-memory
 # thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
@@ -99,7 +99,7 @@ def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
     bytes fields are appended to ``ctx.large`` and leave None behind; their spec is (type, index in
     ``ctx.large``). Tensors on the worker's pooled segments become PooledTensor markers."""
     if isinstance(obj, (bytes, bytearray)):
-        if len(obj) >= SHARED_BYTES_MIN:
+        if len(obj) >= SHARED_FIELD_MIN_BYTES:
             ctx.large.append(obj)
             return None, ("bytes" if isinstance(obj, bytes) else "bytearray", len(ctx.large) - 1)
         return obj, None
@@ -122,7 +122,7 @@ def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
         spec: dict[Any, Any] = {}
         changed: dict[Any, Any] = {}
         for k, v in obj.items():
-            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
+            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_FIELD_MIN_BYTES):  # nothing to pack
                 continue
             nv, s = _pack(v, ctx)
             if s is not None:
@@ -137,7 +137,7 @@ def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
         spec = {}
         items: list[Any] | None = None
         for i, v in enumerate(obj):
-            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_BYTES_MIN):  # nothing to pack
+            if isinstance(v, _SCALARS) and (type(v) is not bytes or len(v) < SHARED_FIELD_MIN_BYTES):  # nothing to pack
                 continue
             nv, s = _pack(v, ctx)
             if s is not None:

@@ -11,7 +11,7 @@ import torch
 from conftest import write_dataset
 
 from shardstream import ShardStream, World, make_loader
-from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED, SHARED_BYTES_MIN, pack_batch, unpack_batch
+from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED, SHARED_FIELD_MIN_BYTES, pack_batch, unpack_batch
 
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -38,7 +38,7 @@ STRUCTURES = [
     small,
     {"arr": np.ones(3), "t": small, "bf": small.to(torch.bfloat16), "none": None},
     {"nothing": "to inline", "big": large},
-    {"raw": [b"x" * SHARED_BYTES_MIN, b"small", bytearray(b"y" * (SHARED_BYTES_MIN + 3))], "one": b"z" * (2 * SHARED_BYTES_MIN)},
+    {"raw": [b"x" * SHARED_FIELD_MIN_BYTES, b"small", bytearray(b"y" * (SHARED_FIELD_MIN_BYTES + 3))], "one": b"z" * (2 * SHARED_FIELD_MIN_BYTES)},
 ]
 
 
@@ -58,8 +58,8 @@ def test_small_tensors_travel_as_arrays_large_ones_as_tensors():
 
 
 def test_large_bytes_cross_in_shared_memory_and_arrive_as_the_same_type():
-    data = bytes(range(256)) * (SHARED_BYTES_MIN // 256 + 1)
-    other = bytearray(b"\x07" * (SHARED_BYTES_MIN + 5))
+    data = bytes(range(256)) * (SHARED_FIELD_MIN_BYTES // 256 + 1)
+    other = bytearray(b"\x07" * (SHARED_FIELD_MIN_BYTES + 5))
     packed = pack_batch({"raw": [data, b"tiny", data[::-1]], "k": ["a", "b", "c"], "ba": other})
     # every large field of the batch in one shared segment (one handle to pass), none left in the structure
     sent = packed[SHARED]
@@ -75,7 +75,7 @@ def _raw_fields(tmp_path):
     from shardstream import ShardWriter
 
     rng = np.random.default_rng(1)
-    fields = [rng.bytes(SHARED_BYTES_MIN + int(rng.integers(0, 5000))) for _ in range(8)]
+    fields = [rng.bytes(SHARED_FIELD_MIN_BYTES + int(rng.integers(0, 5000))) for _ in range(8)]
     with ShardWriter(str(tmp_path / "raw"), max_count=2) as w:
         for i, f in enumerate(fields):
             w.write_encoded(f"{i:03d}", {"bin": f, "cls": str(i).encode()})

@@ -38,7 +38,7 @@ FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
 THROUGH_TAIL = 64 << 10  # a range this close to its S3 object's end is fetched to the end
 SHARD_HINT = " (it is listed in the manifest: was it deleted or moved?)"
 
-Read = Callable[[int], bytes]
+ReadFn = Callable[[int], bytes]  # read(n): the next <= n bytes (not options.Read, the option value)
 
 
 def resolve(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> tuple[Any, str, Fetcher | None]:
@@ -77,7 +77,7 @@ def open_range(
     shard_size: int | None = None,
     sha256: str | None = None,
     hint: str = SHARD_HINT,
-) -> tuple[Read, Callable[[], None]]:
+) -> tuple[ReadFn, Callable[[], None]]:
     """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
 
     Local files are read directly; remote objects through the cache when one is given (the
@@ -197,7 +197,7 @@ def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, c
 
 
 def open_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "", began: float | None = None) -> tuple[int, Read, Callable[[], None]]:
+                counters: Any = None, hint: str = "", began: float | None = None) -> tuple[int, ReadFn, Callable[[], None]]:
     """``(size, read, close)`` over a whole object, read front to back with retry and resume."""
     size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
     read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)

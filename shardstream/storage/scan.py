@@ -24,11 +24,11 @@ from shardstream.storage.ranges import open_object
 
 READ_SIZE = 8 << 20
 
-Read = Callable[[int], bytes]
+ReadFn = Callable[[int], bytes]  # read(n): the next <= n bytes (not options.Read, the option value)
 OnSample = Callable[[str, int, int, dict[str, bytes]], None]
 
 
-def hashed(read: Read, digest: Any, progress: Callable[[int], None] | None = None) -> Read:
+def hashed(read: ReadFn, digest: Any, progress: Callable[[int], None] | None = None) -> ReadFn:
     """``read`` with every byte it returns fed to ``digest`` (and counted by ``progress``)."""
 
     def read_hashed(n: int) -> bytes:
@@ -41,7 +41,7 @@ def hashed(read: Read, digest: Any, progress: Callable[[int], None] | None = Non
     return read_hashed
 
 
-def skip_exactly(read: Read, n: int, url: str, at: int) -> None:
+def skip_exactly(read: ReadFn, n: int, url: str, at: int) -> None:
     """Read and drop exactly n bytes from offset ``at`` (they still pass through any hash)."""
     while n > 0:
         chunk = read(min(n, DEFAULT_READ_SIZE))
@@ -70,7 +70,7 @@ class Scan:
                          offsets=tuple(self.offsets))
 
 
-def scan_stream(read: Read, *, url: str, size: int, on_sample: OnSample | None = None,
+def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None = None,
                 progress: Callable[[int], None] | None = None) -> Scan:
     """Parse, hash and index bytes [0, size) of a shard given by ``read``. ``on_sample(key, start,
     end, fields)`` sees each sample. Raises ShardFormatError (with ``scan.offsets`` so far kept
