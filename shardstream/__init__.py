@@ -26,7 +26,7 @@ _EXPORTS = {
     "Cache": "options",
     "Store": "options",
     "Schedule": "options",
-    "Source": "mixing",
+    "Source": "sources",
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
     "make_loader": "loader",
@@ -127,12 +127,12 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.loader import make_loader
-    from shardstream.mixing import Source
     from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
     from shardstream.pipeline.augment import RandomResizedCrop
     from shardstream.plan.epoch import EpochPlan, plan_epoch
     from shardstream.plan.mix import MixPlan, plan_mix
     from shardstream.plan.topology import World
+    from shardstream.sources import Source
     from shardstream.storage.config import StorageConfig
     from shardstream.write.pack import pack
     from shardstream.write.writer import ShardWriter

@@ -24,11 +24,10 @@ from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError
 from shardstream.format.manifest import Manifest
-from shardstream.mixing import Mix, Source, open_sources, plan_sources
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
-from shardstream.pipeline.mix import read_planned
+from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.epoch import EpochPlan
@@ -37,6 +36,7 @@ from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
+from shardstream.sources import Mix, Source, open_sources, plan_sources
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.requests import with_requests

@@ -1,5 +1,5 @@
 """Every (rank, worker) of a pass modelled in one process: the plan's reads become sample ids,
-run through the pipeline's own shuffle continuation and merge (``pipeline.mix.read_planned``),
+run through the pipeline's own shuffle continuation and merge (``pipeline.interleave.read_planned``),
 cut into batches and delivered in DataLoader's round-robin order. A sample is (data epoch,
 source, global id)."""
 
@@ -11,7 +11,7 @@ import random
 
 import numpy as np
 
-from shardstream.pipeline.mix import read_planned
+from shardstream.pipeline.interleave import read_planned
 from shardstream.plan.layout import SampleIds
 from shardstream.plan.mix import Ask
 from shardstream.plan.run import PassPlan, RunPlan, RunSettings, Sources

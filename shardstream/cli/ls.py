@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardstream.format.manifest import load_manifest, manifest_url
-    from shardstream.mixing import is_mix_url, open_mix
+    from shardstream.sources import is_mix_url, open_mix
 
     if is_mix_url(args.url):
         mix = open_mix(args.url, storage_options_from(args), load_manifest)
