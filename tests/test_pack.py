@@ -255,6 +255,13 @@ def test_on_error_skip_counts_and_reports(tmp_path, capsys):
     assert sources == [f"{tmp_path}/d.jsonl:2", f"{tmp_path}/d.jsonl:3 field 'bin'"]
 
 
+def _ctrl_c_reaches_it() -> None:
+    """In the child before exec: SIGINT back to its default, so Python installs its handler. A
+    suite started as a background job (``make test &``) inherits SIGINT ignored, and so would the
+    pack under test: Ctrl-C would do nothing and these tests would fail for the wrong reason."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _slow_source(root, n=1500):
     rng = np.random.default_rng(0)
     for i in range(n):
@@ -268,7 +275,7 @@ def test_interrupted_pack_leaves_nothing_complete_and_rerun_completes(tmp_path, 
     _slow_source(src)
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_reaches_it)
     deadline = time.monotonic() + 60
     while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
@@ -298,7 +305,8 @@ def test_ctrl_c_with_a_process_pool_prints_one_line(tmp_path):
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress",
            "--workers", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_ctrl_c_reaches_it)
     deadline = time.monotonic() + 90
     while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)

@@ -245,12 +245,15 @@ def _load_all(items: list[Item], workers: int, storage_options):
     window = workers * 256
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
     # Children start with SIGINT ignored (inherited through exec, before they import anything).
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    if main:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}),))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        if main:  # a handler installed outside Python reads as None: the default stands in for it
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     try:
         for start in range(0, len(items), window):
             yield from pool.imap(_load_safe, items[start : start + window], chunksize=16)
