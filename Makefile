@@ -20,10 +20,10 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/python tools/make_synthetic.py $(DEMO_DIR)/src --classes 10 --per-class 100 --size 32
+	$(BIN)/python benchmarks/make_synthetic.py $(DEMO_DIR)/src --classes 10 --per-class 100 --size 32
 	$(BIN)/shardstream pack $(DEMO_DIR)/src $(DEMO_DIR)/shards --label-from-dir --max-count 100 --shuffle --seed 0 --overwrite
 	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BIN)/torchrun --nnodes 1 --nproc-per-node 2 \
-	    --master-addr 127.0.0.1 --master-port $$($(BIN)/python tools/free_port.py) \
+	    --master-addr 127.0.0.1 --master-port $$($(BIN)/python benchmarks/free_port.py) \
 	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 3 --batch-size 32 --workers 1
 
 lint: install
@@ -40,8 +40,8 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: install
-	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_pack.py
-	OMP_NUM_THREADS=1 $(BIN)/python tools/bench_read.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_pack.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_read.py
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

@@ -11,5 +11,5 @@ try:
 except s3.exceptions.BucketAlreadyOwnedByYou:
     pass
 PY
-python tools/make_synthetic.py /tmp/demo-src --classes 10 --per-class 100 --size 32
+python benchmarks/make_synthetic.py /tmp/demo-src --classes 10 --per-class 100 --size 32
 shardstream pack /tmp/demo-src s3://demo/shards --label-from-dir --max-count 100 --shuffle --seed 0 --overwrite

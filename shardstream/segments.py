@@ -5,7 +5,7 @@ A worker hands a large batch to the main process through shared memory. Made fre
 batch, a segment costs more than the copy into it: the kernel zeroes and maps every page in the
 worker, the main process maps it again, and its file descriptor crosses a socket. Measured with 2
 persistent workers handing over 128 MiB batches of 4 MiB ``.npy`` samples from tmpfs
-(``tools/bench_handoff.py``): 1.13 GB/s with fresh segments, 2.28 GB/s with reused ones. So each
+(``benchmarks/bench_handoff.py``): 1.13 GB/s with fresh segments, 2.28 GB/s with reused ones. So each
 worker keeps a small pool (``WorkerPool``), and the main process keeps each segment mapped
 (``Channels``) once it has seen it.
 

@@ -1,6 +1,6 @@
 """The one table of field extensions: which kind of value each extension holds. Encoding
 (``write/encode.py``), the default decoders (``pipeline/decode.py``) and the preview of
-``shardstream show`` (``tools/preview.py``) all read it, so they cannot drift apart.
+``shardstream show`` (``benchmarks/preview.py``) all read it, so they cannot drift apart.
 
 A field's kind is decided by the last part of its extension (``seg.png`` is an image), after a
 compression suffix is taken off (``json.gz`` is JSON, gzip-compressed), as webdataset does.

@@ -4,7 +4,7 @@ The bytes of a shard are most of what a training job moves. s3fs's path (aioboto
 on an event-loop thread) copies each of them twice before shardstream sees it and cost 3.8-5.1 ms
 of CPU per 4 MB on this VM, more than the rest of the reader. Here a range GET is one
 ``http.client`` request whose body is read with ``readinto1`` into the block the parser reads, so
-the kernel's copy is the only one (``tools/bench_s3_cpu.py``), and each receive is counted as it
+the kernel's copy is the only one (``benchmarks/bench_s3_cpu.py``), and each receive is counted as it
 lands: a connection reset mid-body keeps every byte that arrived.
 
 How to talk to S3 is not decided here but by the s3fs client the other path uses: the object's

@@ -2,7 +2,7 @@
 
 ``scan_stream`` is the one "read, hash, find offsets" loop: ``shardstream index``/``pack`` of tar
 sources and ``ShardStream`` given bare shard URLs (``scan_shards``), ``shardstream verify``
-(``tools/verify.py``, with a per-sample hook for deep checks) and the stream's ``verify_stream``
+(``benchmarks/verify.py``, with a per-sample hook for deep checks) and the stream's ``verify_stream``
 path (``pipeline/read.py``, through ``hashed`` and ``skip_exactly``) all use it or its parts.
 Bytes come from ``ranges.open_object``: the same retry, resume and deadline as every read.
 """

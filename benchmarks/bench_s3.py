@@ -3,7 +3,7 @@ the same objects from the same server and (b) webdataset reading the same shards
 remote path (presigned http URLs, read with curl); plus the time to the first batch with a 10,000-shard
 manifest.
 
-    OMP_NUM_THREADS=1 python tools/bench_s3.py [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_s3.py [--repeats 3]
 
 The moto server runs as a separate process (started and stopped by PID here), so it does not
 share the client's GIL. All contenders read every object once per pass, undecoded, no shuffle
@@ -14,11 +14,8 @@ stay <= 16 MB and shardstream reads each range in one request (read_size 16 MiB)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,58 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """A moto server on a free loopback port, with moto's fake credentials in this process's
-    environment (botocore, s3fs and forked workers read them from there)."""
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, url
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("moto_server did not start")
-
-
-@contextlib.contextmanager
-def moto_bucket(bucket: str = "bench"):
-    """A moto server (``start_moto``) with one bucket: yields ``(endpoint, storage_options, boto3
-    client, server PID)`` and stops the server, by its PID, on the way out."""
-    import boto3
-
-    proc, endpoint = start_moto()
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint)
-        client.create_bucket(Bucket=bucket)
-        yield endpoint, {"endpoint_url": endpoint}, client, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _get_all(endpoint: str, keys: list[str]) -> int:
-    """One process's share of the reference: streamed get_object of each key, body read to the end."""
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint)
-    total = 0
-    for key in keys:
-        body = client.get_object(Bucket="bench", Key=key)["Body"]
-        while chunk := body.read(1 << 20):
-            total += len(chunk)
-    return total
+from common import get_object_stream, moto_bucket
 
 
 def many_shards(client, options: dict, prefix: str, count: int, sample: dict | None = None) -> bytes:
@@ -156,7 +102,7 @@ def main() -> None:
                 from concurrent.futures import ProcessPoolExecutor
 
                 with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-                    assert sum(pool.map(_get_all, [endpoint, endpoint], [keys[0::2], keys[1::2]])) == total
+                    assert sum(pool.map(get_object_stream, [endpoint, endpoint], [keys[0::2], keys[1::2]])) == total
                 return n
 
             def ours(workers, readahead=None, threads=1):

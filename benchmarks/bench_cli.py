@@ -1,7 +1,7 @@
 """Figures for the CLI tools: `shardstream bench` on the demo dataset from local disk and from a
 moto S3 server on 127.0.0.1, and `shardstream verify` time per GB.
 
-    OMP_NUM_THREADS=1 python tools/bench_cli.py [--seconds 10] [--verify-mb 500]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cli.py [--seconds 10] [--verify-mb 500]
 
 Packs the demo dataset (10 classes x 100 PNG 32x32) unless data/demo/shards exists, uploads it to
 a moto server this script starts (and stops), and stages a --verify-mb dataset of ~100 KB
@@ -21,18 +21,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-
-@contextlib.contextmanager
-def moto_server():
-    """The moto server of bench_s3 (its own process, stopped by PID)."""
-    from bench_s3 import start_moto
-
-    proc, url = start_moto()
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+from common import moto_server
 
 
 def run_cli(argv: list[str]) -> str:
@@ -59,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     demo = "data/demo/shards"
     if not os.path.exists(os.path.join(demo, "index.json")):
-        os.system(f"{sys.executable} tools/make_synthetic.py data/demo/src --classes 10 --per-class 100 --size 32")
+        os.system(f"{sys.executable} benchmarks/make_synthetic.py data/demo/src --classes 10 --per-class 100 --size 32")
         pack("data/demo/src", demo, label_from_dir=True, max_count=100, shuffle=True, overwrite=True)
     with moto_server() as endpoint:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="demo")

@@ -1,8 +1,8 @@
 """Where the CPU goes when large samples stream from S3 with workers: CPU seconds per sample of
 the main process, the DataLoader workers and the moto server, for shardstream with 0 and 2 workers
-and for the reference of tools/bench_s3.py (two processes streaming ``get_object``).
+and for the reference of benchmarks/bench_s3.py (two processes streaming ``get_object``).
 
-    OMP_NUM_THREADS=1 python tools/bench_s3_cpu.py [--samples 200] [--repeats 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_s3_cpu.py [--samples 200] [--repeats 2]
 
 On a 2-core machine every process shares the same two cores, so a reader's rate is bounded by
 2 / (its CPU per sample + the server's CPU per sample). 4 MB float32 ``.npy`` samples, undecoded,
@@ -41,7 +41,7 @@ def own_and_children() -> tuple[float, float]:
 
 
 def main() -> None:
-    from bench_s3 import _get_all, moto_bucket
+    from common import get_object_stream, moto_bucket
 
     from shardstream import Read, ShardStream, ShardWriter, StorageConfig, Store, World, make_loader
 
@@ -69,7 +69,7 @@ def main() -> None:
 
             def run() -> int:
                 with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-                    sum(pool.map(_get_all, [endpoint, endpoint], [keys[0::2], keys[1::2]]))
+                    sum(pool.map(get_object_stream, [endpoint, endpoint], [keys[0::2], keys[1::2]]))
                 return args.samples if prefix == "many" else 8
             return run
 

@@ -1,9 +1,9 @@
 """S3 with real latency: shardstream against plain ``get_object`` streams of the same objects, through
-a proxy that adds a first-byte latency to every request (``tools/latency_proxy.py``, its own
+a proxy that adds a first-byte latency to every request (``benchmarks/latency_proxy.py``, its own
 process, 127.0.0.1), in front of a moto server (its own process, 127.0.0.1); plus the time to the
 first batch and the GET requests each reader makes.
 
-    OMP_NUM_THREADS=1 python tools/bench_s3_latency.py [--latency 0.03] [--shards 8] [--repeats 5]
+    OMP_NUM_THREADS=1 python benchmarks/bench_s3_latency.py [--latency 0.03] [--shards 8] [--repeats 5]
 
 The data: ``--shards`` shards of ``--per-shard`` 4 MiB float32 ``.npy`` samples (32 MiB shards by
 default), read undecoded, in manifest order, batch 4. The contenders, interleaved, medians:
@@ -34,22 +34,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-
-def _stream(endpoint: str, keys: list[str]) -> int:
-    """One process's streams: ``get_object`` of each key, its body read in 1 MiB pieces."""
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint)
-    total = 0
-    for key in keys:
-        body = client.get_object(Bucket="bench", Key=key)["Body"]
-        while chunk := body.read(1 << 20):
-            total += len(chunk)
-    return total
+from common import get_object_stream
 
 
 def main() -> None:
-    from bench_s3 import moto_bucket  # type: ignore[import-not-found]
+    from common import moto_bucket
     from latency_proxy import proxy_counts, start_proxy  # type: ignore[import-not-found]
 
     from shardstream import ShardStream, ShardWriter, StorageConfig, Store, World, make_loader
@@ -87,7 +76,7 @@ def main() -> None:
 
             def two_streams() -> int:
                 with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
-                    assert sum(pool.map(_stream, [url, url], [keys[0::2], keys[1::2]])) == total
+                    assert sum(pool.map(get_object_stream, [url, url], [keys[0::2], keys[1::2]])) == total
                 return n
 
             def ours(workers: int, direct: bool = True):

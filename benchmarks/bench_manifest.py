@@ -10,7 +10,7 @@ fresh worker process the RSS that unpickling it and planning its ranges adds.
 ``--moto`` also measures the first batch of a 10,000-shard dataset (real tiny shards and
 sidecars) on a moto server on 127.0.0.1.
 
-    OMP_NUM_THREADS=1 python tools/bench_manifest.py [--moto]
+    OMP_NUM_THREADS=1 python benchmarks/bench_manifest.py [--moto]
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def run_child(*args: str) -> dict:
 
 
 def first_batch_on_moto(shards: int, repeats: int) -> None:
-    from bench_s3 import many_shards, moto_bucket  # type: ignore[import-not-found]
+    from bench_s3 import many_shards
+    from common import moto_bucket
 
     from shardstream import ShardStream, Store, World, make_loader
 

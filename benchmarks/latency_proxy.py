@@ -2,7 +2,7 @@
 S3 region's first-byte latency does, and streams every body through (nothing is held whole). For
 benchmarks; it runs in its own process, so it does not share a reader's GIL.
 
-    python tools/latency_proxy.py http://127.0.0.1:PORT --latency 0.03
+    python benchmarks/latency_proxy.py http://127.0.0.1:PORT --latency 0.03
 
 prints its own URL on the first line of stdout and serves until it is terminated. Keep-alive
 connections stay open, each with a kept-alive connection upstream; every request, on any

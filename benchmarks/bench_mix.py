@@ -2,7 +2,7 @@
 with webdataset (one dataset, and RandomMix over three) side by side; interleaved full passes,
 medians.
 
-    OMP_NUM_THREADS=1 python tools/bench_mix.py [--samples 100000] [--repeats 5] [--workers 0,2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_mix.py [--samples 100000] [--repeats 5] [--workers 0,2]
 
 The data (small samples, ~1-2 KB .bin + .cls, the per-sample-overhead case where mixing's extra
 work shows most) is written once to /dev/shm: one dataset of N samples, and the same kind of
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -28,6 +27,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from common import count, cpu_seconds
 
 from shardstream import Schedule, Shuffle, World
 
@@ -73,17 +74,8 @@ def webdataset_loader(roots: list[str], workers: int):
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and of its joined children (the DataLoader workers)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
 
 
-def count(loader) -> int:
-    n = 0
-    for batch in loader:
-        n += len(batch["__key__"])
-    return n
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Packing throughput on a Dask cluster next to the local pool, one directory tree, interleaved
 repeats, medians; every output checked byte-identical to the one-process pack.
 
-    OMP_NUM_THREADS=1 python tools/bench_pack_dask.py [--samples 20000] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_pack_dask.py [--samples 20000] [--repeats 3]
 
 Contenders: ``pack(..., workers=1)`` and ``workers=2`` (the streaming writer with a local process
 pool), shard tasks on a ``ProcessPoolExecutor(2)``, and shard tasks on a ``distributed.LocalCluster``

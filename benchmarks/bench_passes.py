@@ -1,9 +1,9 @@
 """Consecutive passes over large samples in one fresh process, pass by pass, with numpy's
 transparent-huge-page advice on and off (interleaved runs, each a new process).
 
-    OMP_NUM_THREADS=1 python tools/bench_passes.py [--runs 3] [--passes 3] [--workers 0]
+    OMP_NUM_THREADS=1 python benchmarks/bench_passes.py [--runs 3] [--passes 3] [--workers 0]
 
-The data is tools/bench_large.py's (4 MiB float32 ``.npy`` in /dev/shm, batch 32, ``Shuffle(64)``,
+The data is benchmarks/bench_large.py's (4 MiB float32 ``.npy`` in /dev/shm, batch 32, ``Shuffle(64)``,
 shardstream's own decoder and collate; made if missing). The first pass of a process touches every
 buffer for the first time; later passes reuse that memory. numpy advises the kernel to back arrays
 of 4 MiB and more with 2 MiB pages (``NUMPY_MADVISE_HUGEPAGE``, on by default on Linux): each run

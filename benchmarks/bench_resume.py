@@ -2,7 +2,7 @@
 topology) and at 90% onto another world size (elastic), from local disk (/dev/shm) and from a moto
 S3 server on 127.0.0.1; plus the cost of the shuffle simulation that finds the buffer's contents.
 
-    OMP_NUM_THREADS=1 python tools/bench_resume.py [--samples 100000] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_resume.py [--samples 100000] [--repeats 3]
 
 Rank 0 of 2, make_loader with 2 workers, batch 64, shuffle buffer 1000. Each measurement builds a
 fresh ShardStream and loader (as a restarted job does), loads the state, and times until the
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--shard-samples", type=int, default=2_000)
     parser.add_argument("--no-s3", action="store_true")
     args = parser.parse_args()
-    from bench_s3 import start_moto
+    from common import start_moto
 
     rows = simulation_cost([100_000, 1_000_000], args.repeats)
     for row in rows:

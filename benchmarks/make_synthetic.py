@@ -1,6 +1,6 @@
 """Generate a small synthetic image-classification dataset in the ImageFolder layout.
 
-    python tools/make_synthetic.py DIR --classes 10 --per-class 100 --size 32
+    python benchmarks/make_synthetic.py DIR --classes 10 --per-class 100 --size 32
 
 Writes DIR/class_XX/NNNNNN.png plus a .json sidecar per image. Each class has its own colour and
 stripe pattern plus noise, so a tiny model can learn it. Deterministic for a given --seed.

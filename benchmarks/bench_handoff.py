@@ -2,7 +2,7 @@
 side in one run: 4 MiB float32 ``.npy`` samples from tmpfs (the bench_large dataset), batches of
 32 (128 MiB), 2 workers, several passes over one loader.
 
-    OMP_NUM_THREADS=1 python tools/bench_handoff.py [--repeats 5] [--passes 4] [--samples 512]
+    OMP_NUM_THREADS=1 python benchmarks/bench_handoff.py [--repeats 5] [--passes 4] [--samples 512]
 
 Contenders: ``make_loader(reuse_shared_memory=True|False)`` x ``persistent_workers=True|False``,
 and the same loader with no workers (one process) for scale.
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--samples", type=int, default=512)
-    parser.add_argument("--workdir", default="/dev/shm/ssbench-large", help="shared with tools/bench_large.py")
+    parser.add_argument("--workdir", default="/dev/shm/ssbench-large", help="shared with benchmarks/bench_large.py")
     args = parser.parse_args()
     root = os.path.join(args.workdir, "npy")
     if not os.path.exists(os.path.join(root, "index.json")):

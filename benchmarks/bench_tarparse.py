@@ -1,7 +1,7 @@
 """Tar parse time by member size: the parser in the working tree against another version of
 ``shardstream/format/tar.py`` (for before/after), side by side in one run, interleaved, medians.
 
-    OMP_NUM_THREADS=1 python tools/bench_tarparse.py [--before /tmp/tar_before.py] [--sizes 4,64,500] \
+    OMP_NUM_THREADS=1 python benchmarks/bench_tarparse.py [--before /tmp/tar_before.py] [--sizes 4,64,500] \
         [--repeats 3] [--piece 1] [--workdir /dev/shm/ssbench-tarparse]
 
 For each size (MB) one shard holding one member of that size (plus a small label member) is

@@ -1,6 +1,6 @@
 """Small shards on a high-latency store: read-ahead with 1 thread vs several (``Read(readahead_threads=N)``).
 
-    OMP_NUM_THREADS=1 python tools/bench_latency.py [--latency 0.03] [--shards 100] [--repeats 3]
+    OMP_NUM_THREADS=1 python benchmarks/bench_latency.py [--latency 0.03] [--shards 100] [--repeats 3]
 
 The moto server (its own process, 127.0.0.1) sits behind the tests' fault proxy, which adds
 ``--latency`` seconds before answering each GET (as a distant region or a busy store does). Every
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def main() -> None:
-    from bench_s3 import moto_bucket  # type: ignore[import-not-found]
+    from common import moto_bucket
     from faultproxy import FaultProxy  # type: ignore[import-not-found]
 
     from shardstream import Read, ShardStream, ShardWriter, Store, World

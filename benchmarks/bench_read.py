@@ -1,7 +1,7 @@
 """Read throughput: ShardStream vs the equivalent webdataset pipeline, side by side in one run,
 interleaved, medians over repeats.
 
-    OMP_NUM_THREADS=1 python tools/bench_read.py [--repeats 5] [--workdir /dev/shm/ssbench-read]
+    OMP_NUM_THREADS=1 python benchmarks/bench_read.py [--repeats 5] [--workdir /dev/shm/ssbench-read]
 
 Both read the same tar shards (written once, staged in /dev/shm so the page cache is warm) and do
 the same work: shard shuffle, a 1000-sample shuffle buffer, decode, batches of 64 as dicts.
@@ -26,6 +26,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from common import count
 
 BATCH = 64
 BUFFER = 1000
@@ -94,11 +96,6 @@ def webdataset_loader(root: str, kind: str, workers: int):
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
 
 
-def count(loader) -> int:
-    n = 0
-    for batch in loader:
-        n += len(batch["__key__"])
-    return n
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
 """What a worker start method costs, side by side in one run (shardstream/workers.py).
 
-    OMP_NUM_THREADS=1 python tools/bench_workers.py [--repeats 5] [--passes 8]
+    OMP_NUM_THREADS=1 python benchmarks/bench_workers.py [--repeats 5] [--passes 8]
 
 1. Time to the first batch of each pass with workers new every pass (``persistent_workers=False``,
    the default), for ``fork``, ``forkserver`` (what ``start_method="auto"`` picks where a fork could
    deadlock) and ``spawn``, with 1 and 2 workers, over a small dataset (2,000 samples of 1 KiB).
    That is the worker start per epoch. The first pass of a process is reported apart: it starts
    the forkserver's server (which imports torch and shardstream once).
-2. The large-sample hand-off (tools/bench_handoff.py: 4 MiB ``.npy`` samples from tmpfs, batches
+2. The large-sample hand-off (benchmarks/bench_handoff.py: 4 MiB ``.npy`` samples from tmpfs, batches
    of 128 MiB, 2 workers new each pass, segments reused) under ``fork`` and ``forkserver``.
 
 Contenders are interleaved within each repeat; medians are reported.

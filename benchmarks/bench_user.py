@@ -3,7 +3,7 @@
 function and collate over the samples already in memory), side by side, interleaved, medians;
 litData too when it is importable (not a dependency of shardstream).
 
-    OMP_NUM_THREADS=1 python tools/bench_user.py [--repeats 5] [--samples 100000] [--workers 0]
+    OMP_NUM_THREADS=1 python benchmarks/bench_user.py [--repeats 5] [--samples 100000] [--workers 0]
 
 Samples: 1 KiB ``.bin`` + ``.cls``. Every contender does the same per-sample work (bytes -> uint8
 tensor, label -> int) and the same collate; shardstream with ``decode=False`` (the user decodes),

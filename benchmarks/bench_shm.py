@@ -1,6 +1,6 @@
 """What a fresh shared-memory segment costs: the batch buffers DataLoader workers fill and hand over.
 
-    OMP_NUM_THREADS=1 python tools/bench_shm.py [--mb 128] [--repeats 6]
+    OMP_NUM_THREADS=1 python benchmarks/bench_shm.py [--mb 128] [--repeats 6]
 
 Fills a buffer of --mb MiB with one copy, four ways, medians over --repeats:
   warm numpy       memory already mapped (the floor: one memcpy)

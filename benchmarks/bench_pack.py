@@ -1,6 +1,6 @@
 """Packing throughput: shardstream vs webdataset.ShardWriter, side by side, interleaved, medians.
 
-    OMP_NUM_THREADS=1 python tools/bench_pack.py [--repeats 5] [--workdir /dev/shm/ssbench]
+    OMP_NUM_THREADS=1 python benchmarks/bench_pack.py [--repeats 5] [--workdir /dev/shm/ssbench]
 
 Two inputs: small samples (~1 KB: .bin + .cls) and images (~100 KB JPEG + .cls). Two paths each:
   api  - the writer alone, fed the same in-memory sample dicts (bytes already encoded)

@@ -1,7 +1,7 @@
 """Large samples (4 MB float32 ``.npy``) from tmpfs: ShardStream vs webdataset, side by side in one
 run, interleaved, medians over repeats, and the floor (the same files read with ``readinto``).
 
-    OMP_NUM_THREADS=1 python tools/bench_large.py [--repeats 3] [--samples 256] [--batch 32]
+    OMP_NUM_THREADS=1 python benchmarks/bench_large.py [--repeats 3] [--samples 256] [--batch 32]
 
 Every loader decodes the same ``.npy`` fields and batches them to one float32 tensor per batch:
   shardstream            its own ``.npy`` decoder (array over the member's buffer) + its default collate
@@ -20,7 +20,6 @@ import argparse
 import gc
 import io
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -29,6 +28,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from common import cpu_seconds
 
 from shardstream import Shuffle, World
 
@@ -99,11 +100,6 @@ def floor_read(root: str) -> int:
     return total
 
 
-def cpu_seconds() -> float:
-    """CPU time (user + system) of this process and its reaped children (finished DataLoader
-    workers): on a shared, overloaded machine, bytes per CPU-second is steadier than wall time."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def timed(fn) -> tuple[float, float]:

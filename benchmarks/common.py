@@ -1,0 +1,105 @@
+"""What the benchmarks share: the repository on ``sys.path``, a moto S3 server of their own (on
+loopback, stopped by its PID), the reference ``get_object`` stream, CPU time and sample counting.
+
+Every benchmark starts with ``import common`` (this folder is on ``sys.path`` when a script here
+runs); ``common`` puts the repository root first, so ``import shardstream`` takes this checkout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for _path in (HERE, REPO):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its reaped children (finished DataLoader
+    workers): on a shared, overloaded machine, work per CPU-second is steadier than wall time."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def count(loader) -> int:
+    """Samples in every batch of one pass (batches with a ``__key__`` list)."""
+    n = 0
+    for batch in loader:
+        n += len(batch["__key__"])
+    return n
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto server on a free loopback port, with moto's fake credentials in this process's
+    environment (botocore, s3fs and forked workers read them from there)."""
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc, url
+        except OSError:
+            time.sleep(0.1)  # until the server listens (no event to wait on in another process)
+    proc.kill()
+    raise SystemExit("moto_server did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a server this benchmark started, by its PID."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def moto_server():
+    """A moto server (``start_moto``): yields its endpoint URL."""
+    proc, url = start_moto()
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def moto_bucket(bucket: str = "bench"):
+    """A moto server with one bucket: yields ``(endpoint, storage_options, boto3 client, server PID)``."""
+    import boto3
+
+    proc, endpoint = start_moto()
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket=bucket)
+        yield endpoint, {"endpoint_url": endpoint}, client, proc.pid
+    finally:
+        stop(proc)
+
+
+def get_object_stream(endpoint: str, keys: list[str], bucket: str = "bench") -> int:
+    """The reference reader: boto3 ``get_object`` of each key, its body read to the end in 1 MiB
+    pieces (one process's share when several run side by side). Returns the bytes read."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    total = 0
+    for key in keys:
+        body = client.get_object(Bucket=bucket, Key=key)["Body"]
+        while chunk := body.read(1 << 20):
+            total += len(chunk)
+    return total
