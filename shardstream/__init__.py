@@ -30,8 +30,8 @@ _EXPORTS = {
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
     "make_loader": "loader",
-    "to_device": "device",
-    "DevicePrefetcher": "device",
+    "to_device": "loader.device",
+    "DevicePrefetcher": "loader.device",
     "World": "plan.topology",
     "RandomResizedCrop": "pipeline.augment",
     "plan_epoch": "plan.epoch",
@@ -104,7 +104,6 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
 
 if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr__ loads them lazily
     from shardstream.dataset import ShardStream
-    from shardstream.device import DevicePrefetcher, to_device
     from shardstream.errors import (
         AccessDenied,
         BucketNotFound,
@@ -127,6 +126,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.loader import make_loader
+    from shardstream.loader.device import DevicePrefetcher, to_device
     from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
     from shardstream.pipeline.augment import RandomResizedCrop
     from shardstream.plan.epoch import EpochPlan, plan_epoch

@@ -158,3 +158,21 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise()
+
+
+# In a DataLoader worker, the loader's segment pool (loader/segments.py) hands out the shared
+# storages of batch buffers, so that the main process can hand them back for reuse; it registers
+# itself here when the worker starts, and the pipeline asks here (it never imports the loader).
+_shared_allocator: Any = None
+
+
+def set_shared_allocator(take: Any) -> None:
+    """Where ``take_shared`` gets storages in this process (None: fresh ones)."""
+    global _shared_allocator
+    _shared_allocator = take
+
+
+def take_shared(nbytes: int) -> Any:
+    """A shared storage for a batch buffer made in a worker: from the worker's segment pool where
+    there is one, else a fresh one (``new_shared``)."""
+    return _shared_allocator(nbytes) if _shared_allocator is not None else new_shared(nbytes)

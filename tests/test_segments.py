@@ -13,7 +13,7 @@ import torch
 
 from shardstream import ShardStream, ShardWriter, World, make_loader
 from shardstream.loader import SEGMENTS, pack_batch, unpack_batch
-from shardstream.segments import MAX_SEGMENTS, Channels, Handoff, WorkerPool, worker_pool
+from shardstream.loader.segments import MAX_SEGMENTS, Channels, Handoff, WorkerPool, worker_pool
 
 MB = 1 << 20
 

@@ -17,9 +17,10 @@ import time
 import pytest
 from conftest import write_dataset
 
-from shardstream import ShardStream, make_loader, workers
+from shardstream import ShardStream, make_loader
 from shardstream.errors import ConfigError, WorkerTimeout
-from shardstream.workers import fork_hazard, native_threads, resolve_start_method
+from shardstream.loader import workers
+from shardstream.loader.workers import fork_hazard, native_threads, resolve_start_method
 
 AFFECTED = sys.implementation.name == "cpython" and sys.version_info < (3, 12)
 _libc = ctypes.CDLL(None, use_errno=True)

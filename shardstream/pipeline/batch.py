@@ -13,9 +13,8 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.buffers import BufferPool, active_pool, batch_buffers
+from shardstream.buffers import BufferPool, active_pool, batch_buffers, take_shared
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
-from shardstream.segments import take_shared
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
 
     In a DataLoader worker it is in shared memory (as torch's own default_collate does), so the
     hand-off to the main process sends a handle, not the bytes; under make_loader the segment is
-    one the worker used before, once the main process is done with it (segments.py). Elsewhere it comes from numpy's
+    one the worker used before, once the main process is done with it (loader/segments.py). Elsewhere it comes from numpy's
     allocator, which asks the kernel for huge pages on large arrays (``madvise``): filling a fresh
     256 MB batch then takes ~500 page faults instead of ~65,000, about half the CPU time.
     """

@@ -31,9 +31,8 @@ import webdataset
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
-from shardstream.plan.run import PassPlan
-from shardstream.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
-from shardstream.workers import (
+from shardstream.loader.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
+from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
     DEFAULT_TIMEOUT,
     WorkerStart,
@@ -43,6 +42,7 @@ from shardstream.workers import (
     semaphores_mark,
     watched,
 )
+from shardstream.plan.run import PassPlan
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def make_loader(
     batches are dropped, at that cost).
 
     ``start_method`` says how workers start: ``"auto"`` forks where that is safe and otherwise
-    uses ``"forkserver"`` (see ``shardstream.workers``: a forked child can deadlock on CPython
+    uses ``"forkserver"`` (see ``shardstream.loader.workers``: a forked child can deadlock on CPython
     before 3.12 when the process has other threads, as it always has under torch.distributed);
     ``"fork"``, ``"forkserver"`` or ``"spawn"`` force one (so does DataLoader's
     ``multiprocessing_context``). Workers that are not forked receive the dataset pickled, so its

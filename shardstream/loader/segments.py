@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from multiprocessing import context, reduction
 from typing import Any
 
-from shardstream.buffers import PAGE, new_shared, populate
+from shardstream.buffers import PAGE, new_shared, populate, set_shared_allocator
 
 _MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
 _UNMAPPED = 1 << 31  # released without being mapped: send the storage again
@@ -286,11 +286,6 @@ def worker_pool() -> WorkerPool | None:
     return _pool
 
 
-def take_shared(nbytes: int) -> Any:
-    """A shared storage for a batch buffer made in a worker: from the pool where there is one."""
-    return _pool.take(nbytes) if _pool is not None else new_shared(nbytes)
-
-
 class Channels:
     """One loader's release pipes (one per worker) and, in the main process, the segments it has
     mapped. Made by make_loader; forked workers inherit it with the loader."""
@@ -354,6 +349,7 @@ class Channels:
         process that made these pipes, with the segments the main process set aside for it."""
         global _pool
         _pool = None
+        set_shared_allocator(None)
         if (self.owner != _PASSED and os.getppid() != self.owner) or worker >= len(self.pipes):  # a plain copy: no pool
             return
         token, inherited = self.inherit.get(worker, (None, []))
@@ -365,6 +361,7 @@ class Channels:
         _parents.append((self.mapped, self.retired))
         self.mapped, self.views, self.retired, self.inherit = {}, {}, {}, {}
         _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited)
+        set_shared_allocator(_pool.take)  # the pipeline's batch buffers come from this pool
 
     def workers_tokens(self) -> set[int]:
         """The tokens chosen for the workers forked last (they may have sent no batch)."""
