@@ -66,8 +66,10 @@ def main() -> None:
         for flags in ([], ["--deep"]):
             t = time.perf_counter()
             out = run_cli(["verify", root, "--no-progress"] + flags)
-            print(f"## shardstream verify {' '.join(flags)} ({args.verify_mb} MB in /dev/shm): {out.strip().splitlines()[-1]}"
-                  f" [wall {time.perf_counter() - t:.1f} s]")
+            print(
+                f"## shardstream verify {' '.join(flags)} ({args.verify_mb} MB in /dev/shm): {out.strip().splitlines()[-1]}"
+                f" [wall {time.perf_counter() - t:.1f} s]"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

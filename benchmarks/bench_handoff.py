@@ -30,8 +30,15 @@ def run(root: str, reuse: bool, persistent: bool, passes: int, workers: int = 2,
     from shardstream import ShardStream, World, make_loader
 
     ds = ShardStream(root, batch_size=32, shuffle=False, world=World(0, 1))
-    loader = make_loader(ds, num_workers=workers, pin_memory=False, persistent_workers=persistent,
-                         reuse_shared_memory=reuse, log_interval=None, start_method=start_method if workers else "auto")
+    loader = make_loader(
+        ds,
+        num_workers=workers,
+        pin_memory=False,
+        persistent_workers=persistent,
+        reuse_shared_memory=reuse,
+        log_interval=None,
+        start_method=start_method if workers else "auto",
+    )
     total = 0
     t = time.perf_counter()
     for _ in range(passes):
@@ -67,8 +74,10 @@ def main() -> None:
         for reuse in (True, False):
             rates = contenders[(reuse, persistent)]
             med = statistics.median(rates)
-            print(f"| {'persistent' if persistent else 'new each pass'} | {'reused' if reuse else 'fresh'} | {med:.2f} | "
-                  f"{' '.join(f'{r:.2f}' for r in rates)} | {med / fresh:.2f}x |")
+            print(
+                f"| {'persistent' if persistent else 'new each pass'} | {'reused' if reuse else 'fresh'} | {med:.2f} | "
+                f"{' '.join(f'{r:.2f}' for r in rates)} | {med / fresh:.2f}x |"
+            )
     med = statistics.median(alone)
     print(f"| none (num_workers=0) | - | {med:.2f} | {' '.join(f'{r:.2f}' for r in alone)} | - |")
     print(f"({args.passes} passes over {args.samples} x 4 MiB per run, 2 workers, batch 32, medians of {args.repeats})")

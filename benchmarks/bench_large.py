@@ -62,8 +62,10 @@ def shardstream_loader(root: str, workers: int, batch: int, mode: str):
     decode: bool | dict = {"npy": user_npy} if mode == "np.load" else True
     collate = None
     if mode == "torch-collate":
+
         def collate(samples):
             return default_collate([{"npy": s["npy"], "cls": s["cls"]} for s in samples])
+
     ds = ShardStream(root, batch_size=batch, shuffle=Shuffle(64), decode=decode, collate=collate, world=World(0, 1))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
@@ -82,8 +84,13 @@ def webdataset_loader(root: str, workers: int, batch: int):
     def to_torch(b):
         return {"npy": torch.from_numpy(b["npy"]), "cls": torch.as_tensor(b["cls"])}
 
-    ds = (wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker,
-                         empty_check=False).shuffle(64).map(decode).batched(batch, partial=False).map(to_torch))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False)
+        .shuffle(64)
+        .map(decode)
+        .batched(batch, partial=False)
+        .map(to_torch)
+    )
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
 
 
@@ -98,8 +105,6 @@ def floor_read(root: str) -> int:
                 while n := f.readinto(view):
                     total += n
     return total
-
-
 
 
 def timed(fn) -> tuple[float, float]:
@@ -148,8 +153,11 @@ def copies(root: str, batch: int) -> None:
     del as_bytes
     with open(path, "rb", buffering=0) as f:
         t0 = clock()
-        fields = [fs["npy"] for batch_ in iter_sample_batches(FileReader(f, None, None), url=path, end=shard.span[1],
-                                                               keep_buffers={"npy"}) for _, _, _, fs in batch_]
+        fields = [
+            fs["npy"]
+            for batch_ in iter_sample_batches(FileReader(f, None, None), url=path, end=shard.span[1], keep_buffers={"npy"})
+            for _, _, _, fs in batch_
+        ]
         t_parse = clock() - t0  # read + tar parse, large members read into their own buffers
     samples = len(fields)
     immutable = [bytes(d) for d in fields[:8]]
@@ -174,12 +182,15 @@ def copies(root: str, batch: int) -> None:
         collated = default_collate([{"npy": x} for x in new[:batch]])
         t_col = min(t_col, clock() - t0)
         del collated
-    per = {"read + tar parse, members as bytes (read(n), no viewing decoder)": t_parse_bytes / samples,
-           "read + tar parse, own buffers (readinto, .npy kept)": t_parse / samples,
-           "np.load(BytesIO) decode": t_dec_old / samples,
-           "shardstream .npy decode of bytes (one copy)": t_dec_copy / samples,
-           "shardstream .npy decode of its own buffer (a view)": t_dec_new / samples, "torch.stack into a fresh batch (before)": t_stack / batch,
-           "shardstream default collate (after)": t_col / batch}
+    per = {
+        "read + tar parse, members as bytes (read(n), no viewing decoder)": t_parse_bytes / samples,
+        "read + tar parse, own buffers (readinto, .npy kept)": t_parse / samples,
+        "np.load(BytesIO) decode": t_dec_old / samples,
+        "shardstream .npy decode of bytes (one copy)": t_dec_copy / samples,
+        "shardstream .npy decode of its own buffer (a view)": t_dec_new / samples,
+        "torch.stack into a fresh batch (before)": t_stack / batch,
+        "shardstream default collate (after)": t_col / batch,
+    }
     print(f"4 MiB copy into fresh memory: {fresh_copy * 1e3:.2f} ms CPU ({nbytes / fresh_copy / 1e9:.1f} GB per CPU-second)")
     print("| step | CPU ms per 4 MiB sample | copies' worth |")
     print("|---|---|---|")

@@ -43,8 +43,14 @@ def main() -> None:
             times: dict[int, list[float]] = {n: [] for n in counts}
             for _ in range(args.repeats):
                 for n in counts:
-                    ds = ShardStream("s3://bench/small", batch_size=50, shuffle=False, decode=False, world=World(0, 1),
-                                     store=Store(options=options, read=Read(readahead_threads=n)))
+                    ds = ShardStream(
+                        "s3://bench/small",
+                        batch_size=50,
+                        shuffle=False,
+                        decode=False,
+                        world=World(0, 1),
+                        store=Store(options=options, read=Read(readahead_threads=n)),
+                    )
                     t = time.perf_counter()
                     got = sum(len(b["__key__"]) for b in ds)
                     times[n].append(time.perf_counter() - t)

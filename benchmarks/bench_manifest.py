@@ -45,8 +45,7 @@ def write_synthetic(root: str, samples: int, shards: int) -> int:
     for i in range(shards):
         n = base + (1 if i < extra else 0)
         size = n * SAMPLE_BYTES + 1024
-        infos.append(ShardInfo(f"shard-{i:06d}.tar", n, size, f"{i:064x}", index=f"shard-{i:06d}.tar.idx",
-                               span=(0, size - 1024)))
+        infos.append(ShardInfo(f"shard-{i:06d}.tar", n, size, f"{i:064x}", index=f"shard-{i:06d}.tar.idx", span=(0, size - 1024)))
     data = Manifest(shards=infos).dumps()
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, "index.json"), "wb") as f:
@@ -68,8 +67,18 @@ def rank_process(root: str, blob_path: str) -> None:
     blob = pickle.dumps(ds)
     with open(blob_path, "wb") as f:
         f.write(blob)
-    print(json.dumps({"import_mb": base, "peak_mb": peak_mb(), "seconds": seconds, "pickle_bytes": len(blob),
-                      "ranges": sum(len(r) for r in ranges), "batches": len(ds)}))
+    print(
+        json.dumps(
+            {
+                "import_mb": base,
+                "peak_mb": peak_mb(),
+                "seconds": seconds,
+                "pickle_bytes": len(blob),
+                "ranges": sum(len(r) for r in ranges),
+                "batches": len(ds),
+            }
+        )
+    )
 
 
 def worker_process(blob_path: str) -> None:
@@ -106,8 +115,10 @@ def first_batch_on_moto(shards: int, repeats: int) -> None:
             constructs.append(time.perf_counter() - t)
             next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
             firsts.append(time.perf_counter() - t)
-        print(f"\nfirst batch, {shards}-shard dataset on moto (rank 0 of 8, 2 workers): {statistics.median(firsts):.2f} s median "
-              f"of {repeats} (manifest read + plan {statistics.median(constructs):.2f} s)")
+        print(
+            f"\nfirst batch, {shards}-shard dataset on moto (rank 0 of 8, 2 workers): {statistics.median(firsts):.2f} s median "
+            f"of {repeats} (manifest read + plan {statistics.median(constructs):.2f} s)"
+        )
 
 
 def main() -> None:
@@ -130,8 +141,11 @@ def main() -> None:
             peak = statistics.median(x["peak_mb"] for x in ranks)
             base = statistics.median(x["import_mb"] for x in ranks)
             added = statistics.median(x["added_mb"] for x in workers)
-            print(f"| {samples:,} | {shards:,} | {size / 1e6:.1f} MB | {seconds:.2f} s | {peak:.0f} MB ({base:.0f} MB) | "
-                  f"{r['pickle_bytes'] / 1e6:.1f} MB | {added:.1f} MB |", flush=True)
+            print(
+                f"| {samples:,} | {shards:,} | {size / 1e6:.1f} MB | {seconds:.2f} s | {peak:.0f} MB ({base:.0f} MB) | "
+                f"{r['pickle_bytes'] / 1e6:.1f} MB | {added:.1f} MB |",
+                flush=True,
+            )
     print(f"(medians of {args.repeats} fresh processes each; batch_size=256, world_size=8, rank 0, num_workers=4)")
     if args.moto:
         first_batch_on_moto(10_000, args.repeats)

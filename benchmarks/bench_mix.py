@@ -59,8 +59,11 @@ def webdataset_pipeline(root: str):
     from shardstream import load_manifest
 
     urls = [os.path.join(root, s.path) for s in load_manifest(root).shards]
-    return wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker,
-                          empty_check=False).shuffle(BUFFER).decode()
+    return (
+        wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False)
+        .shuffle(BUFFER)
+        .decode()
+    )
 
 
 def webdataset_loader(roots: list[str], workers: int):
@@ -72,10 +75,6 @@ def webdataset_loader(roots: list[str], workers: int):
         mixed = wds.RandomMix([webdataset_pipeline(r) for r in roots], probs=list(SHARES))
         ds = wds.DataPipeline(mixed, wds.batched(BATCH, partial=True))
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
-
-
-
-
 
 
 def main() -> None:
@@ -115,8 +114,9 @@ def main() -> None:
                     got = count(make())
                     rates[name].append(got / (time.perf_counter() - t))
                     cpu[name].append((cpu_seconds() - c) / got * 1e6)
-            refs = {k: (statistics.median(rates[f"{k}, one dataset"]), statistics.median(cpu[f"{k}, one dataset"]))
-                    for k in ("shardstream", "webdataset")}
+            refs = {
+                k: (statistics.median(rates[f"{k}, one dataset"]), statistics.median(cpu[f"{k}, one dataset"])) for k in ("shardstream", "webdataset")
+            }
             for name, values in rates.items():
                 med, us = statistics.median(values), statistics.median(cpu[name])
                 ref_rate, ref_us = refs[name.split(",")[0]]
@@ -127,8 +127,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for workers, name, med, lo, hi, ratio, us, us_ratio in rows:
         print(f"| {workers} | {name} | {med:,.0f} | {lo:,.0f}..{hi:,.0f} | {ratio:.3f} | {us:.1f} | {us_ratio:.3f} |")
-    print(f"(medians of {args.repeats} interleaved full passes of {args.samples} samples, batch {BATCH}, "
-          f"shuffle buffer {BUFFER})")
+    print(f"(medians of {args.repeats} interleaved full passes of {args.samples} samples, batch {BATCH}, shuffle buffer {BUFFER})")
 
 
 if __name__ == "__main__":

@@ -71,8 +71,7 @@ def main() -> None:
         clusters = {}
         t = time.perf_counter()
         for n in (1, 2):
-            cluster = distributed.LocalCluster(n_workers=n, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
-                                               host="127.0.0.1")
+            cluster = distributed.LocalCluster(n_workers=n, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1")
             clusters[n] = (cluster, distributed.Client(cluster))
         startup = (time.perf_counter() - t) / 2
         pool = ProcessPoolExecutor(2, mp_context=get_context("spawn"))
@@ -106,8 +105,10 @@ def main() -> None:
     for name, values in times.items():
         med = statistics.median(values)
         print(f"| {name} | {med:.2f} | {args.samples / med:,.0f} | {nbytes / med / 1e6:.1f} |")
-    print(f"(medians of {args.repeats} interleaved runs, output byte-identical in every run; "
-          f"LocalCluster start-up {startup:.1f} s, not timed; {os.cpu_count()} CPUs)")
+    print(
+        f"(medians of {args.repeats} interleaved runs, output byte-identical in every run; "
+        f"LocalCluster start-up {startup:.1f} s, not timed; {os.cpu_count()} CPUs)"
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,13 @@ def main() -> None:
     for run in range(args.runs):
         for advice in ("1", "0"):
             env = dict(os.environ, NUMPY_MADVISE_HUGEPAGE=advice)
-            out = subprocess.run([sys.executable, __file__, "--one", "--workdir", args.workdir, "--passes", str(args.passes),
-                                  "--workers", str(args.workers)], env=env, capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", "--workdir", args.workdir, "--passes", str(args.passes), "--workers", str(args.workers)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             print(f"run {run}, NUMPY_MADVISE_HUGEPAGE={advice}: " + "; ".join(out.stdout.split("\n")[:-1]), flush=True)
 
 

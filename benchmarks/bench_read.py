@@ -64,8 +64,7 @@ def shardstream_loader(root: str, kind: str, workers: int, reduced: bool = True,
     from shardstream import RandomResizedCrop, Read, ShardStream, Shuffle, Store, World, make_loader
 
     decode = {"jpg": RandomResizedCrop(224, reduced_decode=reduced)} if kind == "images" else True
-    ds = ShardStream(root, batch_size=BATCH, shuffle=Shuffle(BUFFER), decode=decode, world=World(0, 1),
-                     store=Store(read=Read(verify_stream=verify)))
+    ds = ShardStream(root, batch_size=BATCH, shuffle=Shuffle(BUFFER), decode=decode, world=World(0, 1), store=Store(read=Read(verify_stream=verify)))
     return make_loader(ds, num_workers=workers, pin_memory=False)
 
 
@@ -77,8 +76,9 @@ def webdataset_loader(root: str, kind: str, workers: int):
     from shardstream import RandomResizedCrop, load_manifest
 
     urls = [os.path.join(root, s.path) for s in load_manifest(root).shards]
-    ds = wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker,
-                        empty_check=False).shuffle(BUFFER)
+    ds = wds.WebDataset(urls, shardshuffle=100, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False).shuffle(
+        BUFFER
+    )
     if kind == "images":
         crop = RandomResizedCrop(224, reduced_decode=False)
 
@@ -94,8 +94,6 @@ def webdataset_loader(root: str, kind: str, workers: int):
         ds = ds.decode()
     ds = ds.batched(BATCH, partial=True)
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
-
-
 
 
 def main() -> None:

@@ -77,8 +77,10 @@ def simulation_cost(lengths: list[int], repeats: int) -> list[str]:
             t = time.perf_counter()
             cut_stream(n, int(0.9 * n), buffer_size=1000, initial=100, rng=random.Random(0))
             times.append(time.perf_counter() - t)
-        rows.append(f"shuffle simulation, one worker stream of {n:,} samples at 90%: {statistics.median(times) * 1e3:.0f} ms "
-                    f"({statistics.median(times) / n * 1e9:.0f} ns per sample)")
+        rows.append(
+            f"shuffle simulation, one worker stream of {n:,} samples at 90%: {statistics.median(times) * 1e3:.0f} ms "
+            f"({statistics.median(times) / n * 1e9:.0f} ns per sample)"
+        )
     return rows
 
 
@@ -107,8 +109,12 @@ def main() -> None:
             options = {"endpoint_url": endpoint}
             write("s3://bench/ds", args.samples, options, args.shard_samples)
             sources.append(("moto S3", "s3://bench/ds", options))
-        cases = [("fresh epoch (no state)", None, 2), ("exact resume at 0%", 0.0, 2), ("exact resume at 90%", 0.9, 2),
-                 ("elastic resume at 90%, 2 -> 3 ranks", 0.9, 3)]
+        cases = [
+            ("fresh epoch (no state)", None, 2),
+            ("exact resume at 0%", 0.0, 2),
+            ("exact resume at 90%", 0.9, 2),
+            ("elastic resume at 90%, 2 -> 3 ranks", 0.9, 3),
+        ]
         states = {(name, f): state_at(src, opts, f) for name, src, opts in sources for f in (0.0, 0.9)}
         times: dict = {}
         for _ in range(args.repeats):
@@ -116,14 +122,16 @@ def main() -> None:
                 for label, fraction, world in cases:
                     state = None if fraction is None else states[name, fraction]
                     times.setdefault((name, label), []).append(first_batch(src, opts, state, world))
-        print(f"{args.samples:,} samples of ~1 KB in shards of {args.shard_samples}, rank 0 of 2, 2 workers, batch 64, buffer 1000; "
-              f"median of {args.repeats} interleaved repeats", flush=True)
+        print(
+            f"{args.samples:,} samples of ~1 KB in shards of {args.shard_samples}, rank 0 of 2, 2 workers, batch 64, buffer 1000; "
+            f"median of {args.repeats} interleaved repeats",
+            flush=True,
+        )
         for (name, label), values in times.items():
             t = statistics.median(v[0] for v in values)
             read = statistics.median(v[1] for v in values)
             opened = statistics.median(v[2] for v in values)
-            print(f"{name:8s} {label:38s} first batch {t:6.2f} s, {read / 1e6:6.1f} MB in {opened:5.0f} ranges by then",
-                  flush=True)
+            print(f"{name:8s} {label:38s} first batch {t:6.2f} s, {read / 1e6:6.1f} MB in {opened:5.0f} ranges by then", flush=True)
     finally:
         if proc is not None:
             proc.kill()

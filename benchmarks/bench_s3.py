@@ -87,8 +87,7 @@ def main() -> None:
         kinds.append(("small", args.small, 16 << 20, 50))
         rows = []
         for kind, n, read_size, batch in kinds:
-            keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix=f"{kind}/")["Contents"]
-                          if o["Key"].endswith(".tar"))
+            keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix=f"{kind}/")["Contents"] if o["Key"].endswith(".tar"))
             total = sum(client.head_object(Bucket="bench", Key=k)["ContentLength"] for k in keys)
 
             def raw():
@@ -107,25 +106,37 @@ def main() -> None:
 
             def ours(workers, readahead=None, threads=1):
                 def run():
-                    ds = ShardStream(f"s3://bench/{kind}", batch_size=batch, shuffle=False, decode=False, world=World(0, 1),
-                                     store=Store(options=options, read=Read(read_size=read_size, readahead_bytes=readahead,
-                                                                        readahead_threads=threads)))
+                    ds = ShardStream(
+                        f"s3://bench/{kind}",
+                        batch_size=batch,
+                        shuffle=False,
+                        decode=False,
+                        world=World(0, 1),
+                        store=Store(options=options, read=Read(read_size=read_size, readahead_bytes=readahead, readahead_threads=threads)),
+                    )
                     return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False))
+
                 return run
 
             def webdataset_run(workers):
                 def run():
                     # presigned https-style URLs, the usual way webdataset reads private S3 objects with curl
-                    urls = [client.generate_presigned_url("get_object", Params={"Bucket": "bench", "Key": k}, ExpiresIn=3600)
-                            for k in keys]
-                    ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only,
-                                        workersplitter=wds.split_by_worker, empty_check=False).batched(batch, partial=True)
+                    urls = [client.generate_presigned_url("get_object", Params={"Bucket": "bench", "Key": k}, ExpiresIn=3600) for k in keys]
+                    ds = wds.WebDataset(
+                        urls, shardshuffle=False, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False
+                    ).batched(batch, partial=True)
                     return sum(len(b["__key__"]) for b in wds.WebLoader(ds, batch_size=None, num_workers=workers))
+
                 return run
 
-            contenders = {"boto3 GET (1 thread)": raw, "boto3 GET (2 processes)": raw_processes,
-                          "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2),
-                          "webdataset, 0 workers": webdataset_run(0), "webdataset, 2 workers": webdataset_run(2)}
+            contenders = {
+                "boto3 GET (1 thread)": raw,
+                "boto3 GET (2 processes)": raw_processes,
+                "shardstream, 0 workers": ours(0),
+                "shardstream, 2 workers": ours(2),
+                "webdataset, 0 workers": webdataset_run(0),
+                "webdataset, 2 workers": webdataset_run(2),
+            }
             if args.threads_ab:
                 contenders["shardstream, 0 workers, 4 read-ahead threads"] = ours(0, threads=4)
                 contenders["shardstream, 2 workers, 4 read-ahead threads"] = ours(2, threads=4)
@@ -160,9 +171,11 @@ def main() -> None:
                 constructs.append(time.perf_counter() - t)
                 next(iter(make_loader(ds, num_workers=2, pin_memory=False)))
                 firsts.append(time.perf_counter() - t)
-            print(f"\ntime to first batch, {count}-shard manifest ({len(manifest) / 1e6:.1f} MB JSON), 2 workers: "
-                  f"{statistics.median(firsts):.2f} s median (of which manifest read + validate + plan "
-                  f"{statistics.median(constructs):.2f} s)")
+            print(
+                f"\ntime to first batch, {count}-shard manifest ({len(manifest) / 1e6:.1f} MB JSON), 2 workers: "
+                f"{statistics.median(firsts):.2f} s median (of which manifest read + validate + plan "
+                f"{statistics.median(constructs):.2f} s)"
+            )
 
 
 if __name__ == "__main__":

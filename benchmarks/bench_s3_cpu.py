@@ -57,20 +57,26 @@ def main() -> None:
 
         def shardstream(prefix: str, workers: int, direct: bool = True):
             def run() -> int:
-                ds = ShardStream(f"s3://bench/{prefix}", batch_size=4, shuffle=False, decode=False, world=World(0, 1),
-                                 store=Store(options=options, read=Read(read_size=17 << 20), config=StorageConfig(direct_get=direct)))
-                return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False,
-                                                                  log_interval=None))
+                ds = ShardStream(
+                    f"s3://bench/{prefix}",
+                    batch_size=4,
+                    shuffle=False,
+                    decode=False,
+                    world=World(0, 1),
+                    store=Store(options=options, read=Read(read_size=17 << 20), config=StorageConfig(direct_get=direct)),
+                )
+                return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None))
+
             return run
 
         def reference(prefix: str):
-            keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix=f"{prefix}/")["Contents"]
-                          if o["Key"].endswith(".tar"))
+            keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix=f"{prefix}/")["Contents"] if o["Key"].endswith(".tar"))
 
             def run() -> int:
                 with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
                     sum(pool.map(get_object_stream, [endpoint, endpoint], [keys[0::2], keys[1::2]]))
                 return args.samples if prefix == "many" else 8
+
             return run
 
         rows = [
@@ -91,9 +97,12 @@ def main() -> None:
                 wall = time.perf_counter() - t
                 server1, (own1, kids1) = cpu_of(server), own_and_children()
                 assert got == n, (name, got, n)
-                print(f"| {name} | {n / wall:.0f} | {(own1 - own0) / n * 1e3:.1f} | {(kids1 - kids0) / n * 1e3:.1f} | "
-                      f"{(server1 - server0) / n * 1e3:.1f} |", flush=True)
-        print("(\"workers\" for the reference is its two processes; 4 MB samples; a row per run, interleaved)")
+                print(
+                    f"| {name} | {n / wall:.0f} | {(own1 - own0) / n * 1e3:.1f} | {(kids1 - kids0) / n * 1e3:.1f} | "
+                    f"{(server1 - server0) / n * 1e3:.1f} |",
+                    flush=True,
+                )
+        print('("workers" for the reference is its two processes; 4 MB samples; a row per run, interleaved)')
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ def main() -> None:
         with ShardWriter("s3://bench/lat", max_count=args.per_shard, max_size=1 << 40, storage_options=moto_options) as w:
             for i in range(n):
                 w.write({"__key__": f"{i:06d}", "npy": np.full((1024, 1024), i, dtype=np.float32)})
-        keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix="lat/")["Contents"]
-                      if o["Key"].endswith(".tar"))
+        keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket="bench", Prefix="lat/")["Contents"] if o["Key"].endswith(".tar"))
         total = sum(client.head_object(Bucket="bench", Key=k)["ContentLength"] for k in keys)
         with start_proxy(endpoint, args.latency) as (url, _):
             import boto3
@@ -80,16 +79,27 @@ def main() -> None:
                 return n
 
             def ours(workers: int, direct: bool = True):
-                ds = ShardStream("s3://bench/lat", batch_size=4, shuffle=False, decode=False, world=World(0, 1),
-                                 store=Store(options=options, config=StorageConfig(direct_get=direct)))
+                ds = ShardStream(
+                    "s3://bench/lat",
+                    batch_size=4,
+                    shuffle=False,
+                    decode=False,
+                    world=World(0, 1),
+                    store=Store(options=options, config=StorageConfig(direct_get=direct)),
+                )
                 loader = make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None)
 
                 def run() -> int:
                     return sum(len(b["__key__"]) for b in loader)
+
                 return run
 
-            contenders = {"boto3 get_object, 1 stream": one_stream, "boto3 get_object, 2 streams (processes)": two_streams,
-                          "shardstream, 0 workers": ours(0), "shardstream, 2 workers": ours(2)}
+            contenders = {
+                "boto3 get_object, 1 stream": one_stream,
+                "boto3 get_object, 2 streams (processes)": two_streams,
+                "shardstream, 0 workers": ours(0),
+                "shardstream, 2 workers": ours(2),
+            }
             if not args.no_s3fs:
                 contenders["shardstream, 0 workers, s3fs path"] = ours(0, direct=False)
                 contenders["shardstream, 2 workers, s3fs path"] = ours(2, direct=False)
@@ -108,8 +118,14 @@ def main() -> None:
 
             def first_batch(workers: int, direct: bool = True) -> float:
                 t = time.perf_counter()
-                ds = ShardStream("s3://bench/lat", batch_size=4, shuffle=False, decode=False, world=World(0, 1),
-                                 store=Store(options=options, config=StorageConfig(direct_get=direct)))
+                ds = ShardStream(
+                    "s3://bench/lat",
+                    batch_size=4,
+                    shuffle=False,
+                    decode=False,
+                    world=World(0, 1),
+                    store=Store(options=options, config=StorageConfig(direct_get=direct)),
+                )
                 it = iter(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None))
                 next(it)
                 took = time.perf_counter() - t
@@ -125,8 +141,10 @@ def main() -> None:
 
         one_ref = statistics.median(times["boto3 get_object, 1 stream"])
         two_ref = statistics.median(times["boto3 get_object, 2 streams (processes)"])
-        print(f"{len(keys)} shards of {args.per_shard} x 4 MiB ({total / 1e6:.0f} MB), {args.latency * 1e3:.0f} ms "
-              f"added per request; medians of {args.repeats} interleaved passes")
+        print(
+            f"{len(keys)} shards of {args.per_shard} x 4 MiB ({total / 1e6:.0f} MB), {args.latency * 1e3:.0f} ms "
+            f"added per request; medians of {args.repeats} interleaved passes"
+        )
         print("| reader | MB/s | GETs per pass | vs 1 stream | vs 2 streams |")
         print("|---|---|---|---|---|")
         for name, values in times.items():

@@ -49,6 +49,7 @@ def write_shard(path: str, members: list[tuple[str, int]]) -> None:
 def parse_time(module, path: str, piece: int) -> tuple[float, int]:
     size = os.path.getsize(path)
     with open(path, "rb", buffering=0) as f:
+
         def read(n: int) -> bytes:
             return f.read(min(n, piece))
 

@@ -69,8 +69,11 @@ def webdataset_run(root: str, fn, workers: int) -> int:
     from shardstream import load_manifest
 
     urls = [os.path.join(root, s.path) for s in load_manifest(root).shards]
-    ds = wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker,
-                        empty_check=False).map(fn).batched(BATCH, collation_fn=default_collate, partial=False)
+    ds = (
+        wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False)
+        .map(fn)
+        .batched(BATCH, collation_fn=default_collate, partial=False)
+    )
     return sum(len(b[1] if isinstance(b, (list, tuple)) else b["y"]) for b in wds.WebLoader(ds, batch_size=None, num_workers=workers))
 
 
@@ -137,9 +140,11 @@ def main() -> None:
         rows = []
         for workers in [int(w) for w in args.workers.split(",")]:
             for shape, fn in (("dict", to_dict), ("tuple", to_tuple)):
-                contenders = {"floor (in-memory list)": lambda: floor_run(in_memory, fn),
-                              "shardstream": lambda: shardstream_run(root, fn, workers),
-                              "webdataset": lambda: webdataset_run(root, fn, workers)}
+                contenders = {
+                    "floor (in-memory list)": lambda: floor_run(in_memory, fn),
+                    "shardstream": lambda: shardstream_run(root, fn, workers),
+                    "webdataset": lambda: webdataset_run(root, fn, workers),
+                }
                 if have_litdata:
                     contenders["litData"] = lambda: litdata_run(lit, fn, workers)
                 rates: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}

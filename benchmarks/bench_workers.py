@@ -46,8 +46,7 @@ if __name__ == "__main__":
             pass
     print(" ".join(f"{{x:.4f}}" for x in out))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return [float(x) for x in done.stdout.split()]
 
 

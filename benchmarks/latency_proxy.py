@@ -107,8 +107,7 @@ def serve(upstream: str, latency: float, port: int = 0) -> None:
 @contextlib.contextmanager
 def start_proxy(upstream: str, latency: float) -> Iterator[tuple[str, subprocess.Popen]]:
     """Run the proxy in a process of its own: yields ``(url, process)``; stops it, by its PID, on exit."""
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), upstream, "--latency", str(latency)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), upstream, "--latency", str(latency)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         url = proc.stdout.readline().strip()

@@ -55,8 +55,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if rank == 0:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp"
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                    "loader": json.dumps(loader_state)}, tmp)
+        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "loader": json.dumps(loader_state)}, tmp)
         os.replace(tmp, path)
     dist.barrier()  # nobody runs ahead of a checkpoint that is not yet written
 
@@ -86,8 +85,14 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
-    dataset = shardstream.ShardStream(args.mix or args.data, batch_size=args.batch_size, seed=0, shuffle=shardstream.Shuffle(500),
-                                      store=shardstream.Store(options=options), schedule=shardstream.Schedule(steps=args.steps))
+    dataset = shardstream.ShardStream(
+        args.mix or args.data,
+        batch_size=args.batch_size,
+        seed=0,
+        shuffle=shardstream.Shuffle(500),
+        store=shardstream.Store(options=options),
+        schedule=shardstream.Schedule(steps=args.steps),
+    )
     loader = shardstream.make_loader(dataset, num_workers=args.workers)
     classes = max(len(m.label_map or {}) for m in dataset.sources.manifests) or 10
     model = nn.parallel.DistributedDataParallel(SmallNet(classes).to(device), device_ids=[local_rank] if use_cuda else None)
@@ -139,9 +144,12 @@ def main() -> None:
         counts = torch.tensor([batches], dtype=torch.int64)
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
-        print(f"[rank {rank}] epoch {epoch}: {batches} batches, {samples} samples, {samples / elapsed:.0f} samples/s, "
-              f"waited {wait:.2f}s for data ({100 * wait / elapsed:.0f}%), loss {float(loss_sum) / max(batches, 1):.3f}, "
-              f"acc {correct / max(samples, 1):.2f}", flush=True)
+        print(
+            f"[rank {rank}] epoch {epoch}: {batches} batches, {samples} samples, {samples / elapsed:.0f} samples/s, "
+            f"waited {wait:.2f}s for data ({100 * wait / elapsed:.0f}%), loss {float(loss_sum) / max(batches, 1):.3f}, "
+            f"acc {correct / max(samples, 1):.2f}",
+            flush=True,
+        )
         if rank == 0:
             per_rank = [int(g) for g in gathered]
             print(f"epoch {epoch}: batches per rank {per_rank} ({'equal' if len(set(per_rank)) == 1 else 'UNEQUAL'})", flush=True)

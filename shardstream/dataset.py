@@ -110,11 +110,21 @@ class ShardStream(torch.utils.data.IterableDataset):
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
         self.decoder = Decoder(decoders, self.decode.required)
-        self._run = RunPlan(plan_sources(self.sources), RunSettings(  # settings that cannot work fail here
-            seed=seed, shuffle=self.shuffle, mode=mode, per_batch=self.schedule.per_batch, world_size=self.world.world_size,
-            batch_size=batch_size, shuffle_buffer=self.shuffler.buffer if self.shuffler is not None else 0,
-            shuffle_initial=(self.shuffler or Shuffle()).initial_fill,
-            steps=self.schedule.steps, samples_per_epoch=self.schedule.samples_per_epoch))
+        self._run = RunPlan(
+            plan_sources(self.sources),
+            RunSettings(  # settings that cannot work fail here
+                seed=seed,
+                shuffle=self.shuffle,
+                mode=mode,
+                per_batch=self.schedule.per_batch,
+                world_size=self.world.world_size,
+                batch_size=batch_size,
+                shuffle_buffer=self.shuffler.buffer if self.shuffler is not None else 0,
+                shuffle_initial=(self.shuffler or Shuffle()).initial_fill,
+                steps=self.schedule.steps,
+                samples_per_epoch=self.schedule.samples_per_epoch,
+            ),
+        )
         self._loaded: State | None = None  # a loaded state: its pass continues it (a run by steps goes on from it)
         # Shared with DataLoader workers (persistent ones too), so set_epoch and a loaded state reach them.
         self._clock = EpochClock()
@@ -210,30 +220,52 @@ class ShardStream(torch.utils.data.IterableDataset):
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
         sources = [self._range_source(i, counters, buffers) for i in range(len(self.sources.manifests))]
-        samples = read_planned(part, lambda i, ranges: read_ranges(sources[i], ranges, policy=policy),
-                               lambda i, ranges: read_scattered(sources[i], ranges, policy=policy))
+        samples = read_planned(
+            part,
+            lambda i, ranges: read_ranges(sources[i], ranges, policy=policy),
+            lambda i, ranges: read_scattered(sources[i], ranges, policy=policy),
+        )
         decoder, transform = bind_per_sample(self.decoder, self.transform)
         samples = decode_samples(samples, decoder, policy)
         filtered = [0]
         if transform is not None:
             samples = transform_samples(samples, transform, counters, filtered, policy)
-        batches = batch_samples(samples, batch_size=self.batch_size, num_batches=part.num_batches,
-                                collate=self.collate, stats=stats, buffers=buffers) if part.num_batches else iter(())
+        batches = (
+            batch_samples(samples, batch_size=self.batch_size, num_batches=part.num_batches, collate=self.collate, stats=stats, buffers=buffers)
+            if part.num_batches
+            else iter(())
+        )
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
             yield batch
         if policy.skipped or stats.refilled or filtered[0]:
             dropped = f" (and the transform dropped {filtered[0]})" if filtered[0] else ""
-            logger.warning("rank %d worker %d epoch %d: skipped %d bad samples%s, repeated %d to keep batches equal",
-                           rank, worker, epoch, policy.skipped, dropped, stats.refilled)
+            logger.warning(
+                "rank %d worker %d epoch %d: skipped %d bad samples%s, repeated %d to keep batches equal",
+                rank,
+                worker,
+                epoch,
+                policy.skipped,
+                dropped,
+                stats.refilled,
+            )
 
     def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
-        return RangeSource(self.sources.manifests[i], storage_options=dict(own) if own is not None else self.storage_options,
-                           read_size=self.read.read_size, counters=counters, cache=self.cache, readahead_bytes=self.readahead[i],
-                           verify_stream=self.read.verify_stream, config=self.storage, keep_buffers=self.decoder.viewing_exts(),
-                           buffers=buffers, readahead_threads=self.read.readahead_threads)
+        return RangeSource(
+            self.sources.manifests[i],
+            storage_options=dict(own) if own is not None else self.storage_options,
+            read_size=self.read.read_size,
+            counters=counters,
+            cache=self.cache,
+            readahead_bytes=self.readahead[i],
+            verify_stream=self.read.verify_stream,
+            config=self.storage,
+            keep_buffers=self.decoder.viewing_exts(),
+            buffers=buffers,
+            readahead_threads=self.read.readahead_threads,
+        )
 
     # -- resume: torchdata's Stateful protocol ----------------------------------------------------
     def state_dict(self, batches: int | None = None, num_workers: int | None = None) -> dict[str, Any]:
@@ -249,8 +281,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         if not self._clock.started:
             return self.pass_plan(num_workers).state_after(batches or 0)
         if batches is None:
-            raise ConfigError("a pass over this ShardStream has started and only the training loop knows how many batches "
-                              "it received: call state_dict(batches=STEPS_THIS_EPOCH), or use make_loader's loader.state_dict()")
+            raise ConfigError(
+                "a pass over this ShardStream has started and only the training loop knows how many batches "
+                "it received: call state_dict(batches=STEPS_THIS_EPOCH), or use make_loader's loader.state_dict()"
+            )
         workers = self._clock.workers if num_workers is None else num_workers
         plan = self._run.pass_plan(self._clock.current, workers, self._loaded, self._clock.current_resumed)
         return plan.state_after(batches)
@@ -265,4 +299,3 @@ class ShardStream(torch.utils.data.IterableDataset):
         schedule or version. Load it before the DataLoader starts its (persistent) workers."""
         self._loaded = self._run.load(state)
         self._clock.load(self._loaded.loader_epoch)
-

@@ -105,8 +105,9 @@ class ChecksumError(StorageError):
         if actual is None:  # rebuilt from its message
             super().__init__(url)
             return
-        super().__init__(f"{url}: sha256 {actual} does not match the manifest's {expected} "
-                         "(the shard changed after it was packed, or is corrupt)", url=url)
+        super().__init__(
+            f"{url}: sha256 {actual} does not match the manifest's {expected} (the shard changed after it was packed, or is corrupt)", url=url
+        )
 
 
 class ShardFormatError(ShardstreamError):

@@ -50,6 +50,8 @@ class ErrorPolicy:
         if self._log:
             logger.warning("on_error=skip: %s (%d samples lost)", exc, lost)
         if self.tolerance is not None and run > self.tolerance:
-            raise TooManyErrors(f"{run} consecutive samples failed under on_error='skip' (tolerance "
-                                f"{self.tolerance}; last: {exc}): the dataset or the decoders are likely broken, "
-                                "fix them or raise the tolerance") from exc
+            raise TooManyErrors(
+                f"{run} consecutive samples failed under on_error='skip' (tolerance "
+                f"{self.tolerance}; last: {exc}): the dataset or the decoders are likely broken, "
+                "fix them or raise the tolerance"
+            ) from exc

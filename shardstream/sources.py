@@ -82,11 +82,19 @@ class Mix:
     names: list[str] = field(default_factory=list)
     mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__)
 
-    def plan(self, *, world_size: int, num_workers: int, batch_size: int, seed: int, epoch: int, shuffle: bool,
-             per_batch: str) -> MixPlan:
-        return plan_mix([m.counts.tolist() for m in self.manifests], [s.ask() for s in self.sources],
-                        world_size=world_size, num_workers=num_workers, batch_size=batch_size, names=self.names,
-                        seed=seed, epoch=epoch, shuffle=shuffle, per_batch=per_batch)
+    def plan(self, *, world_size: int, num_workers: int, batch_size: int, seed: int, epoch: int, shuffle: bool, per_batch: str) -> MixPlan:
+        return plan_mix(
+            [m.counts.tolist() for m in self.manifests],
+            [s.ask() for s in self.sources],
+            world_size=world_size,
+            num_workers=num_workers,
+            batch_size=batch_size,
+            names=self.names,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            per_batch=per_batch,
+        )
 
 
 def is_mix_url(url: str) -> bool:
@@ -103,8 +111,7 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
             # Imported by name: pyyaml is optional, and whether its type stubs are installed must not matter.
             yaml: Any = importlib.import_module("yaml")
         except ImportError as exc:
-            raise ConfigError(f"{url}: reading a YAML mix file needs pyyaml (pip install pyyaml), "
-                              "or write the mix as JSON") from exc
+            raise ConfigError(f"{url}: reading a YAML mix file needs pyyaml (pip install pyyaml), or write the mix as JSON") from exc
         try:
             doc = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -139,8 +146,14 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
         if "://" not in source_url and not source_url.startswith("/"):
             source_url = _relative_to(base, source_url)
         try:
-            source = Source(source_url, weight=entry.get("weight"), repeat=entry.get("repeat"),
-                            samples=entry.get("samples"), storage_options=options, name=entry.get("name"))
+            source = Source(
+                source_url,
+                weight=entry.get("weight"),
+                repeat=entry.get("repeat"),
+                samples=entry.get("samples"),
+                storage_options=options,
+                name=entry.get("name"),
+            )
             source.ask()
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from exc
@@ -165,8 +178,7 @@ def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None) ->
     return parse_mix(raw, url)
 
 
-def open_mix(source: Any, storage_options: Mapping[str, Any] | None,
-             resolve: Any) -> Mix | None:
+def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: Any) -> Mix | None:
     """A Mix when ``source`` is a Source, a list of Sources or a mix file URL; None otherwise.
 
     ``resolve(url, storage_options)`` turns one source's URL into its manifest (the stream's own
@@ -174,8 +186,7 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None,
     """
     if isinstance(source, Source):
         sources = [source]
-    elif isinstance(source, Sequence) and not isinstance(source, str) and source \
-            and all(isinstance(s, Source) for s in source):
+    elif isinstance(source, Sequence) and not isinstance(source, str) and source and all(isinstance(s, Source) for s in source):
         sources = list(source)
     elif isinstance(source, Sequence) and not isinstance(source, str) and any(isinstance(s, Source) for s in source):
         raise ConfigError("a mix is a list of Source values only; wrap every dataset in Source(...)")
@@ -199,8 +210,9 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None,
     return Mix(sources, manifests, options, names)
 
 
-def resolve_manifest(source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None,
-                     config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+def resolve_manifest(
+    source: str | Sequence[str] | Manifest, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE
+) -> Manifest:
     """A manifest, a dataset root / index.json URL, or shard URLs (brace pattern, glob, list): the
     resolver of a mix's ``Source`` values (an explicit value per source, so a pattern there is a
     request to index it). Shard URLs are indexed here: every shard is read end to end (8 in
@@ -249,10 +261,10 @@ def manifest_digest(m: Manifest) -> str:
 def plan_sources(mix: Mix) -> Sources:
     """What planning knows of the sources, and what a resume state names them by."""
     if mix.mixed:
-        identity = tuple({"name": name, "manifest": manifest_digest(m), "samples": m.total_samples, "ask": s.ask().describe()}
-                         for name, s, m in zip(mix.names, mix.sources, mix.manifests))
-        return Sources(tuple(m.counts for m in mix.manifests), identity, True, tuple(mix.names),
-                       tuple(s.ask() for s in mix.sources))
+        identity = tuple(
+            {"name": name, "manifest": manifest_digest(m), "samples": m.total_samples, "ask": s.ask().describe()}
+            for name, s, m in zip(mix.names, mix.sources, mix.manifests)
+        )
+        return Sources(tuple(m.counts for m in mix.manifests), identity, True, tuple(mix.names), tuple(s.ask() for s in mix.sources))
     (m,) = mix.manifests
-    return Sources((m.counts,), ({"manifest": manifest_digest(m), "samples": int(m.counts.sum())},), False,
-                   compressed_shards=int(m.compressed.sum()))
+    return Sources((m.counts,), ({"manifest": manifest_digest(m), "samples": int(m.counts.sum())},), False, compressed_shards=int(m.compressed.sum()))

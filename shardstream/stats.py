@@ -17,20 +17,20 @@ import time
 from typing import Any
 
 COUNTERS = (
-    "bytes_read",       # bytes received from storage
-    "ranges_opened",    # shard ranges started
-    "retries",          # storage reads retried after a transient failure
-    "resumes",          # of those, reads resumed mid-range (from the exact byte reached)
-    "throttles",        # of those, throttling answers (503 SlowDown, 429)
+    "bytes_read",  # bytes received from storage
+    "ranges_opened",  # shard ranges started
+    "retries",  # storage reads retried after a transient failure
+    "resumes",  # of those, reads resumed mid-range (from the exact byte reached)
+    "throttles",  # of those, throttling answers (503 SlowDown, 429)
     "storage_wait_us",  # time spent waiting on storage reads
     "samples_skipped",  # samples left out under on_error="skip"
     "samples_filtered",  # samples the transform dropped (returned None)
-    "cache_hits",       # shard ranges served from the local cache
-    "cache_misses",     # shards downloaded into the cache
-    "cache_bypass",     # reads that skipped a full cache (every cached shard in use)
+    "cache_hits",  # shard ranges served from the local cache
+    "cache_misses",  # shards downloaded into the cache
+    "cache_bypass",  # reads that skipped a full cache (every cached shard in use)
     "shards_verified",  # whole shards hashed while streaming (verify_stream) and found intact
     "checksum_failures",  # shards whose bytes did not match the manifest's sha256
-    "requests",         # storage requests for shard bytes (on S3 one GET per range, one more per resume)
+    "requests",  # storage requests for shard bytes (on S3 one GET per range, one more per resume)
 )
 MAX_SLOTS = 256  # DataLoader workers per rank that get their own row
 

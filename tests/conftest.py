@@ -86,10 +86,7 @@ def image_folder(tmp_path):
 def make_samples(n: int, size: int = 100, seed: int = 0):
     """n small samples with bin/cls/txt fields and distinct keys."""
     rng = np.random.default_rng(seed)
-    return [
-        {"__key__": f"s{i:06d}", "bin": rng.bytes(int(rng.integers(1, size + 1))), "cls": i % 7, "txt": f"sample {i}"}
-        for i in range(n)
-    ]
+    return [{"__key__": f"s{i:06d}", "bin": rng.bytes(int(rng.integers(1, size + 1))), "cls": i % 7, "txt": f"sample {i}"} for i in range(n)]
 
 
 def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, samples=None, storage_options=None) -> str:
@@ -152,9 +149,14 @@ def _child_pids() -> set[int]:
 
 
 def _leaked_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t not in before and t.is_alive()
-            and not (t.daemon and any(a in t.name for a in ALLOWED_DAEMON_THREADS))
-            and not t.name.startswith(ALLOWED_THREAD_PREFIXES)]
+    return [
+        t
+        for t in threading.enumerate()
+        if t not in before
+        and t.is_alive()
+        and not (t.daemon and any(a in t.name for a in ALLOWED_DAEMON_THREADS))
+        and not t.name.startswith(ALLOWED_THREAD_PREFIXES)
+    ]
 
 
 @pytest.fixture(autouse=True)

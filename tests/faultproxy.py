@@ -20,8 +20,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-            b"<Message>Please reduce your request rate.</Message></Error>")
+SLOWDOWN = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
 
 
 class QuietHTTPServer(ThreadingHTTPServer):
@@ -54,9 +53,18 @@ def _wait_sent(sock: socket.socket, closing: threading.Event, bound: float = 5.0
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, *, reset_after: int | None = None, slowdown_every: int = 0,
-                 latency: float = 0.0, bandwidth: float | None = None, faulty_methods=("GET",),
-                 stall: str | None = None, cut: str = "fin"):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        reset_after: int | None = None,
+        slowdown_every: int = 0,
+        latency: float = 0.0,
+        bandwidth: float | None = None,
+        faulty_methods=("GET",),
+        stall: str | None = None,
+        cut: str = "fin",
+    ):
         if stall not in (None, "accept", "headers"):
             raise ValueError(f"stall must be None, 'accept' or 'headers', got {stall!r}")
         if cut not in ("fin", "rst"):
@@ -113,8 +121,7 @@ class FaultProxy:
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
                 # A HEAD's answer has no body: its Content-Length is the object's size, kept as sent.
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
-                                 else str(len(data)))
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
                 if self.command == "HEAD":
                     return

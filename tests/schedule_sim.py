@@ -32,16 +32,40 @@ def make_sources(counts: list[list[int]], asks: list[Ask] | None = None, mixed: 
         return Sources(arrays, ({"manifest": "m", "samples": int(arrays[0].sum())},), False)
     asks = asks or [Ask(repeat=1.0)] * len(counts)
     names = tuple(f"s{i}" for i in range(len(counts)))
-    identity = tuple({"name": n, "manifest": str(i), "samples": int(a.sum()), "ask": k.describe()}
-                     for i, (n, a, k) in enumerate(zip(names, arrays, asks)))
+    identity = tuple(
+        {"name": n, "manifest": str(i), "samples": int(a.sum()), "ask": k.describe()} for i, (n, a, k) in enumerate(zip(names, arrays, asks))
+    )
     return Sources(arrays, identity, True, names, tuple(asks))
 
 
-def make_run(sources: Sources, *, world: int, batch: int, buffer: int = 8, initial: int = 3, mode: str = "drop",
-             per_batch: str = "spread", steps: int | None = None, samples_per_epoch: int | None = None, shuffle: bool = True) -> RunPlan:
-    return RunPlan(sources, RunSettings(seed=SEED, shuffle=shuffle, mode=mode, per_batch=per_batch, world_size=world,
-                                        batch_size=batch, shuffle_buffer=buffer, shuffle_initial=initial, steps=steps,
-                                        samples_per_epoch=samples_per_epoch))
+def make_run(
+    sources: Sources,
+    *,
+    world: int,
+    batch: int,
+    buffer: int = 8,
+    initial: int = 3,
+    mode: str = "drop",
+    per_batch: str = "spread",
+    steps: int | None = None,
+    samples_per_epoch: int | None = None,
+    shuffle: bool = True,
+) -> RunPlan:
+    return RunPlan(
+        sources,
+        RunSettings(
+            seed=SEED,
+            shuffle=shuffle,
+            mode=mode,
+            per_batch=per_batch,
+            world_size=world,
+            batch_size=batch,
+            shuffle_buffer=buffer,
+            shuffle_initial=initial,
+            steps=steps,
+            samples_per_epoch=samples_per_epoch,
+        ),
+    )
 
 
 def chunked(items: list, rng: random.Random | None) -> list[list]:
@@ -51,7 +75,7 @@ def chunked(items: list, rng: random.Random | None) -> list[list]:
     out, i = [], 0
     while i < len(items):
         step = rng.randint(1, 7)
-        out.append(items[i:i + step])
+        out.append(items[i : i + step])
         i += step
     return out
 
@@ -76,6 +100,7 @@ def deliver(plan: PassPlan, rank: int, chunk_rng: random.Random | None = None, r
         part = plan.worker(rank, d)
         items = []
         for window in part.windows:
+
             def read(i, ranges, epoch=window.epoch):
                 got = [(epoch, i, int(x)) for x in ids[i].of_ranges(ranges)]
                 if reads is not None:
@@ -84,7 +109,7 @@ def deliver(plan: PassPlan, rank: int, chunk_rng: random.Random | None = None, r
 
             items += [x for chunk in read_planned(dataclasses.replace(part, windows=[window], names=None), read) for x in chunk]
         assert len(items) == part.num_batches * batch, (len(items), part.num_batches, batch)
-        per_worker.append([tuple(items[j * batch:(j + 1) * batch]) for j in range(part.num_batches)])
+        per_worker.append([tuple(items[j * batch : (j + 1) * batch]) for j in range(part.num_batches)])
     got = merge_round_robin(per_worker)
     assert len(got) == plan.batches_per_rank  # equal on every rank
     return got

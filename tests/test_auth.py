@@ -19,16 +19,14 @@ from shardstream.errors import DestinationError, ManifestError, StorageError
 
 
 def _set_auth(endpoint: str, value: str) -> None:
-    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=value.encode(), method="POST",
-                                     headers={"Content-Type": "text/plain"})
+    request = urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=value.encode(), method="POST", headers={"Content-Type": "text/plain"})
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.load(response)["status"] == "ok"
 
 
 def _user(iam, name: str, statements: list[dict]) -> dict:
     iam.create_user(UserName=name)
-    iam.put_user_policy(UserName=name, PolicyName="p",
-                        PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
+    iam.put_user_policy(UserName=name, PolicyName="p", PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}))
     key = iam.create_access_key(UserName=name)["AccessKey"]
     return {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
 
@@ -49,19 +47,26 @@ def auth(s3, tmp_path, monkeypatch):
     tag = uuid.uuid4().hex[:8]
     bucket_arn = f"arn:aws:s3:::{bucket}"
     users = {
-        "reader": _user(iam, f"reader-{tag}", [
-            {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/*"},
-            {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn},
-        ]),
-        "manifest-only": _user(iam, f"manifest-{tag}", [
-            {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/ds/index.json"},
-            {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn},
-        ]),
+        "reader": _user(
+            iam,
+            f"reader-{tag}",
+            [
+                {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/*"},
+                {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn},
+            ],
+        ),
+        "manifest-only": _user(
+            iam,
+            f"manifest-{tag}",
+            [
+                {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": f"{bucket_arn}/ds/index.json"},
+                {"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn},
+            ],
+        ),
     }
     creds = tmp_path / "credentials"
     creds.write_text(
-        "".join(f"[{name}]\naws_access_key_id = {u['key']}\naws_secret_access_key = {u['secret']}\n"
-                for name, u in users.items())
+        "".join(f"[{name}]\naws_access_key_id = {u['key']}\naws_secret_access_key = {u['secret']}\n" for name, u in users.items())
         + "[stranger]\naws_access_key_id = AKIANOBODYKNOWS00000\naws_secret_access_key = nope\n"
     )
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
@@ -84,18 +89,15 @@ def test_unknown_access_key_and_wrong_secret_say_which(auth):
     url, endpoint, users = auth
     started = time.monotonic()
     with pytest.raises(ManifestError, match="access key ID is not known to this endpoint"):
-        ShardStream(url, batch_size=5, world=World(0, 1),
-                    store=Store(options=_options(endpoint, {"key": "AKIANOBODYKNOWS00000", "secret": "x"})))
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=_options(endpoint, {"key": "AKIANOBODYKNOWS00000", "secret": "x"})))
     with pytest.raises(ManifestError, match="secret key does not match the access key ID"):
-        ShardStream(url, batch_size=5, world=World(0, 1),
-                    store=Store(options=_options(endpoint, {"key": users["reader"]["key"], "secret": "wrong"})))
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=_options(endpoint, {"key": users["reader"]["key"], "secret": "wrong"})))
     assert time.monotonic() - started < 20
 
 
 def test_permission_denied_on_a_shard_fails_fast_naming_it(auth):
     url, endpoint, users = auth
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                     store=Store(options=_options(endpoint, users["manifest-only"])))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=_options(endpoint, users["manifest-only"])))
     assert ds.manifest.total_samples == 50  # the manifest itself was readable
     with pytest.raises(StorageError, match=r"ds/shard-000000\.tar: access denied: these credentials may not do this"):
         list(ds)
@@ -104,8 +106,7 @@ def test_permission_denied_on_a_shard_fails_fast_naming_it(auth):
 
 def test_the_right_credentials_read_everything(auth):
     url, endpoint, users = auth
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                     store=Store(options=_options(endpoint, users["reader"])))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=_options(endpoint, users["reader"])))
     keys = [k for batch in ds for k in batch["__key__"]]
     assert keys == [s["__key__"] for s in make_samples(50)]
 

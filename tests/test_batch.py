@@ -41,10 +41,12 @@ def test_nothing_to_refill_from_is_an_error():
 
 
 def test_default_collate_stacks_what_it_can():
-    batch = default_collate([
-        {"__key__": "a", "t": torch.zeros(2, 3), "i": 1, "f": 0.5, "b": True, "a": np.ones(2), "s": "x", "r": torch.zeros(1)},
-        {"__key__": "b", "t": torch.ones(2, 3), "i": 2, "f": 1.5, "b": False, "a": np.zeros(2), "s": "y", "r": torch.zeros(2)},
-    ])
+    batch = default_collate(
+        [
+            {"__key__": "a", "t": torch.zeros(2, 3), "i": 1, "f": 0.5, "b": True, "a": np.ones(2), "s": "x", "r": torch.zeros(1)},
+            {"__key__": "b", "t": torch.ones(2, 3), "i": 2, "f": 1.5, "b": False, "a": np.zeros(2), "s": "y", "r": torch.zeros(2)},
+        ]
+    )
     assert batch["__key__"] == ["a", "b"] and batch["s"] == ["x", "y"]
     assert batch["t"].shape == (2, 2, 3)
     assert batch["i"].dtype == torch.int64 and batch["f"].dtype == torch.float64 and batch["b"].dtype == torch.bool

@@ -19,7 +19,7 @@ from shardstream.tools.index import write_index
 
 def tamper(data: bytes, offset: int) -> bytes:
     """Flip one byte of a member's data (the tar headers stay valid, so only the hash can tell)."""
-    return data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1:]
+    return data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1 :]
 
 
 def keys(ds, workers=0):

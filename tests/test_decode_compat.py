@@ -103,10 +103,16 @@ def test_new_default_decoders():
 
     msgpack = pytest.importorskip("msgpack")
     sample = {
-        "__key__": "k", "__url__": "u",
-        "be.npy": encode_value("npy", be), "str.npy": encode_value("npy", strings), "npz": npz.getvalue(),
-        "ten": tenbin.encode_buffer([np.arange(4, dtype=np.int16)]), "mp": msgpack.packb({"a": [1, 2]}),
-        "json.gz": gzip.compress(b'{"x": 1}'), "txt.gz": encode_value("txt.gz", "hello"), "bin.gz": gzip.compress(b"raw"),
+        "__key__": "k",
+        "__url__": "u",
+        "be.npy": encode_value("npy", be),
+        "str.npy": encode_value("npy", strings),
+        "npz": npz.getvalue(),
+        "ten": tenbin.encode_buffer([np.arange(4, dtype=np.int16)]),
+        "mp": msgpack.packb({"a": [1, 2]}),
+        "json.gz": gzip.compress(b'{"x": 1}'),
+        "txt.gz": encode_value("txt.gz", "hello"),
+        "bin.gz": gzip.compress(b"raw"),
         "pyd": pickle.dumps({"p": 1}),
     }
     out = decode(dict(sample))
@@ -140,17 +146,30 @@ def test_webdataset_preset_gives_webdatasets_samples_exactly(tmp_path, spec):
     with wds.TarWriter(str(path)) as w:
         for i, (kind, make) in enumerate(sorted(IMAGES.items())):
             ext = {"jpeg": "jpg", "png": "png", "webp": "webp", "tiff": "tiff"}.get(kind.split("-")[0], kind)
-            w.write({"__key__": f"s{i:03d}", ext: make(), "cls": str(i).encode(), "json": json.dumps({"i": i}).encode(),
-                     "npy": encode_value("npy", np.arange(i + 1, dtype=">f8")), "txt.gz": b"t",  # TarWriter gzips .gz fields itself
-                     "pth": encode_value("pth", torch.arange(3)), "html": b"<p>", "count": b"3", "xml.gz": b"<x/>"})
+            w.write(
+                {
+                    "__key__": f"s{i:03d}",
+                    ext: make(),
+                    "cls": str(i).encode(),
+                    "json": json.dumps({"i": i}).encode(),
+                    "npy": encode_value("npy", np.arange(i + 1, dtype=">f8")),
+                    "txt.gz": b"t",  # TarWriter gzips .gz fields itself
+                    "pth": encode_value("pth", torch.arange(3)),
+                    "html": b"<p>",
+                    "count": b"3",
+                    "xml.gz": b"<x/>",
+                }
+            )
     expected = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False).decode(spec))
-    stream = ShardStream.from_urls(str(path), batch_size=1, shuffle=False, decode=webdataset_decoders(spec), world=World(0, 1),
-                         collate=lambda samples: samples)
+    stream = ShardStream.from_urls(
+        str(path), batch_size=1, shuffle=False, decode=webdataset_decoders(spec), world=World(0, 1), collate=lambda samples: samples
+    )
     got = [s for batch in stream for s in batch]
     assert len(got) == len(expected) == len(IMAGES)
     for ours, theirs in zip(got, expected):
-        assert _tree_equal({k: v for k, v in ours.items() if not k.startswith("__")},
-                           {k: v for k, v in theirs.items() if not k.startswith("__")}), ours["__key__"]
+        assert _tree_equal({k: v for k, v in ours.items() if not k.startswith("__")}, {k: v for k, v in theirs.items() if not k.startswith("__")}), (
+            ours["__key__"]
+        )
 
 
 def test_decode_false_hands_over_every_field_as_stored_like_webdataset(tmp_path):
@@ -161,8 +180,7 @@ def test_decode_false_hands_over_every_field_as_stored_like_webdataset(tmp_path)
         for i in range(5):  # TarWriter gzips .gz fields itself: the tar holds compressed bytes
             w.write({"__key__": f"s{i}", "json.gz": json.dumps({"i": i}).encode(), "txt.gz": b"t" * i, "cls": str(i).encode()})
     theirs = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
-    stream = ShardStream.from_urls(str(path), batch_size=1, shuffle=False, decode=False, world=World(0, 1),
-                                   collate=lambda samples: samples)
+    stream = ShardStream.from_urls(str(path), batch_size=1, shuffle=False, decode=False, world=World(0, 1), collate=lambda samples: samples)
     ours = [s for batch in stream for s in batch]
     assert len(ours) == len(theirs) == 5
     for a, b in zip(ours, theirs):

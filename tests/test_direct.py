@@ -22,8 +22,9 @@ from shardstream.storage.retry import PartialRead
 
 def _batches(url, options, config, workers=0):
     ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, config=config, read=Read(read_size=16 << 10)))
-    return [(k, b) for batch in make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None)
-            for k, b in zip(batch["__key__"], batch["bin"])]
+    return [
+        (k, b) for batch in make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None) for k, b in zip(batch["__key__"], batch["bin"])
+    ]
 
 
 def test_direct_gets_read_the_same_bytes_as_s3fs_and_are_the_default(s3):
@@ -58,10 +59,16 @@ def test_a_whole_shard_is_one_get_through_the_objects_end(s3, monkeypatch, reada
     monkeypatch.setattr(direct.DirectS3, "open", recording_open)
     for read_size in (1 << 20, 16 << 10):
         gets.clear()
-        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                         store=Store(options=options, read=Read(read_size=read_size, readahead_bytes=readahead)))
-        got = [(k, b) for batch in make_loader(ds, num_workers=0, pin_memory=False, log_interval=None)
-               for k, b in zip(batch["__key__"], batch["bin"])]
+        ds = ShardStream(
+            url,
+            batch_size=5,
+            shuffle=False,
+            world=World(0, 1),
+            store=Store(options=options, read=Read(read_size=read_size, readahead_bytes=readahead)),
+        )
+        got = [
+            (k, b) for batch in make_loader(ds, num_workers=0, pin_memory=False, log_interval=None) for k, b in zip(batch["__key__"], batch["bin"])
+        ]
         m = ds.manifest
         assert len(m.paths) == 3
         for i in range(3):
@@ -118,8 +125,13 @@ def test_keys_that_need_quoting_and_a_fork_that_needs_no_client(s3):
             data = bytes(fetch(first, last))
             _, _, fetch = ranges.resolve(f"s3://{bucket}/{names[1]}", options, StorageConfig())
             clients = [fs._s3 for fs in s3fs.S3FileSystem._cache.values()]
-            ok = (bytes(fetch(0, 5)) == b"\x01" * 5 and data.count(bytes([12]) * 100) == 1
-                  and data.count(bytes([14]) * 100) == 1 and clients and all(c is None for c in clients))
+            ok = (
+                bytes(fetch(0, 5)) == b"\x01" * 5
+                and data.count(bytes([12]) * 100) == 1
+                and data.count(bytes([14]) * 100) == 1
+                and clients
+                and all(c is None for c in clients)
+            )
             os.write(write, b"ok" if ok else b"no")
         finally:
             os._exit(0)
@@ -140,10 +152,8 @@ def test_what_keeps_the_s3fs_path(s3, monkeypatch):
         "SSE-C extras": ({"s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}}, StorageConfig()),
         "other client options": ({"client_kwargs": {"aws_session_token": "t"}}, StorageConfig()),
     }
-    usable = {name: direct.usable(ranges.resolve(url, {**options, **extra}, config)[0], config)
-              for name, (extra, config) in kinds.items()}
-    assert usable == {"default": True, "switched off": False, "requester pays": False, "SSE-C extras": False,
-                      "other client options": False}
+    usable = {name: direct.usable(ranges.resolve(url, {**options, **extra}, config)[0], config) for name, (extra, config) in kinds.items()}
+    assert usable == {"default": True, "switched off": False, "requester pays": False, "SSE-C extras": False, "other client options": False}
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # a proxy for the endpoint: s3fs's path honours it
     assert not direct.usable(ranges.resolve(url, options, StorageConfig())[0], StorageConfig())
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -271,8 +281,7 @@ def test_a_dead_endpoint_times_out_within_the_deadline():
     with socket.socket() as listener:  # accepts connections (backlog) but never answers
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
-        getter = _Unsigned(f"http://127.0.0.1:{listener.getsockname()[1]}/b/k",
-                           StorageConfig(read_timeout=5.0))
+        getter = _Unsigned(f"http://127.0.0.1:{listener.getsockname()[1]}/b/k", StorageConfig(read_timeout=5.0))
         began = time.monotonic()
         with pytest.raises(TimeoutError) as stalled:
             getter.get("b", "k", None, 0, 10, memoryview(bytearray(10)), 0.5)

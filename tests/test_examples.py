@@ -19,11 +19,38 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_ddp.py"
 
 
 def _train(data: Path | None, checkpoint: Path, workers: int, *more: str) -> str:
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, str(EXAMPLE), *([str(data)] if data else []), "--epochs", "1", "--batch-size", "4",
-                           "--workers", str(workers), "--checkpoint", str(checkpoint), "--checkpoint-every", "4", *more],
-                          capture_output=True, text=True, env=env, timeout=300)
+    env = dict(
+        os.environ,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        GLOO_SOCKET_IFNAME="lo",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            *([str(data)] if data else []),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "4",
+            "--workers",
+            str(workers),
+            "--checkpoint",
+            str(checkpoint),
+            "--checkpoint-every",
+            "4",
+            *more,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -76,10 +103,31 @@ def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch
     pack(str(tmp_path / "images"), str(tmp_path / "ds"), label_from_dir=True, max_count=4)  # 16 samples, 4 shards
     torchrun = Path(sys.executable).parent / "torchrun"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                           "--master-port", str(free_port()), str(EXAMPLE), str(tmp_path / "ds"), "--epochs", "120",
-                           "--batch-size", "4", "--workers", "1"],
-                          capture_output=True, text=True, env=env, timeout=280)
+    done = subprocess.run(
+        [
+            str(torchrun),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(EXAMPLE),
+            str(tmp_path / "ds"),
+            "--epochs",
+            "120",
+            "--batch-size",
+            "4",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"[rank {rank}] epoch 119: 2 batches" in done.stdout, done.stdout[-2000:]

@@ -15,8 +15,9 @@ from shardstream.errors import ManifestError, StorageError
 
 
 def keys_and_bytes(url, options, rank, world, workers, read_size):
-    ds = ShardStream(url, batch_size=5, seed=4, shuffle=Shuffle(20), world=World(rank, world),
-                     store=Store(options=options, read=Read(read_size=read_size)))
+    ds = ShardStream(
+        url, batch_size=5, seed=4, shuffle=Shuffle(20), world=World(rank, world), store=Store(options=options, read=Read(read_size=read_size))
+    )
     loader = make_loader(ds, num_workers=workers, pin_memory=False)
     out = [(k, b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])]
     return out, ds.stats()
@@ -59,16 +60,19 @@ def test_missing_shard_fails_fast_naming_it(s3):
 def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endpoint):
     started = time.monotonic()
     with pytest.raises(ManifestError, match="no-such-bucket-x"):
-        ShardStream("s3://no-such-bucket-x/data", batch_size=1, world=World(0, 1),
-                    store=Store(options={"endpoint_url": s3_endpoint}))
+        ShardStream("s3://no-such-bucket-x/data", batch_size=1, world=World(0, 1), store=Store(options={"endpoint_url": s3_endpoint}))
     import socket
 
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(ManifestError, match="cannot read the manifest"):
-        ShardStream("s3://bucket/data", batch_size=1, world=World(0, 1),
-                    store=Store(options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}}))
+        ShardStream(
+            "s3://bucket/data",
+            batch_size=1,
+            world=World(0, 1),
+            store=Store(options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}}),
+        )
     assert time.monotonic() - started < 60
 
 
@@ -107,8 +111,13 @@ def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, direct_get, cut):
         faulty = {"endpoint_url": proxy.url}
         fetch = resolve(f"{url}/shard-000000.tar", faulty, config)[2]
         assert fetch is not None and fetch.kind == ("direct" if direct_get else "s3fs")
-        ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1),
-                         store=Store(options=faulty, config=config, read=Read(read_size=256 << 10, readahead_bytes=0)))
+        ds = ShardStream(
+            url,
+            batch_size=4,
+            shuffle=False,
+            world=World(0, 1),
+            store=Store(options=faulty, config=config, read=Read(read_size=256 << 10, readahead_bytes=0)),
+        )
         got = {k: bytes(b) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])}
         stats = ds.stats()
     assert got == {s["__key__"]: s["bin"] for s in samples}  # every byte, none lost, none repeated

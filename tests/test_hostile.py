@@ -34,8 +34,7 @@ VALID = valid_tar()
 
 
 def parse_all(data: bytes):
-    return list(iter_samples(io.BytesIO(data).read, url="fuzz.tar", start=0, end=len(data), read_size=777,
-                             require_end_marker=True))
+    return list(iter_samples(io.BytesIO(data).read, url="fuzz.tar", start=0, end=len(data), read_size=777, require_end_marker=True))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,12 +73,16 @@ json_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["format", "version", "shards", "total_samples", "path", "samples", "bytes", "offsets", "sha256"]),
-                       json_values, max_size=6),
-       st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3),
-       st.dictionaries(st.sampled_from(["path", "samples", "bytes", "sha256", "data_start", "data_end", "index"]),
-                       st.lists(json_values, max_size=3), max_size=7),
-       st.sampled_from([1, 2]))
+@given(
+    st.dictionaries(
+        st.sampled_from(["format", "version", "shards", "total_samples", "path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=6
+    ),
+    st.lists(st.dictionaries(st.sampled_from(["path", "samples", "bytes", "offsets", "sha256"]), json_values, max_size=5), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["path", "samples", "bytes", "sha256", "data_start", "data_end", "index"]), st.lists(json_values, max_size=3), max_size=7
+    ),
+    st.sampled_from([1, 2]),
+)
 def test_fuzz_manifest_reader(doc, shards, columns, version):
     doc = {"format": "shardstream-index", "version": version, **doc}
     if "shards" not in doc:

@@ -97,11 +97,17 @@ class RangeServer:
             return json.dumps({"id": m.group(1), "sha": "0" * 40, "private": False}).encode()
         m = re.fullmatch(r"/api/datasets/[^/]+/[^/]+/tree/[^/]+/?(.*)", path)
         if m and os.path.isdir(folder := os.path.join(self.root, m.group(1))):
-            return json.dumps([
-                {"type": "file" if os.path.isfile(p := os.path.join(folder, n)) else "directory",
-                 "path": f"{m.group(1)}/{n}".lstrip("/"), "size": os.path.getsize(p), "oid": "0" * 40}
-                for n in sorted(os.listdir(folder))
-            ]).encode()
+            return json.dumps(
+                [
+                    {
+                        "type": "file" if os.path.isfile(p := os.path.join(folder, n)) else "directory",
+                        "path": f"{m.group(1)}/{n}".lstrip("/"),
+                        "size": os.path.getsize(p),
+                        "oid": "0" * 40,
+                    }
+                    for n in sorted(os.listdir(folder))
+                ]
+            ).encode()
         return None
 
     def _serve(self, h, head: bool) -> None:
@@ -222,8 +228,7 @@ def test_a_dataset_streams_from_the_hub_through_hffilesystem(served, tmp_path, m
     dataset = ShardStream("hf://datasets/org/name/ds", batch_size=6, world=World(1, 2), store=Store(options=options, config=QUICK))
     assert keys(dataset) == expected
     shard_gets = server.gets(".tar")
-    assert shard_gets and all(p.startswith("/datasets/org/name/resolve/main/ds/") and rng and status == 206
-                              for _, p, rng, status in shard_gets)
+    assert shard_gets and all(p.startswith("/datasets/org/name/resolve/main/ds/") and rng and status == 206 for _, p, rng, status in shard_gets)
     # each read asks for exactly its bytes (no read-ahead block fetched and dropped)
     assert sum(int(b) - int(a) + 1 for _, _, rng, _ in shard_gets for a, b in [rng[6:].split("-")]) == dataset.stats()["bytes_read"]
 

@@ -54,12 +54,15 @@ def test_npy_is_a_view_of_the_member_and_private_to_it():
     assert torch.equal(b, torch.arange(1000, dtype=torch.float32)) and torch.equal(a, b + 1)
 
 
-@pytest.mark.parametrize("bad,message", [
-    (npy_bytes(np.arange(10))[:-8], "EOF"),
-    (b"\x93NUMPY\x01\x00", "magic"),
-    (b"not npy at all", "magic"),
-    (npy_bytes(np.array([None, 1], dtype=object)), "allow_pickle"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (npy_bytes(np.arange(10))[:-8], "EOF"),
+        (b"\x93NUMPY\x01\x00", "magic"),
+        (b"not npy at all", "magic"),
+        (npy_bytes(np.array([None, 1], dtype=object)), "allow_pickle"),
+    ],
+)
 def test_broken_npy_is_a_clear_error(bad, message):
     from shardstream.errors import SampleError
 
@@ -115,6 +118,7 @@ def test_batches_equal_np_load_and_stack_and_are_shared_when_made_in_workers(tmp
 
 
 # -- large members: read into a buffer of their own, one copy -----------------------------------
+
 
 def _tar(path, members):
     """A real tar file (Python's tarfile) of (name, bytes) members."""
@@ -192,7 +196,9 @@ def test_large_members_not_kept_are_bytes(tmp_path):
     path = _tar(tmp_path / "b.tar", members)
     samples = list(iter_samples(_CountingFile(path), url="b.tar", end=path.stat().st_size))
     assert [(k, {e: (type(v), len(v)) for e, v in f.items()}) for k, _, _, f in samples] == [
-        ("a", {"bin": (bytes, 3 << 20), "npy": (bytes, 2 << 20)}), ("b", {"bin": (bytes, 10)})]
+        ("a", {"bin": (bytes, 3 << 20), "npy": (bytes, 2 << 20)}),
+        ("b", {"bin": (bytes, 10)}),
+    ]
 
 
 def test_a_truncated_large_member_is_an_error_naming_the_offset(tmp_path):

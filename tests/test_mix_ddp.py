@@ -27,8 +27,7 @@ def _rank_main(rank: int, world: int, store: str, local: str, remote: str, optio
     from shardstream import Source
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     sources = [Source(local, weight=0.6, name="disk"), Source(remote, weight=0.4, name="s3", storage_options=options)]
     result: dict = {}
@@ -48,8 +47,13 @@ def _rank_main(rank: int, world: int, store: str, local: str, remote: str, optio
                 tags += batch["__source__"]
                 batches += 1
             plan = dataset.plan(epoch=epoch)
-            runs[str(epoch)] = {"keys": keys, "tags": tags, "batches": batches, "len": len(loader),
-                                "planned": {s.name: s.used for s in plan.shares()}}
+            runs[str(epoch)] = {
+                "keys": keys,
+                "tags": tags,
+                "batches": batches,
+                "len": len(loader),
+                "planned": {s.name: s.used for s in plan.shares()},
+            }
         result[label] = runs
     with open(f"{out}.{rank}", "w") as f:  # per-rank files: see test_ddp.py for why not all_gather_object
         json.dump(result, f)
@@ -104,8 +108,7 @@ def _preempted_rank(rank: int, world: int, store: str, local: str, work: str, ph
     import shardstream
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     dataset = shardstream.ShardStream(mix(local), schedule=Schedule(steps=STEPS), **SETTINGS)
     loader = shardstream.make_loader(dataset, num_workers=2, persistent_workers=True, log_interval=None, pin_memory=False)

@@ -34,8 +34,7 @@ def assignments(plan):
 
 
 def check_mix(counts, asks, world, workers, batch, per_batch="spread", seed=0, epoch=0):
-    plan = plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch,
-                    per_batch=per_batch)
+    plan = plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch, per_batch=per_batch)
     got = assignments(plan)
     for rank in range(world):  # whole batches, the same number on every rank
         assert sum(len(got[rank, w]) for w in range(plan.num_workers)) == plan.batches_per_rank * batch
@@ -71,8 +70,7 @@ def check_mix(counts, asks, world, workers, batch, per_batch="spread", seed=0, e
         assert max(times) <= most
         if plan.quotas[i] <= n:
             assert max(times) <= 1
-    again = plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch,
-                     per_batch=per_batch)
+    again = plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch, per_batch=per_batch)
     assert again == plan and assignments(again) == got  # every rank computes the same plan
     return plan, got
 
@@ -120,8 +118,7 @@ def test_integral_repeat_is_exact_and_fractional_in_expectation():
 
 
 def test_summary_reports_every_source():
-    plan = plan_mix([[30, 30], [10]], [Ask(weight=3), Ask(weight=1)], world_size=2, num_workers=1, batch_size=4,
-                    names=["web", "curated"])
+    plan = plan_mix([[30, 30], [10]], [Ask(weight=3), Ask(weight=1)], world_size=2, num_workers=1, batch_size=4, names=["web", "curated"])
     text = plan.summary()
     assert "web: " in text and "curated: " in text and "asked 0.7500" in text and "asked 0.2500" in text
     web, cur = plan.shares()
@@ -145,8 +142,7 @@ def test_settings_that_cannot_work(counts, asks, kwargs, message):
         plan_mix(counts, asks, **kw)
 
 
-@pytest.mark.parametrize("bad", [dict(), dict(weight=1, repeat=1), dict(weight=0), dict(repeat=-1), dict(samples=2.5),
-                                 dict(weight=float("nan"))])
+@pytest.mark.parametrize("bad", [dict(), dict(weight=1, repeat=1), dict(weight=0), dict(repeat=-1), dict(samples=2.5), dict(weight=float("nan"))])
 def test_bad_asks(bad):
     with pytest.raises(ConfigError):
         Ask(**bad)
@@ -174,8 +170,7 @@ def test_property_random_mixes(counts, data, world, workers, batch, seed, epoch,
     assume(all(sum(c) > 0 for c in counts))
     asks = [data.draw(ask_strategy) for _ in counts]
     try:
-        plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch,
-                 per_batch=per_batch)
+        plan_mix(counts, asks, world_size=world, num_workers=workers, batch_size=batch, seed=seed, epoch=epoch, per_batch=per_batch)
     except ConfigError:
         return
     check_mix(counts, asks, world, workers, batch, per_batch=per_batch, seed=seed, epoch=epoch)

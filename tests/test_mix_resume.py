@@ -23,12 +23,12 @@ ASKS = [Ask(weight=0.6), Ask(weight=0.4), Ask(repeat=1.7)]
 
 
 def mix_run(world, batch, buffer, per_batch="spread", mode="drop"):
-    return make_run(make_sources(COUNTS, ASKS), world=world, batch=batch, buffer=buffer, initial=max(1, buffer // 4),
-                    per_batch=per_batch, mode=mode)
+    return make_run(make_sources(COUNTS, ASKS), world=world, batch=batch, buffer=buffer, initial=max(1, buffer // 4), per_batch=per_batch, mode=mode)
 
 
-@pytest.mark.parametrize("world,workers,batch,buffer,per_batch",
-                         [(1, 1, 4, 8, "spread"), (2, 3, 5, 16, "spread"), (2, 2, 6, 1, "exact"), (3, 2, 4, 30, "exact")])
+@pytest.mark.parametrize(
+    "world,workers,batch,buffer,per_batch", [(1, 1, 4, 8, "spread"), (2, 3, 5, 16, "spread"), (2, 2, 6, 1, "exact"), (3, 2, 4, 30, "exact")]
+)
 def test_exact_resume_every_stop_point(world, workers, batch, buffer, per_batch):
     run = mix_run(world, batch, buffer, per_batch)
     plan = run.pass_plan(2, workers)
@@ -78,9 +78,21 @@ def test_version_1_mix_states_keep_loading():
     run = mix_run(2, 5, 16)
     plan = run.pass_plan(2, 3)
     reference = deliver_all(plan)
-    v1 = {"format": "shardstream-mix-resume", "version": 1, "sources": list(run.sources.identity), "seed": 11, "shuffle": True,
-          "per_batch": "spread", "epoch": 2, "world_size": 2, "num_workers": 3, "batch_size": 5, "shuffle_buffer": 16,
-          "shuffle_initial": 4, "batches": 3}
+    v1 = {
+        "format": "shardstream-mix-resume",
+        "version": 1,
+        "sources": list(run.sources.identity),
+        "seed": 11,
+        "shuffle": True,
+        "per_batch": "spread",
+        "epoch": 2,
+        "world_size": 2,
+        "num_workers": 3,
+        "batch_size": 5,
+        "shuffle_buffer": 16,
+        "shuffle_initial": 4,
+        "batches": 3,
+    }
     again = run.pass_plan(2, 3, run.load(v1), resumed=True)
     assert again.exact and deliver_all(again) == [r[3:] for r in reference]
 

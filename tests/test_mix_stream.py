@@ -48,8 +48,7 @@ def test_weighted_mix_every_rank_matches_plan(roots, per_batch, world, workers):
     sources = [Source(a, weight=0.5, name="a"), Source(b, weight=0.3, name="b"), Source(c, repeat=1.5, name="c")]
 
     def make(rank):
-        return ShardStream(sources, batch_size=10, world=World(rank, world), seed=3, shuffle=Shuffle(30),
-                           schedule=Schedule(per_batch=per_batch))
+        return ShardStream(sources, batch_size=10, world=World(rank, world), seed=3, shuffle=Shuffle(30), schedule=Schedule(per_batch=per_batch))
 
     ranks = run_ranks(make, world, workers)
     plan = ranks[0][0].plan()
@@ -88,8 +87,11 @@ def test_steps_run_epochs_back_to_back(roots):
     a, b, _ = roots
     per_epoch = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(1, 2)).plan()
     steps = 3 * per_epoch.batches_per_rank + 2  # more than three epochs of data
-    ranks = run_ranks(lambda r: ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8,
-                                            world=World(r, 2), seed=5, schedule=Schedule(steps=steps)), 2, 2)
+    ranks = run_ranks(
+        lambda r: ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(r, 2), seed=5, schedule=Schedule(steps=steps)),
+        2,
+        2,
+    )
     assert [len(bs) for _, bs in ranks] == [steps, steps]
     keys = [k for _, bs in ranks for batch in bs for k in batch["__key__"]]
     # Every data epoch is whole and fresh: each full epoch's samples are distinct.
@@ -97,8 +99,7 @@ def test_steps_run_epochs_back_to_back(roots):
     assert max(counts.values()) <= 4
     # The next loader epoch continues the stream where this one ended: nothing repeated early.
     plan = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1)).plan()
-    ds = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1),
-                     schedule=Schedule(steps=plan.batches_per_rank * 2))
+    ds = ShardStream([Source(a, weight=1), Source(b, weight=1)], batch_size=8, world=World(0, 1), schedule=Schedule(steps=plan.batches_per_rank * 2))
     one = [k for batch in make_loader(ds, num_workers=0) for k in batch["__key__"]]
     assert len(one) == 2 * plan.used_samples and len(set(one[: plan.used_samples])) == plan.used_samples
     ds.set_epoch(1)
@@ -138,8 +139,7 @@ def test_steps_keys_match_plan_exactly(roots):
 
 def test_mix_file_json_and_yaml_everywhere(roots, tmp_path, capsys):
     a, b, c = roots
-    (tmp_path / "mix.json").write_text(json.dumps({"sources": [
-        {"url": "a", "weight": 2, "name": "A"}, {"url": b, "weight": 1}]}))
+    (tmp_path / "mix.json").write_text(json.dumps({"sources": [{"url": "a", "weight": 2, "name": "A"}, {"url": b, "weight": 1}]}))
     (tmp_path / "mix.yaml").write_text(f"sources:\n  - url: a\n    weight: 2\n    name: A\n  - url: {b}\n    weight: 1\n")
     for name in ("mix.json", "mix.yaml"):
         ds = ShardStream(str(tmp_path / name), batch_size=6, world=World(0, 1))
@@ -157,14 +157,17 @@ def test_mix_file_json_and_yaml_everywhere(roots, tmp_path, capsys):
     assert "samples/s" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("text,message", [
-    ('{"sources": []}', "non-empty list"),
-    ('{"sources": [{"url": "x", "weight": 1, "repeat": 2}]}', "source 1: a source asks for exactly one"),
-    ('{"sources": [{"url": "x", "wieght": 1}]}', "unknown keys \\['wieght'\\]"),
-    ('{"sources": [{"url": "x"}], "extra": 1}', "unknown top-level keys"),
-    ('{"sources": [{"url": "nowhere"}]}', "mix source .*nowhere"),
-    ('{"sources": [', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"sources": []}', "non-empty list"),
+        ('{"sources": [{"url": "x", "weight": 1, "repeat": 2}]}', "source 1: a source asks for exactly one"),
+        ('{"sources": [{"url": "x", "wieght": 1}]}', "unknown keys \\['wieght'\\]"),
+        ('{"sources": [{"url": "x"}], "extra": 1}', "unknown top-level keys"),
+        ('{"sources": [{"url": "nowhere"}]}', "mix source .*nowhere"),
+        ('{"sources": [', "not valid JSON"),
+    ],
+)
 def test_bad_mix_files(tmp_path, text, message):
     (tmp_path / "m.json").write_text(text)
     with pytest.raises(Exception, match=message):
@@ -176,8 +179,12 @@ def test_mix_in_pad_mode_and_what_a_mix_refuses(roots):
     ds = ShardStream([Source(a, name="a"), Source(c, name="c")], batch_size=7, mode="pad", world=World(0, 3), shuffle=Shuffle(9))
     plan = ds.plan()
     assert plan.batches_per_rank == -(-160 // 21) and plan.repeated == 3 * 8 * 7 - 160  # 160 samples padded to 3 x 8 x 7
-    keys = [k for r in range(3) for batch in ShardStream([Source(a, name="a"), Source(c, name="c")], batch_size=7, mode="pad",
-                                                          world=World(r, 3), shuffle=Shuffle(9)) for k in batch["__key__"]]
+    keys = [
+        k
+        for r in range(3)
+        for batch in ShardStream([Source(a, name="a"), Source(c, name="c")], batch_size=7, mode="pad", world=World(r, 3), shuffle=Shuffle(9))
+        for k in batch["__key__"]
+    ]
     assert len(keys) == 168 and len(set(keys)) == 160  # every sample at least once, 8 repeated
     with pytest.raises(ConfigError, match="mode='pad' with per_batch='exact' cannot work: .*use per_batch='spread'"):
         ShardStream([Source(a), Source(b)], batch_size=4, mode="pad", schedule=Schedule(per_batch="exact"))

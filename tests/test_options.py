@@ -15,23 +15,26 @@ from shardstream import Cache, ConfigError, Decode, OnError, Read, Schedule, Sha
 from shardstream.options import DEFAULT_READAHEAD
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: Shuffle(buffer=-1), "buffer"),
-    (lambda: Shuffle(initial=0), "initial"),
-    (lambda: Decode(image="jpeg"), "image"),
-    (lambda: Decode(decoders=[1]), "decoders"),
-    (lambda: OnError("ignore"), "on_error"),
-    (lambda: OnError("skip", tolerance=-1), "tolerance"),
-    (lambda: Read(read_size=0), "read_size"),
-    (lambda: Read(readahead_bytes=-1), "readahead_bytes"),
-    (lambda: Cache("/tmp/c", 0), "limit"),
-    (lambda: Store(options="endpoint"), "options"),
-    (lambda: Store(read=4096), r"Store\(read=...\) must be a Read"),
-    (lambda: Schedule(steps=0), "steps"),
-    (lambda: Schedule(steps=3, samples_per_epoch=9), "not both"),
-    (lambda: Schedule(samples_per_epoch=True), "samples_per_epoch"),
-    (lambda: Schedule(per_batch="even"), "per_batch"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: Shuffle(buffer=-1), "buffer"),
+        (lambda: Shuffle(initial=0), "initial"),
+        (lambda: Decode(image="jpeg"), "image"),
+        (lambda: Decode(decoders=[1]), "decoders"),
+        (lambda: OnError("ignore"), "on_error"),
+        (lambda: OnError("skip", tolerance=-1), "tolerance"),
+        (lambda: Read(read_size=0), "read_size"),
+        (lambda: Read(readahead_bytes=-1), "readahead_bytes"),
+        (lambda: Cache("/tmp/c", 0), "limit"),
+        (lambda: Store(options="endpoint"), "options"),
+        (lambda: Store(read=4096), r"Store\(read=...\) must be a Read"),
+        (lambda: Schedule(steps=0), "steps"),
+        (lambda: Schedule(steps=3, samples_per_epoch=9), "not both"),
+        (lambda: Schedule(samples_per_epoch=True), "samples_per_epoch"),
+        (lambda: Schedule(per_batch="even"), "per_batch"),
+    ],
+)
 def test_bad_options_are_config_errors_at_the_call_that_made_them(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
@@ -56,21 +59,31 @@ def test_the_common_call_is_one_line_and_options_land(tmp_path):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
     ds = ShardStream(root, batch_size=4)
     assert ds.shuffler == Shuffle() and ds.decode == Decode() and ds.on_error == OnError() and ds.readahead_bytes == 0
-    ds = ShardStream(root, batch_size=4, shuffle=False, decode=False, on_error="skip", world=World(1, 2),
-                     store=Store(read=Read(readahead_bytes=1 << 20, read_size=4096)))
+    ds = ShardStream(
+        root,
+        batch_size=4,
+        shuffle=False,
+        decode=False,
+        on_error="skip",
+        world=World(1, 2),
+        store=Store(read=Read(readahead_bytes=1 << 20, read_size=4096)),
+    )
     assert ds.shuffler is None and ds.on_error.policy == "skip" and ds.readahead_bytes == 1 << 20
     assert isinstance(next(iter(ds))["txt"][0], bytes) and len(ds) == 5
 
 
-@pytest.mark.parametrize("old,new", [
-    ({"storage_options": {}}, r"store=Store\(options=\{...\}\)"),
-    ({"storage": StorageConfig()}, r"store=Store\(config=StorageConfig\(...\)\)"),
-    ({"read": Read()}, r"store=Store\(read=Read\(...\)\)"),
-    ({"cache": None}, r"store=Store\(cache=Cache\(...\)\)"),
-    ({"steps": 10}, r"schedule=Schedule\(steps=N\)"),
-    ({"samples_per_epoch": 100}, r"schedule=Schedule\(samples_per_epoch=S\)"),
-    ({"per_batch": "exact"}, r"schedule=Schedule\(per_batch=...\)"),
-])
+@pytest.mark.parametrize(
+    "old,new",
+    [
+        ({"storage_options": {}}, r"store=Store\(options=\{...\}\)"),
+        ({"storage": StorageConfig()}, r"store=Store\(config=StorageConfig\(...\)\)"),
+        ({"read": Read()}, r"store=Store\(read=Read\(...\)\)"),
+        ({"cache": None}, r"store=Store\(cache=Cache\(...\)\)"),
+        ({"steps": 10}, r"schedule=Schedule\(steps=N\)"),
+        ({"samples_per_epoch": 100}, r"schedule=Schedule\(samples_per_epoch=S\)"),
+        ({"per_batch": "exact"}, r"schedule=Schedule\(per_batch=...\)"),
+    ],
+)
 def test_old_spellings_are_refused_naming_the_new_one(tmp_path, old, new):
     root = write_dataset(tmp_path / "d", 20, max_count=10)
     with pytest.raises(ConfigError, match=rf"ShardStream\({next(iter(old))}=...\) moved: pass {new}"):
@@ -82,8 +95,9 @@ def test_old_spellings_are_refused_naming_the_new_one(tmp_path, old, new):
 
 
 def test_the_front_door_takes_at_most_twelve_parameters():
-    named = [p for p in inspect.signature(ShardStream.__init__).parameters.values()
-             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    named = [
+        p for p in inspect.signature(ShardStream.__init__).parameters.values() if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
     assert len(named) <= 12, [p.name for p in named]
     assert {p.name for p in named} >= {"source", "batch_size", "store", "schedule"}
 

@@ -303,10 +303,8 @@ def test_ctrl_c_with_a_process_pool_prints_one_line(tmp_path):
     src.mkdir()
     _slow_source(src)
     dest = tmp_path / "dest"
-    cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress",
-           "--workers", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=_ctrl_c_reaches_it)
+    cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress", "--workers", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_ctrl_c_reaches_it)
     deadline = time.monotonic() + 90
     while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
@@ -354,8 +352,10 @@ def _make_sample(i):
     return {"__key__": f"k{i}", "txt": f"t{i}"}
 
 
-@pytest.mark.parametrize(("name", "char"), [("d::x", "'::'"), ("d*", "'*'"), ("d?", "'?'"), ("d[0]", "'['"), ("d{a,b}", "'{'"),
-                                            ("d.tar", "it ends like a tar shard's name")])
+@pytest.mark.parametrize(
+    ("name", "char"),
+    [("d::x", "'::'"), ("d*", "'*'"), ("d?", "'?'"), ("d[0]", "'['"), ("d{a,b}", "'{'"), ("d.tar", "it ends like a tar shard's name")],
+)
 def test_a_destination_the_reader_cannot_read_back_is_refused_before_anything_is_written(tmp_path, capsys, name, char):
     """One rule (format.manifest.dataset_root_problem) for every writer: the reader takes * ? [ {
     as a shard pattern and a tar suffix as one shard; '::' is fsspec's chaining (the manifest would

@@ -19,8 +19,7 @@ Pair = collections.namedtuple("Pair", "image label")
 
 
 def mixed(tmp_path):
-    samples = [{"__key__": "a1", "cls": 1, "txt": "x"}, {"__key__": "a2", "cls": 2, "txt": "y", "json": {"i": 2}},
-               {"__key__": "a3", "txt": "z"}]
+    samples = [{"__key__": "a1", "cls": 1, "txt": "x"}, {"__key__": "a2", "cls": 2, "txt": "y", "json": {"i": 2}}, {"__key__": "a3", "txt": "z"}]
     return write_dataset(tmp_path / "m", samples=samples, max_count=3)
 
 
@@ -28,15 +27,25 @@ def mixed(tmp_path):
 def test_samples_with_different_fields_fail_the_same_way_whatever_the_order(tmp_path, seed):
     root = mixed(tmp_path)
     ds = ShardStream(root, batch_size=3, seed=seed, world=World(0, 1))
-    with pytest.raises(SampleError, match=r"has no field '(cls|json)' while sample 'a\d' of the same batch has it.*"
-                                          r"decode=Decode\(required=\['(cls|json)'\]\).*collate="):
+    with pytest.raises(
+        SampleError,
+        match=r"has no field '(cls|json)' while sample 'a\d' of the same batch has it.*"
+        r"decode=Decode\(required=\['(cls|json)'\]\).*collate=",
+    ):
         list(ds)
 
 
 def test_required_drops_incomplete_samples_under_skip(tmp_path):
     root = mixed(tmp_path)
-    ds = ShardStream(root, batch_size=1, shuffle=False, decode=Decode(required=["cls"]), on_error="skip",
-                     transform=lambda s: {"cls": s["cls"], "key": s["__key__"]}, world=World(0, 1))
+    ds = ShardStream(
+        root,
+        batch_size=1,
+        shuffle=False,
+        decode=Decode(required=["cls"]),
+        on_error="skip",
+        transform=lambda s: {"cls": s["cls"], "key": s["__key__"]},
+        world=World(0, 1),
+    )
     keys = [k for b in ds for k in b["key"]]
     assert len(keys) == 3 and set(keys) == {"a1", "a2"}  # a3 dropped, its slot refilled by a recent sample
 
@@ -127,8 +136,7 @@ def test_the_jsonl_captions_example_trains(tmp_path):
         import train_jsonl_captions
     finally:
         sys.path.pop(0)
-    result = train_jsonl_captions.main([str(tmp_path / "out"), "--synthetic", "120", "--epochs", "2",
-                                        "--batch-size", "8", "--workers", "2"])
+    result = train_jsonl_captions.main([str(tmp_path / "out"), "--synthetic", "120", "--epochs", "2", "--batch-size", "8", "--workers", "2"])
     assert result["filtered"] == 2 * 12  # every 10th pair has no caption, in each of 2 epochs
     assert result["batches"] == 120 // 8 and result["losses"][1] < result["losses"][0]
 
@@ -163,8 +171,11 @@ def test_a_transform_that_raises_is_skipped_counted_and_named_under_skip(tmp_pat
 def test_a_transform_that_raises_under_raise_names_the_key_and_shard(tmp_path, workers):
     root = write_dataset(tmp_path / "d", 40, max_count=5)
     ds = ShardStream(root, batch_size=4, shuffle=False, transform=_fails_on_some, world=World(0, 1))
-    with pytest.raises(SampleError, match=r"shard-00000[12]\.tar, sample 's0000(0[5-9]|1[0-4])': "
-                                          r"transform failed: ValueError: bad sample s0000(0[5-9]|1[0-4])") as info:
+    with pytest.raises(
+        SampleError,
+        match=r"shard-00000[12]\.tar, sample 's0000(0[5-9]|1[0-4])': "
+        r"transform failed: ValueError: bad sample s0000(0[5-9]|1[0-4])",
+    ) as info:
         list(make_loader(ds, num_workers=workers))
     if workers == 0:
         assert isinstance(info.value.__cause__, ValueError)  # raise ... from the transform's error
@@ -175,10 +186,8 @@ def test_transform_failures_count_against_the_tolerance_across_chunks(tmp_path):
     """Ten consecutive failures over two shards (two chunks, each decoded fine before the
     transform sees it) trip a tolerance of 7, as ten consecutive decode errors would."""
     root = write_dataset(tmp_path / "d", 40, max_count=5)
-    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=7), transform=_fails_on_some,
-                     world=World(0, 1))
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=7), transform=_fails_on_some, world=World(0, 1))
     with pytest.raises(TooManyErrors, match=r"8 consecutive samples failed .*transform failed: ValueError: bad sample s000012"):
         list(make_loader(ds, num_workers=0))
-    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=10), transform=_fails_on_some,
-                     world=World(0, 1))
+    ds = ShardStream(root, batch_size=4, shuffle=False, on_error=OnError("skip", tolerance=10), transform=_fails_on_some, world=World(0, 1))
     assert len(list(make_loader(ds, num_workers=0))) == 10

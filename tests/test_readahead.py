@@ -80,6 +80,7 @@ def test_several_threads_fetch_ranges_at_once_and_hand_them_over_in_order():
             if index < 4:
                 together.wait()
             return io.BytesIO(data).read, lambda: None
+
         return open_
 
     datas = [bytes([i]) * (10 + i) for i in range(8)]
@@ -104,8 +105,7 @@ def test_with_threads_memory_stays_bounded_and_the_front_range_never_stalls():
 
 
 def test_with_threads_an_abandoned_range_stops_and_errors_stay_with_their_range():
-    p = Prefetcher([opener(b"a" * 500), opener(b"b" * 300, fail_after=100), opener(b"c" * 50)], block_size=50,
-                   max_bytes=10_000, threads=3)
+    p = Prefetcher([opener(b"a" * 500), opener(b"b" * 300, fail_after=100), opener(b"c" * 50)], block_size=50, max_bytes=10_000, threads=3)
     try:
         assert p.reader(0)(50) == b"a" * 50
         with pytest.raises(OSError, match="reset"):

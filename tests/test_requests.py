@@ -21,8 +21,9 @@ from shardstream.storage.retry import Fetcher, make_range_reader
 
 def _shard_gets(proxy: FaultProxy, bucket: str) -> Counter:
     """GETs per object key (and the Range each asked for), from the proxy's log."""
-    return Counter((path.split(f"/{bucket}/", 1)[1].split("?")[0], rng) for method, path, rng in proxy.log
-                   if method == "GET" and f"/{bucket}/" in path)
+    return Counter(
+        (path.split(f"/{bucket}/", 1)[1].split("?")[0], rng) for method, path, rng in proxy.log if method == "GET" and f"/{bucket}/" in path
+    )
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -34,9 +35,17 @@ def test_a_whole_shard_is_one_get_on_both_paths(s3, direct_get, readahead, worke
     url = write_dataset(f"s3://{bucket}/one", 80, max_count=20, size=6000, storage_options=options)
     OFFSET_CACHE.clear()
     with FaultProxy(options["endpoint_url"]) as proxy:
-        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1),
-                         store=Store(options={"endpoint_url": proxy.url}, config=StorageConfig(direct_get=direct_get),
-                                     read=Read(read_size=16 << 10, readahead_bytes=readahead)))
+        ds = ShardStream(
+            url,
+            batch_size=5,
+            shuffle=False,
+            world=World(0, 1),
+            store=Store(
+                options={"endpoint_url": proxy.url},
+                config=StorageConfig(direct_get=direct_get),
+                read=Read(read_size=16 << 10, readahead_bytes=readahead),
+            ),
+        )
         keys = [k for b in make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None) for k in b["__key__"]]
         gets = _shard_gets(proxy, bucket)
     assert sorted(keys) == [s["__key__"] for s in make_samples(80)]
@@ -54,9 +63,13 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, direct_get):
     OFFSET_CACHE.clear()
     with FaultProxy(options["endpoint_url"]) as proxy:
         # 3 ranks of 5 batches of 5: rank 0 reads shard 0 whole and samples [0, 5) of shard 1
-        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 3),
-                         store=Store(options={"endpoint_url": proxy.url}, config=StorageConfig(direct_get=direct_get),
-                                     read=Read(read_size=16 << 10)))
+        ds = ShardStream(
+            url,
+            batch_size=5,
+            shuffle=False,
+            world=World(0, 3),
+            store=Store(options={"endpoint_url": proxy.url}, config=StorageConfig(direct_get=direct_get), read=Read(read_size=16 << 10)),
+        )
         assert sum(len(b["__key__"]) for b in ds) == 25
         gets = _shard_gets(proxy, bucket)
     offsets = ds.manifest.offsets(1)
@@ -76,8 +89,13 @@ def test_a_new_request_only_to_resume_a_broken_body(s3, direct_get, cut):
     url = write_dataset(f"s3://{bucket}/cut", samples=samples, max_count=20, storage_options=options)
     config = StorageConfig(direct_get=direct_get, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"], reset_after=30_000, cut=cut) as proxy:
-        ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1),
-                         store=Store(options={"endpoint_url": proxy.url}, config=config, read=Read(read_size=64 << 10)))
+        ds = ShardStream(
+            url,
+            batch_size=4,
+            shuffle=False,
+            world=World(0, 1),
+            store=Store(options={"endpoint_url": proxy.url}, config=config, read=Read(read_size=64 << 10)),
+        )
         got = {k: bytes(b) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])}
         ranges = [rng for method, path, rng in proxy.log if method == "GET" and path.endswith("shard-000000.tar")]
     stats = ds.stats()
@@ -129,8 +147,9 @@ def test_a_range_reader_reads_every_block_from_one_body_and_resumes_at_the_byte_
     assert log[-1] == ("close", 89_900)  # read to its end: closed (the connection serves the next request)
 
     log.clear()
-    read = make_range_reader(_fetcher(data, log, cut_every=25_000), url="s3://b/k", start=0, end=len(data),
-                             config=StorageConfig(backoff_base=0, backoff_cap=0))
+    read = make_range_reader(
+        _fetcher(data, log, cut_every=25_000), url="s3://b/k", start=0, end=len(data), config=StorageConfig(backoff_base=0, backoff_cap=0)
+    )
     view = memoryview(bytearray(len(data)))
     got = 0
     while k := read.readinto(view[got:]):  # into the caller's buffer, as the parser fills a large member
@@ -204,15 +223,24 @@ def test_read_ahead_sends_the_next_ranges_request_before_this_ones_last_block():
 def _manifest(counts, prefixes=1, base="s3://b/train"):
     from shardstream.format.manifest import Manifest, ShardInfo
 
-    shards = [ShardInfo(path=(f"{i % prefixes}/" if prefixes > 1 else "") + f"shard-{i:06d}.tar", samples=c,
-                        bytes=1000 * c + 1024, sha256=None) for i, c in enumerate(counts)]
+    shards = [
+        ShardInfo(path=(f"{i % prefixes}/" if prefixes > 1 else "") + f"shard-{i:06d}.tar", samples=c, bytes=1000 * c + 1024, sha256=None)
+        for i, c in enumerate(counts)
+    ]
     return Manifest(shards=shards, base_url=base)
 
 
-@pytest.mark.parametrize("world,workers,batch,mode,shuffle", [
-    (1, 1, 4, "drop", False), (2, 3, 5, "drop", True), (3, 2, 7, "pad", True), (4, 4, 3, "drop", True),
-    (5, 1, 16, "pad", False), (2, 2, 1, "drop", True),
-])
+@pytest.mark.parametrize(
+    "world,workers,batch,mode,shuffle",
+    [
+        (1, 1, 4, "drop", False),
+        (2, 3, 5, "drop", True),
+        (3, 2, 7, "pad", True),
+        (4, 4, 3, "drop", True),
+        (5, 1, 16, "pad", False),
+        (2, 2, 1, "drop", True),
+    ],
+)
 def test_request_counts_are_those_of_the_planned_ranges(world, workers, batch, mode, shuffle):
     """count_requests, vectorised, against every (rank, worker)'s ranges listed one by one: one GET
     per range, one sidecar per (worker, shard) with a range that starts or ends inside the shard."""
@@ -223,8 +251,7 @@ def test_request_counts_are_those_of_the_planned_ranges(world, workers, batch, m
 
     counts = np.random.default_rng(world * 10 + workers).integers(1, 30, 23)
     manifest = _manifest(counts.tolist(), prefixes=3)
-    plan = plan_epoch(counts, world_size=world, num_workers=workers, batch_size=batch, seed=1, epoch=2, shuffle=shuffle,
-                      mode=mode)
+    plan = plan_epoch(counts, world_size=world, num_workers=workers, batch_size=batch, seed=1, epoch=2, shuffle=shuffle, mode=mode)
     ranges = {(r, w): plan.ranges(r, w, counts) for r in range(world) for w in range(workers)}
     got = count_requests(plan, manifest)
     assert got.ranges == sum(len(v) for v in ranges.values())
@@ -266,7 +293,11 @@ def test_pack_spreads_shards_over_prefixes_that_the_manifest_finds_and_ls_counts
     from shardstream.write.writer import shard_name
 
     assert [shard_name("shard", i, 16) for i in (0, 1, 15, 16)] == [
-        "00/shard-000000.tar", "01/shard-000001.tar", "15/shard-000015.tar", "00/shard-000016.tar"]
+        "00/shard-000000.tar",
+        "01/shard-000001.tar",
+        "15/shard-000015.tar",
+        "00/shard-000016.tar",
+    ]
     assert shard_name("shard", 7, 1) == "shard-000007.tar" and shard_name("x", 7, 3) == "1/x-000007.tar"
     bucket, options, client = s3
     src = tmp_path / "src.jsonl"
@@ -278,8 +309,7 @@ def test_pack_spreads_shards_over_prefixes_that_the_manifest_finds_and_ls_counts
     assert "spread/0/shard-000000.tar" in keys and "spread/3/shard-000007.tar" in keys and "spread/1/shard-000009.tar.idx" in keys
     assert {k.split("/")[1] for k in keys if k.endswith(".tar")} == {"0", "1", "2", "3"}
     ds = ShardStream(dest, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options))
-    assert ds.manifest.paths[:5] == ["0/shard-000000.tar", "1/shard-000001.tar", "2/shard-000002.tar",
-                                     "3/shard-000003.tar", "0/shard-000004.tar"]
+    assert ds.manifest.paths[:5] == ["0/shard-000000.tar", "1/shard-000001.tar", "2/shard-000002.tar", "3/shard-000003.tar", "0/shard-000004.tar"]
     assert [k for b in ds for k in b["__key__"]] == [f"k{i:03d}" for i in range(50)]
     summary = ds.plan(num_workers=2).summary()  # a remote dataset's plan states its requests
     assert "requests: 10 GETs per epoch" in summary and "busiest of 4 prefixes" in summary

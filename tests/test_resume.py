@@ -60,11 +60,10 @@ def test_exact_resume_real_workers(root, workers, persistent, mode):
     reference, _ = run(fresh())
     loader = fresh()
     next_epoch_ref = None
-    for stop in ((1, 7, len(reference) - 1, len(reference)) if workers == 0 else (3, len(reference))):
+    for stop in (1, 7, len(reference) - 1, len(reference)) if workers == 0 else (3, len(reference)):
         _, state = run(fresh(), stop)
         assert state["epoch"] == 1 and state["segments"][-1]["batches"] == stop
-        resumed = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent,
-                              log_interval=None)
+        resumed = make_loader(stream(root, mode=mode), num_workers=workers, persistent_workers=persistent, log_interval=None)
         resumed.load_state_dict(state)
         rest, after = run(resumed)
         assert rest == reference[stop:], f"stopped after {stop}"
@@ -126,8 +125,7 @@ def test_elastic_resume_real_workers(root, old, new):
         loader = make_loader(stream(root, batch_size=b0, rank=rank, world_size=w0), num_workers=k0, log_interval=None)
         full, _ = run(loader)
         reference += [k for b in full for k in b]
-        got, rank_state = run(make_loader(stream(root, batch_size=b0, rank=rank, world_size=w0), num_workers=k0,
-                                          log_interval=None), 5)
+        got, rank_state = run(make_loader(stream(root, batch_size=b0, rank=rank, world_size=w0), num_workers=k0, log_interval=None), 5)
         consumed += [k for b in got for k in b]
         assert state is None or rank_state == state  # every rank saves the same state
         state = rank_state

@@ -30,8 +30,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, wo
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = make_loader(ShardStream(source, **SETTINGS, store=Store(options=options)), num_workers=2, log_interval=None)
@@ -57,8 +56,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, wo
                 if phase == "crash" and step + 1 == STOP:
                     if rank == 0:  # one rank's state is enough: every rank received the same count
                         tmp = checkpoint + ".tmp"
-                        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                    "loader": json.dumps(loader.state_dict())}, tmp)
+                        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": json.dumps(loader.state_dict())}, tmp)
                         os.replace(tmp, checkpoint)
                     dist.barrier()
                     ready.put(rank)
@@ -99,8 +97,9 @@ def reference(source: str, options: dict, world: int) -> dict[int, dict[int, lis
     """The uninterrupted run, rank by rank in this process (the order does not depend on DDP)."""
     out: dict[int, dict[int, list]] = {}
     for rank in range(world):
-        loader = make_loader(ShardStream(source, world=World(rank, world), **SETTINGS, store=Store(options=options)),
-                             num_workers=2, log_interval=None)
+        loader = make_loader(
+            ShardStream(source, world=World(rank, world), **SETTINGS, store=Store(options=options)), num_workers=2, log_interval=None
+        )
         for epoch in (0, 1):
             loader.set_epoch(epoch)
             out.setdefault(rank, {})[epoch] = [list(b["__key__"]) for b in loader]

@@ -32,8 +32,7 @@ def roots(tmp_path_factory):
 
 def dataset(roots, data, steps, rank=0, world=1, batch=4, mode="drop"):
     source = roots[0] if data == "one" else [Source(roots[0], weight=0.6, name="a"), Source(roots[1], weight=0.4, name="b")]
-    return ShardStream(source, batch_size=batch, seed=3, shuffle=Shuffle(12), world=World(rank, world), mode=mode,
-                       schedule=Schedule(steps=steps))
+    return ShardStream(source, batch_size=batch, seed=3, shuffle=Shuffle(12), world=World(rank, world), mode=mode, schedule=Schedule(steps=steps))
 
 
 class Loop:
@@ -93,11 +92,14 @@ def test_exact_resume_through_every_loop(roots, kind, workers, persistent, data,
     assert nxt == ref2  # the next pass as if never interrupted (persistent workers too)
 
 
-@pytest.mark.parametrize("kind,workers,data,steps,mode", [
-    ("make_loader", 2, "mix", 9, "drop"),
-    ("own", 2, "one", None, "pad"),
-    ("to_device", 0, "mix", None, "drop"),
-])
+@pytest.mark.parametrize(
+    "kind,workers,data,steps,mode",
+    [
+        ("make_loader", 2, "mix", 9, "drop"),
+        ("own", 2, "one", None, "pad"),
+        ("to_device", 0, "mix", None, "drop"),
+    ],
+)
 def test_elastic_resume_through_every_loop(roots, kind, workers, data, steps, mode):
     """1 rank becomes 2: every new rank yields the same count (the rest of the pass: steps - k by
     steps), the interrupted data epoch's unseen samples come once each (pad: at least once)."""

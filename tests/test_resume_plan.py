@@ -83,8 +83,7 @@ def test_elastic_resume_delivers_the_unseen_samples_once(old, new, mode):
     for n in positions(total)[1:]:
         again = resumed(counts, new, plan.state_after(n), mode)
         assert not again.exact
-        check_elastic(flat(deliver_all(again)), flat([r[n:] for r in reference]), flat([r[:n] for r in reference]), again, mode,
-                      new[0], new[2])
+        check_elastic(flat(deliver_all(again)), flat([r[n:] for r in reference]), flat([r[:n] for r in reference]), again, mode, new[0], new[2])
         assert again.summary().startswith(f"resuming epoch {EPOCH} elastically")
 
 
@@ -192,10 +191,20 @@ def test_version_1_states_keep_loading():
     first = pass_for(counts, a)
     second = resumed(counts, b, first.state_after(4))
     v2 = second.state_after(3)
-    v1 = {"format": "shardstream-resume", "version": 1, "manifest": "m", "samples": sum(counts), "seed": SEED, "shuffle": True,
-          "mode": "drop", "epoch": EPOCH,
-          "segments": [{**{k: s[k] for k in ("world_size", "num_workers", "batch_size", "shuffle_buffer", "shuffle_initial")},
-                        "batches": s["batches"]} for s in v2["segments"]]}
+    v1 = {
+        "format": "shardstream-resume",
+        "version": 1,
+        "manifest": "m",
+        "samples": sum(counts),
+        "seed": SEED,
+        "shuffle": True,
+        "mode": "drop",
+        "epoch": EPOCH,
+        "segments": [
+            {**{k: s[k] for k in ("world_size", "num_workers", "batch_size", "shuffle_buffer", "shuffle_initial")}, "batches": s["batches"]}
+            for s in v2["segments"]
+        ],
+    }
     for topo in (b, TOPOLOGIES[3]):
         assert deliver_all(resumed(counts, topo, v1)) == deliver_all(resumed(counts, topo, v2))
 

@@ -61,7 +61,7 @@ def objects_of(client, bucket, prefix):
             doc = json.loads(data)
             doc.pop("created")
             data = json.dumps(doc).encode()
-        out[obj["Key"][len(prefix) + 1:]] = data
+        out[obj["Key"][len(prefix) + 1 :]] = data
     return out
 
 
@@ -70,8 +70,16 @@ def to_version_1(root):
     manifest = load_manifest(root)
     doc = json.loads(open(os.path.join(root, "index.json")).read())
     doc["version"] = 1
-    doc["shards"] = [{"path": manifest.paths[i], "samples": int(manifest.counts[i]), "bytes": int(manifest.sizes[i]),
-                      "sha256": manifest.sha256(i), "offsets": manifest.offsets(i).tolist()} for i in range(len(manifest.paths))]
+    doc["shards"] = [
+        {
+            "path": manifest.paths[i],
+            "samples": int(manifest.counts[i]),
+            "bytes": int(manifest.sizes[i]),
+            "sha256": manifest.sha256(i),
+            "offsets": manifest.offsets(i).tolist(),
+        }
+        for i in range(len(manifest.paths))
+    ]
     for path in manifest.paths:
         os.unlink(os.path.join(root, path + ".idx"))
     with open(os.path.join(root, "index.json"), "w") as f:
@@ -168,7 +176,7 @@ def test_manifest_grows_with_shards_and_sidecars_hold_the_offsets(tmp_path):
     offsets = large.offsets(1)
     tar = (tmp_path / "b" / "shard-000001.tar").read_bytes()
     assert len(offsets) == 1001 and offsets[0] == 0 and (large.spans[1] == (offsets[0], offsets[-1])).all()
-    assert all(tar[o + 257:o + 262] == b"ustar" for o in offsets[:-1])  # each one a tar header
+    assert all(tar[o + 257 : o + 262] == b"ustar" for o in offsets[:-1])  # each one a tar header
 
 
 def test_whole_shard_ranges_read_no_sidecar_and_partial_ones_one_each(tmp_path):
@@ -264,8 +272,7 @@ def test_a_forked_child_does_not_wait_for_its_parents_sidecar_load():
 
 def test_pickled_dataset_is_compact_for_many_shards(tmp_path):
     n = 20_000
-    shards = [ShardInfo(f"shard-{i:06d}.tar", 10_000, 50_000_000, "ab" * 32, index=f"shard-{i:06d}.tar.idx",
-                        span=(0, 49_998_976)) for i in range(n)]
+    shards = [ShardInfo(f"shard-{i:06d}.tar", 10_000, 50_000_000, "ab" * 32, index=f"shard-{i:06d}.tar.idx", span=(0, 49_998_976)) for i in range(n)]
     (tmp_path / "index.json").write_bytes(Manifest(shards=shards).dumps())
     ds = ShardStream(str(tmp_path), batch_size=256, world=World(0, 8))
     blob = pickle.dumps(ds)
@@ -293,13 +300,16 @@ def test_version_1_reads_and_upgrades_in_place(tmp_path, capsys):
     assert "already version 2" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: d[:-8], "expected 104 for 10 samples"),
-    (lambda d: d[:8] + struct.pack("<Q", 9) + d[16:], "for 9 samples, the manifest says 10"),
-    (lambda d: d[:24] + d[32:40] + d[24:32] + d[40:], "not strictly increasing"),
-    (lambda d: d[:24] + struct.pack("<Q", struct.unpack("<Q", d[24:32])[0] + 512) + d[32:], "offset of sample #1 is"),
-    (lambda d: b"garbage!" + d[8:], "bad magic"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: d[:-8], "expected 104 for 10 samples"),
+        (lambda d: d[:8] + struct.pack("<Q", 9) + d[16:], "for 9 samples, the manifest says 10"),
+        (lambda d: d[:24] + d[32:40] + d[24:32] + d[40:], "not strictly increasing"),
+        (lambda d: d[:24] + struct.pack("<Q", struct.unpack("<Q", d[24:32])[0] + 512) + d[32:], "offset of sample #1 is"),
+        (lambda d: b"garbage!" + d[8:], "bad magic"),
+    ],
+)
 def test_verify_checks_sidecars(tmp_path, damage, message):
     root = write(tmp_path / "d", n=20, max_count=10)
     sidecar = tmp_path / "d" / "shard-000001.tar.idx"
@@ -341,8 +351,7 @@ def test_executor_pack_is_byte_identical_to_one_process(tmp_path):
     write_image_folder(root, classes=3, per_class=7)
     pack(str(root), str(tmp_path / "one"), label_from_dir=True, max_count=4, shuffle=True, seed=3)
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
-        result = pack(str(root), str(tmp_path / "pool"), label_from_dir=True, max_count=4, shuffle=True, seed=3,
-                      executor=pool, in_flight=2)
+        result = pack(str(root), str(tmp_path / "pool"), label_from_dir=True, max_count=4, shuffle=True, seed=3, executor=pool, in_flight=2)
     assert result.samples == 21 and result.shards == 6
     assert files_of(tmp_path / "one") == files_of(tmp_path / "pool")
 
@@ -368,8 +377,7 @@ def test_pack_fn_same_bytes_for_any_worker_count_and_error_policy(tmp_path):
 @pytest.fixture(scope="module")
 def dask_client(s3_endpoint):
     """Two worker processes, one thread each; started after moto's credentials are in the environment."""
-    cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
-                                       host="127.0.0.1")
+    cluster = distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1")
     client = distributed.Client(cluster)
     yield client
     client.close()
@@ -416,10 +424,11 @@ def test_dask_survives_a_worker_killed_mid_pack(tmp_path, s3_endpoint):
     marker = str(tmp_path / "died")
     inputs = [(marker, i) for i in range(40)]
     # A cluster of its own, closed here: the nanny's restart of the killed worker belongs to this test.
-    with distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0",
-                                  host="127.0.0.1") as cluster, distributed.Client(cluster) as client:
-        result = pack(die_once, inputs, str(tmp_path / "dask"), max_count=6,
-                      executor=client.get_executor(pure=False, retries=2))
+    with (
+        distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1") as cluster,
+        distributed.Client(cluster) as client,
+    ):
+        result = pack(die_once, inputs, str(tmp_path / "dask"), max_count=6, executor=client.get_executor(pure=False, retries=2))
     assert os.path.exists(marker)  # a worker did die
     assert result.samples == 40
     pack(die_once, inputs, str(tmp_path / "one"), max_count=6)

@@ -97,8 +97,7 @@ def test_the_next_workers_inherit_only_segments_no_batch_view_holds():
     assert bool(np.all(channels.mapped[token][number][: 4 * 100].view(np.float32) == 2.0))  # the batch let go
     heir = WorkerPool(channels.pipes[0][0], 0, token=token, inherited=inherited)
     assert heir.token == token and heir.inherited == 1 and heir.segments[0].known
-    packed = pack_batch({"x": torch.empty(0, dtype=torch.float32).set_(heir.segments[0].storage)[: MB // 4]},
-                        pool=heir)
+    packed = pack_batch({"x": torch.empty(0, dtype=torch.float32).set_(heir.segments[0].storage)[: MB // 4]}, pool=heir)
     assert packed[SEGMENTS].segments == [(number, None)]  # (the forked worker reuses it: see the loader test)
     got = _unpack(packed, channels)["x"]
     assert bool((got == 2.0).all()) and bool((held == 1.0).all())

@@ -30,8 +30,10 @@ def version_1(root):
     m = load_manifest(root)
     doc = json.loads(m.dumps())
     doc["version"] = 1
-    doc["shards"] = [{"path": m.paths[i], "samples": int(m.counts[i]), "bytes": int(m.sizes[i]), "sha256": m.sha256(i),
-                      "offsets": m.offsets(i).tolist()} for i in range(len(m.paths))]
+    doc["shards"] = [
+        {"path": m.paths[i], "samples": int(m.counts[i]), "bytes": int(m.sizes[i]), "sha256": m.sha256(i), "offsets": m.offsets(i).tolist()}
+        for i in range(len(m.paths))
+    ]
     return doc
 
 
@@ -46,18 +48,21 @@ def test_offsets_load_as_compact_array_with_the_same_values(tmp_path):
     assert json.loads(json.dumps(manifest.to_json()))["shards"] == json.loads(load_manifest(root).dumps())["shards"]
 
 
-@pytest.mark.parametrize("bad,message", [
-    (lambda o: [True] + o[1:], "byte offsets"),            # JSON true where the first offset is
-    (lambda o: o[:1] + [True] + o[2:], "byte offsets"),
-    (lambda o: o[:5] + [1.5] + o[6:], "byte offsets"),
-    (lambda o: o[:5] + ["9"] + o[6:], "byte offsets"),
-    (lambda o: o[:5] + [2 ** 70] + o[6:], "byte offsets"),
-    (lambda o: [-512] + o[1:], "byte offsets"),
-    (lambda o: o[:5] + [o[4]] + o[6:], "not strictly increasing"),
-    (lambda o: o[:5] + [False] + o[6:], "not strictly increasing"),
-    (lambda o: o[:-1] + [o[-1] + 10 ** 9], "past the shard"),
-    (lambda o: o[:-1], r"samples \+ 1"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (lambda o: [True] + o[1:], "byte offsets"),  # JSON true where the first offset is
+        (lambda o: o[:1] + [True] + o[2:], "byte offsets"),
+        (lambda o: o[:5] + [1.5] + o[6:], "byte offsets"),
+        (lambda o: o[:5] + ["9"] + o[6:], "byte offsets"),
+        (lambda o: o[:5] + [2**70] + o[6:], "byte offsets"),
+        (lambda o: [-512] + o[1:], "byte offsets"),
+        (lambda o: o[:5] + [o[4]] + o[6:], "not strictly increasing"),
+        (lambda o: o[:5] + [False] + o[6:], "not strictly increasing"),
+        (lambda o: o[:-1] + [o[-1] + 10**9], "past the shard"),
+        (lambda o: o[:-1], r"samples \+ 1"),
+    ],
+)
 def test_bad_offsets_are_refused_at_load(tmp_path, bad, message):
     root = write(tmp_path / "d", n=20)
     doc = version_1(root)

@@ -22,8 +22,7 @@ from shardstream.storage.retry import make_range_reader, s3_fetcher
 
 
 def fresh_fs(endpoint, **config):
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True,
-                           config_kwargs={"retries": {"total_max_attempts": 1}, **config})
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True, config_kwargs={"retries": {"total_max_attempts": 1}, **config})
     fs.retries = 1
     return fs
 
@@ -95,8 +94,7 @@ def test_throttle_is_retried_and_an_invalid_range_is_not(s3):
     exc = raised(lambda: fs.cat_file(f"{bucket}/k", start=500, end=600))  # 416 InvalidRange: the request is wrong
     assert classify(exc) is Kind.INVALID
     sleeps: list[float] = []
-    read = make_range_reader(s3_fetcher(fs, f"{bucket}/k"), url=f"s3://{bucket}/k", start=500, end=600,
-                             sleep=sleeps.append)
+    read = make_range_reader(s3_fetcher(fs, f"{bucket}/k"), url=f"s3://{bucket}/k", start=500, end=600, sleep=sleeps.append)
     with pytest.raises(E.StorageError, match="refused the request as invalid"):
         read(100)
     assert sleeps == []  # not retried
@@ -114,11 +112,20 @@ def test_a_bug_is_not_a_storage_error():
 
 def test_every_error_survives_pickling_and_the_dataloader_rebuild():
     examples = [
-        E.ConfigError("c"), E.SourceError("where", "what"), E.DestinationError("d"), E.ManifestError("m"),
-        E.StorageError("s", url="u"), E.StorageNotFound("u: not found", url="u"), E.AccessDenied("a", url="u"),
-        E.NoCredentials("n", url="u"), E.StorageUnavailable("x", url="u", attempts=2, waited=1.0),
-        E.StorageTimeout("t", url="u", attempts=2, waited=1.0), E.ChecksumError("u", "a" * 64, "b" * 64),
-        E.ShardFormatError("u", 512, "bad"), E.SampleError("u", "k", "bad"), E.TooManyErrors("t"),
+        E.ConfigError("c"),
+        E.SourceError("where", "what"),
+        E.DestinationError("d"),
+        E.ManifestError("m"),
+        E.StorageError("s", url="u"),
+        E.StorageNotFound("u: not found", url="u"),
+        E.AccessDenied("a", url="u"),
+        E.NoCredentials("n", url="u"),
+        E.StorageUnavailable("x", url="u", attempts=2, waited=1.0),
+        E.StorageTimeout("t", url="u", attempts=2, waited=1.0),
+        E.ChecksumError("u", "a" * 64, "b" * 64),
+        E.ShardFormatError("u", 512, "bad"),
+        E.SampleError("u", "k", "bad"),
+        E.TooManyErrors("t"),
     ]
     for exc in examples:
         again = pickle.loads(pickle.dumps(exc))
@@ -167,8 +174,7 @@ def test_folder_of_tars_without_manifest_says_run_index(tmp_path, capsys):
         ShardStream(root, batch_size=4, world=World(0, 1))
 
 
-def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3_endpoint, capsys, monkeypatch,
-                                                                 tmp_path, dead_port):
+def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3_endpoint, capsys, monkeypatch, tmp_path, dead_port):
     root, _ = image_folder
     port = dead_port.getsockname()[1]
     assert main(["pack", str(root), "s3://bkt/x", "--endpoint-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 1

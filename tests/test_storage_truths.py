@@ -67,8 +67,7 @@ def test_a_hostile_sidecar_is_a_manifest_error_on_s3(s3, direct_get):
     key = "d/shard-000000.tar.idx"
     data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     client.put_object(Bucket=bucket, Key=key, Body=hostile_sidecar(data))
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12),
-                     store=Store(options=options, config=StorageConfig(direct_get=direct_get)))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12), store=Store(options=options, config=StorageConfig(direct_get=direct_get)))
     with pytest.raises(ManifestError, match=rf"s3://{bucket}/{key}: .*sample #0 is byte {HOSTILE}"):
         list(ds)
 
@@ -88,7 +87,7 @@ def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_on_s3_as_on_loca
     samples = make_samples(30, size=3000)
     local = write_dataset(tmp_path / "local", samples=samples, max_count=10)
     url = write_dataset(f"s3://{bucket}/d", samples=samples, max_count=10, storage_options=options)
-    shard = (tmp_path / "local" / "shard-000001.tar")
+    shard = tmp_path / "local" / "shard-000001.tar"
     cut = shard.read_bytes()[:15_000]  # both halves of the shard start past 15000 for World(1, 2)
     shard.write_bytes(cut)
     client.put_object(Bucket=bucket, Key="d/shard-000001.tar", Body=cut)

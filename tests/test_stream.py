@@ -56,8 +56,19 @@ def test_batch_contents_are_decoded_and_collated(dataset_root):
 
 def test_decoders_by_extension_and_overrides(tmp_path):
     img = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)
-    samples = [{"__key__": f"k{i}", "png": img, "npy": np.full((2, 3), i, np.float32), "json": {"i": i},
-                "pth": torch.tensor([i, i]), "cls": i, "txt": "t", "seg.png": img} for i in range(4)]
+    samples = [
+        {
+            "__key__": f"k{i}",
+            "png": img,
+            "npy": np.full((2, 3), i, np.float32),
+            "json": {"i": i},
+            "pth": torch.tensor([i, i]),
+            "cls": i,
+            "txt": "t",
+            "seg.png": img,
+        }
+        for i in range(4)
+    ]
     root = write_dataset(tmp_path / "d", samples=samples, max_count=23)
     batch = next(iter(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))))
     assert batch["png"].shape == (4, 3, 4, 6) and batch["png"].dtype == torch.uint8
@@ -66,17 +77,23 @@ def test_decoders_by_extension_and_overrides(tmp_path):
     assert batch["npy"].shape == (4, 2, 3) and batch["npy"][3, 0, 0] == 3
     assert batch["json"] == [{"i": i} for i in range(4)]
     assert batch["pth"].tolist() == [[i, i] for i in range(4)]
-    pil = next(iter(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1),
-                                decode=Decode({"txt": lambda b: b.decode().upper()}, image="pil"))))
+    pil = next(
+        iter(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1), decode=Decode({"txt": lambda b: b.decode().upper()}, image="pil")))
+    )
     assert isinstance(pil["png"][0], Image.Image) and pil["txt"] == ["T"] * 4
     raw = next(iter(ShardStream(root, batch_size=4, shuffle=False, decode=False, world=World(0, 1))))
     assert isinstance(raw["png"][0], bytes)
 
 
 def test_transform_and_custom_collate(dataset_root):
-    ds = ShardStream(dataset_root, batch_size=4, shuffle=False, world=World(0, 1),
-                     transform=lambda s: {"__key__": s["__key__"], "y": s["cls"] * 2},
-                     collate=lambda samples: [s["y"] for s in samples])
+    ds = ShardStream(
+        dataset_root,
+        batch_size=4,
+        shuffle=False,
+        world=World(0, 1),
+        transform=lambda s: {"__key__": s["__key__"], "y": s["cls"] * 2},
+        collate=lambda samples: [s["y"] for s in samples],
+    )
     assert next(iter(ds)) == [0, 2, 4, 6]
 
 

@@ -29,8 +29,7 @@ needs_bsdtar = pytest.mark.skipif(BSDTAR is None, reason="bsdtar is not installe
 
 def parse(data: bytes, read_size: int = 1 << 16) -> list[tuple[str, dict[str, bytes]]]:
     stream = io.BytesIO(data)
-    return [(k, f) for k, _o, _e, f in iter_samples(stream.read, url="mem://x.tar", end=len(data), read_size=read_size,
-                                                     require_end_marker=True)]
+    return [(k, f) for k, _o, _e, f in iter_samples(stream.read, url="mem://x.tar", end=len(data), read_size=read_size, require_end_marker=True)]
 
 
 def wds_samples(path: str) -> list[tuple[str, dict[str, bytes]]]:
@@ -41,6 +40,7 @@ def wds_samples(path: str) -> list[tuple[str, dict[str, bytes]]]:
 
 
 # --- cost: linear in the member size ---------------------------------------------------------
+
 
 def _allocated_while_parsing(data: bytes, piece: int) -> tuple[int, int]:
     """(bytes allocated by the parser between its read() calls, read() calls): each interval's
@@ -85,6 +85,7 @@ def test_a_64mb_member_is_copied_a_fixed_number_of_times_whatever_the_pieces():
 
 # --- names: prefix + name unless a record overrides it; metadata members ------------------------
 
+
 def _ustar_with_prefix(name: str, data: bytes, pax: dict[str, str] | None = None) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = len(data)
@@ -96,8 +97,7 @@ def _ustar_with_prefix(name: str, data: bytes, pax: dict[str, str] | None = None
 
 def test_ustar_prefix_is_kept_when_a_pax_header_has_no_path_record(tmp_path):
     long_dir = "D" * 60 + "/" + "E" * 60
-    data = (_ustar_with_prefix(f"{long_dir}/s1.txt", b"one", pax={"mtime": "1.5"})
-            + _ustar_with_prefix(f"{long_dir}/s2.txt", b"two") + END_OF_ARCHIVE)
+    data = _ustar_with_prefix(f"{long_dir}/s1.txt", b"one", pax={"mtime": "1.5"}) + _ustar_with_prefix(f"{long_dir}/s2.txt", b"two") + END_OF_ARCHIVE
     path = tmp_path / "prefix.tar"
     path.write_bytes(data)
     expected = [(f"{long_dir}/s1", {"txt": b"one"}), (f"{long_dir}/s2", {"txt": b"two"})]
@@ -106,9 +106,18 @@ def test_ustar_prefix_is_kept_when_a_pax_header_has_no_path_record(tmp_path):
 
 
 def test_metadata_members_hidden_files_and_multi_dot_names_split_like_webdataset(tmp_path):
-    members = [("__meta__/info.txt", b"m"), ("__index__", b"i"), ("a.b/c.d.E", b"1"), ("a.b/c.JSON", b"2"),
-               (".hidden.txt", b"h"), ("dir/.hidden.txt", b"h2"), ("__x__y.txt", b"3"), ("noext", b"n"),
-               ("k/s.seg.PNG", b"4"), ("k/s.cls", b"5")]
+    members = [
+        ("__meta__/info.txt", b"m"),
+        ("__index__", b"i"),
+        ("a.b/c.d.E", b"1"),
+        ("a.b/c.JSON", b"2"),
+        (".hidden.txt", b"h"),
+        ("dir/.hidden.txt", b"h2"),
+        ("__x__y.txt", b"3"),
+        ("noext", b"n"),
+        ("k/s.seg.PNG", b"4"),
+        ("k/s.cls", b"5"),
+    ]
     path = tmp_path / "names.tar"
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
         for name, payload in members:
@@ -121,6 +130,7 @@ def test_metadata_members_hidden_files_and_multi_dot_names_split_like_webdataset
 
 
 # --- pax size, sparse -------------------------------------------------------------------------
+
 
 def test_pax_size_record_is_read_and_bounded_by_the_bytes_there():
     info = tarfile.TarInfo("k.bin")
@@ -180,9 +190,9 @@ def test_old_gnu_sparse_with_an_extended_map_is_refused_naming_the_member():
 
 # --- compressed shards ------------------------------------------------------------------------
 
+
 def _members(n: int, tag: str = "") -> list[tuple[str, bytes]]:
-    return [(f"s{tag}{i:03d}.{ext}", data) for i in range(n)
-            for ext, data in (("txt", f"text {tag}{i}".encode()), ("bin", os.urandom(700 + i)))]
+    return [(f"s{tag}{i:03d}.{ext}", data) for i in range(n) for ext, data in (("txt", f"text {tag}{i}".encode()), ("bin", os.urandom(700 + i)))]
 
 
 def _write_tar(path, members, mode: str = "w", fmt: int = tarfile.PAX_FORMAT) -> None:
@@ -220,8 +230,7 @@ def test_compressed_shards_read_directly_through_index_and_from_the_middle(tmp_p
     manifest, url = write_index(str(path), str(tmp_path))
     manifest = load_manifest(url)
     assert manifest.shards[0].path == name and manifest.shards[0].bytes == path.stat().st_size
-    got = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
-           for chunk in read_range(manifest, Range(0, 0, 12)) for s in chunk]
+    got = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for chunk in read_range(manifest, Range(0, 0, 12)) for s in chunk]
     assert got == expected
     middle = [s["__key__"] for chunk in read_range(manifest, Range(0, 5, 9)) for s in chunk]
     assert middle == [k for k, _ in expected[5:9]]
@@ -259,8 +268,7 @@ def test_compressed_shards_through_shardstream_workers_pack_show_and_verify(tmp_
     assert len(set(seen)) == len(seen) == 20  # 22 samples, 2 ranks x 5 batches of 2: equal batches, 2 dropped
     result = pack(str(src / "*.t*"), str(tmp_path / "packed"), kind="shards")
     assert result.samples == 22
-    repacked = ShardStream(str(tmp_path / "packed"), batch_size=1, shuffle=False, decode=False, world=World(0, 1),
-                           collate=lambda samples: samples)
+    repacked = ShardStream(str(tmp_path / "packed"), batch_size=1, shuffle=False, decode=False, world=World(0, 1), collate=lambda samples: samples)
     assert {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in repacked for s in b} == expected
     assert main(["verify", str(tmp_path / "idx")]) == 0
     assert main(["show", str(tmp_path / "idx"), "--key", "sb003"]) == 0
@@ -314,8 +322,19 @@ def test_index_takes_several_inputs_and_a_file_listing_urls(tmp_path):
 
 # --- every dialect: GNU tar, bsdtar, tarfile; read by webdataset and shardstream ---------------
 
-SHORT_NAMES = ["a/s1.txt", "a/s1.cls", "\u00fcber/s3.txt", "s4/.hidden.txt", "__meta__/info.txt", "S5.JPG", "S5.cls",
-               "s6.seg.png", "s6.txt", "noext", "k.v/s7.json"]
+SHORT_NAMES = [
+    "a/s1.txt",
+    "a/s1.cls",
+    "\u00fcber/s3.txt",
+    "s4/.hidden.txt",
+    "__meta__/info.txt",
+    "S5.JPG",
+    "S5.cls",
+    "s6.seg.png",
+    "s6.txt",
+    "noext",
+    "k.v/s7.json",
+]
 PREFIX_NAMES = ["D" * 60 + "/" + "E" * 60 + "/s2.txt", "D" * 60 + "/" + "E" * 60 + "/s2.bin"]
 LONG_NAMES = ["L" * 130 + ".txt"]
 
@@ -371,8 +390,11 @@ def _read_all_ways(tmp_path, path: str, *, through_pack: bool = False) -> None:
     assert len(expected) >= 5 and all(not k.startswith("__meta__") for k, _ in expected)
     manifest, url = write_index(path, str(tmp_path / "idx"))
     manifest = load_manifest(url)
-    indexed = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
-               for chunk in read_range(manifest, Range(0, 0, manifest.shards[0].samples)) for s in chunk]
+    indexed = [
+        (s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+        for chunk in read_range(manifest, Range(0, 0, manifest.shards[0].samples))
+        for s in chunk
+    ]
     assert indexed == expected
     if path.endswith(".tar"):
         with open(path, "rb") as f:
@@ -382,8 +404,12 @@ def _read_all_ways(tmp_path, path: str, *, through_pack: bool = False) -> None:
 
         pack(path, str(tmp_path / "packed"), kind="shards")
         packed = load_manifest(str(tmp_path / "packed"))
-        got = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
-               for i, shard in enumerate(packed.shards) for chunk in read_range(packed, Range(i, 0, shard.samples)) for s in chunk]
+        got = [
+            (s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+            for i, shard in enumerate(packed.shards)
+            for chunk in read_range(packed, Range(i, 0, shard.samples))
+            for s in chunk
+        ]
         assert got == expected
 
 
@@ -393,8 +419,7 @@ def test_python_tarfile_every_format(tmp_path, fmt):
 
 
 @needs_gnu_tar
-@pytest.mark.parametrize(("fmt", "compress"), [("v7", ""), ("oldgnu", ""), ("gnu", ""), ("ustar", ""), ("posix", ""),
-                                               ("pax", "gz"), ("gnu", "zst")])
+@pytest.mark.parametrize(("fmt", "compress"), [("v7", ""), ("oldgnu", ""), ("gnu", ""), ("ustar", ""), ("posix", ""), ("pax", "gz"), ("gnu", "zst")])
 def test_gnu_tar_every_format(tmp_path, fmt, compress):
     if compress == "zst":
         pytest.importorskip("zstandard")
@@ -436,8 +461,9 @@ def test_compressed_shards_from_s3_with_read_ahead_and_cache(s3, tmp_path):
     manifest, url = write_index(f"s3://{bucket}/wds/*.tar.gz", f"s3://{bucket}/wds", storage_options=options)
     assert manifest.shards[0].path == "a.tar.gz"
     for store in (Store(options=options, read=Read(readahead_bytes=1 << 20)), Store(options=options, cache=Cache(str(tmp_path / "cache"), 1 << 30))):
-        stream = ShardStream(f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world=World(2, 3),
-                             collate=lambda samples: samples, store=store)
+        stream = ShardStream(
+            f"s3://{bucket}/wds", batch_size=2, shuffle=False, decode=False, world=World(2, 3), collate=lambda samples: samples, store=store
+        )
         got = {s["__key__"]: {k: v for k, v in s.items() if not k.startswith("__")} for b in stream for s in b}
         assert len(got) == 2 and all(expected[k] == f for k, f in got.items())  # rank 2: samples 4-5, mid-shard
     assert [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size == local.stat().st_size]
@@ -452,8 +478,7 @@ def test_webdataset_tarwriter_tgz_read_from_bare_urls(tmp_path):
             w.write({"__key__": f"k{i}", "txt": f"t{i}", "cls": i})
     assert path.read_bytes()[:2] == b"\x1f\x8b"
     expected = wds_samples(str(path))
-    stream = ShardStream.from_urls(str(path), batch_size=3, shuffle=False, decode=False, world=World(0, 1),
-                         collate=lambda samples: samples)
+    stream = ShardStream.from_urls(str(path), batch_size=3, shuffle=False, decode=False, world=World(0, 1), collate=lambda samples: samples)
     assert [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")}) for b in stream for s in b] == expected
 
 

@@ -36,9 +36,7 @@ def test_our_headers_read_by_tarfile_including_long_and_unicode_names():
         assert all(m.mtime == 0 and m.uid == 0 and m.mode == 0o644 for m in tf.getmembers())
     assert got == {"a/b.txt": b"hello", long_name: b"long", "\u00fcber/k.txt": b"umlaut"}
     samples = parse(data)
-    assert [(k, f) for k, _, f in samples] == [
-        ("a/b", {"txt": b"hello"}), (long_name[:-4], {"txt": b"long"}), ("\u00fcber/k", {"txt": b"umlaut"})
-    ]
+    assert [(k, f) for k, _, f in samples] == [("a/b", {"txt": b"hello"}), (long_name[:-4], {"txt": b"long"}), ("\u00fcber/k", {"txt": b"umlaut"})]
 
 
 def test_headers_are_deterministic_and_match_tarfile_checksum_rules():
@@ -151,8 +149,7 @@ def test_blocks_fetched_into_bytearrays_are_parsed_in_place_and_give_bytes(read_
     def read(n: int) -> bytearray:
         return bytearray(stream.read(n))
 
-    got = list(iter_samples(read, url="mem://b.tar", start=0, end=len(data), read_size=read_size,
-                            require_end_marker=True, large_member=2048))
+    got = list(iter_samples(read, url="mem://b.tar", start=0, end=len(data), read_size=read_size, require_end_marker=True, large_member=2048))
     assert [k for k, _, _, _ in got] == [f"{i:03d}" for i in range(6)]
     for i, (_, _, _, fields) in enumerate(got):
         assert {ext: type(v) for ext, v in fields.items()} == {"txt": bytes, "bin": bytes}

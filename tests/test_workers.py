@@ -160,8 +160,7 @@ def test_a_lambda_cannot_go_to_a_forkserver_worker_and_the_error_says_what_to_do
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_worker_that_stalls_mid_pass_raises_worker_timeout_naming_it_and_its_step(dataset, method):
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=2, timeout=3, first_batch_timeout=60, start_method=method,
-                         collate_fn=stall_in_worker_0_after_2_batches)
+    loader = make_loader(ds, num_workers=2, timeout=3, first_batch_timeout=60, start_method=method, collate_fn=stall_in_worker_0_after_2_batches)
     got = []
     with pytest.raises(WorkerTimeout) as info:
         for batch in loader:
@@ -177,8 +176,11 @@ def test_a_worker_that_stalls_mid_pass_raises_worker_timeout_naming_it_and_its_s
 def test_a_worker_that_never_starts_its_pass_is_named_by_the_first_batch_bound(dataset):
     ds = ShardStream(dataset, batch_size=10)
     loader = make_loader(ds, num_workers=1, first_batch_timeout=2, worker_init_fn=hang_at_start)
-    with pytest.raises(WorkerTimeout, match=r"no batch from the DataLoader workers in 2 s; worker 0 \(pid \d+\) made 0 batches"
-                                            r".*started \(fork\), running worker_init_fn"):
+    with pytest.raises(
+        WorkerTimeout,
+        match=r"no batch from the DataLoader workers in 2 s; worker 0 \(pid \d+\) made 0 batches"
+        r".*started \(fork\), running worker_init_fn",
+    ):
         next(iter(loader))
 
 
@@ -243,8 +245,13 @@ STARTED_SCRIPT = textwrap.dedent("""
 def test_workers_die_with_their_rank_after_kill_9_and_leave_no_semaphore(tmp_path, dataset, method):
     script = tmp_path / "rank.py"
     script.write_text(STARTED_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), dataset, method], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), dataset, method],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
     try:
         ready, *names = proc.stdout.readline().split()
         assert ready == "ready"

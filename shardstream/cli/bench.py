@@ -34,10 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="measure for this long at most (default 10)")
     p.add_argument("--shuffle-buffer", type=int, default=1000)
     p.add_argument("--plot", metavar="FILE.png", help="measure 0..--workers workers and draw throughput per worker count")
-    p.add_argument("--step-ms", type=float, default=0.0, metavar="MS",
-                   help="time the main process spends per batch, as a training step would (default 0: none)")
-    p.add_argument("--step-wait", action="store_true",
-                   help="the step waits idle (a GPU step) instead of keeping a CPU core busy (a CPU step)")
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, metavar="MS", help="time the main process spends per batch, as a training step would (default 0: none)"
+    )
+    p.add_argument("--step-wait", action="store_true", help="the step waits idle (a GPU step) instead of keeping a CPU core busy (a CPU step)")
     add_storage_arguments(p)
 
 
@@ -48,8 +48,19 @@ def busy(seconds: float) -> None:
         pass
 
 
-def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: float, shuffle_buffer: int,
-            storage_options: dict, live: bool = False, step_ms: float = 0.0, step_wait: bool = False) -> dict:
+def measure(
+    url: str,
+    *,
+    workers: int,
+    batch_size: int,
+    decode: bool,
+    seconds: float,
+    shuffle_buffer: int,
+    storage_options: dict,
+    live: bool = False,
+    step_ms: float = 0.0,
+    step_wait: bool = False,
+) -> dict:
     """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures."""
     from shardstream.dataset import ShardStream
     from shardstream.loader import make_loader
@@ -57,8 +68,9 @@ def measure(url: str, *, workers: int, batch_size: int, decode: bool, seconds: f
     from shardstream.plan.topology import World
 
     started = time.perf_counter()
-    dataset = ShardStream(url, batch_size=batch_size, decode=decode, shuffle=Shuffle(shuffle_buffer),
-                          world=World(0, 1), store=Store(options=storage_options))
+    dataset = ShardStream(
+        url, batch_size=batch_size, decode=decode, shuffle=Shuffle(shuffle_buffer), world=World(0, 1), store=Store(options=storage_options)
+    )
     manifests = dataset.sources.manifests
     bytes_per_sample = sum(m.total_bytes for m in manifests) / max(1, sum(m.total_samples for m in manifests))
     loader = make_loader(dataset, num_workers=workers, pin_memory=False)
@@ -170,20 +182,33 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options_from(args)
     live = sys.stderr.isatty()
     counts = list(range(0, args.workers + 1)) if args.plot else [args.workers]
-    results = [measure(args.url, workers=w, batch_size=args.batch_size, decode=args.decode == "auto", seconds=args.seconds,
-                       shuffle_buffer=args.shuffle_buffer, storage_options=options, live=live, step_ms=args.step_ms,
-                       step_wait=args.step_wait) for w in counts]
+    results = [
+        measure(
+            args.url,
+            workers=w,
+            batch_size=args.batch_size,
+            decode=args.decode == "auto",
+            seconds=args.seconds,
+            shuffle_buffer=args.shuffle_buffer,
+            storage_options=options,
+            live=live,
+            step_ms=args.step_ms,
+            step_wait=args.step_wait,
+        )
+        for w in counts
+    ]
     print("| workers | samples/s | MB/s | first batch | consumer waited | peak RSS main / worker |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['workers']} | {r['samples_per_s']:,.0f} | {r['mb_per_s']:,.1f} | {r['first_batch_s']:.2f} s | "
-              f"{r['consumer_wait_s']:.2f} s of {r['seconds']:.1f} s | {r['peak_rss_mb']:.0f} / {r['peak_worker_rss_mb']:.0f} MB |")
+        print(
+            f"| {r['workers']} | {r['samples_per_s']:,.0f} | {r['mb_per_s']:,.1f} | {r['first_batch_s']:.2f} s | "
+            f"{r['consumer_wait_s']:.2f} s of {r['seconds']:.1f} s | {r['peak_rss_mb']:.0f} / {r['peak_worker_rss_mb']:.0f} MB |"
+        )
     print(recommend(results, args.step_ms))
     if args.plot:
         cores = os.cpu_count() or 1
         step = f"{args.step_ms:g} ms {'wait' if args.step_wait else 'CPU'} step" if args.step_ms else "no step"
-        title = (f"batch {args.batch_size}, decode {args.decode}, {cores} {'core' if cores == 1 else 'cores'}, {step}, "
-                 f"{args.seconds:g} s per count")
+        title = f"batch {args.batch_size}, decode {args.decode}, {cores} {'core' if cores == 1 else 'cores'}, {step}, {args.seconds:g} s per count"
         draw_plot(results, args.plot, title)
         print(f"plot: {args.plot}")
     return 0

@@ -25,8 +25,11 @@ turns a version-1 manifest (offsets inline) into version 2 in place, without rea
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("shards", nargs="+", help="shard URLs (.tar, .tar.gz, .tgz, .tar.zst, ...), brace patterns, globs, "
-                   "directories, or text files listing shard URLs")
+    p.add_argument(
+        "shards",
+        nargs="+",
+        help="shard URLs (.tar, .tar.gz, .tgz, .tar.zst, ...), brace patterns, globs, directories, or text files listing shard URLs",
+    )
     p.add_argument("dest", nargs="?", help="directory or .json path for the manifest")
     p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest (the one input) as version 2")
     p.add_argument("--threads", type=int, default=8, help="shards read at once (default 8)")

@@ -29,10 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     requests = p.add_argument_group("request accounting (any of these shows it)")
     requests.add_argument("--world", type=int, metavar="N", help="ranks reading the dataset (default 1)")
     requests.add_argument("--workers", type=int, metavar="W", help="DataLoader workers per rank (default 1)")
-    requests.add_argument("--batch-size", type=int, default=1, metavar="B",
-                          help="batch size: where worker slices cut shards (default 1; the counts barely depend on it)")
-    requests.add_argument("--rate", type=parse_size, metavar="BYTES",
-                          help="bytes per second each rank reads, e.g. 1GB (default 1GB)")
+    requests.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="B",
+        help="batch size: where worker slices cut shards (default 1; the counts barely depend on it)",
+    )
+    requests.add_argument("--rate", type=parse_size, metavar="BYTES", help="bytes per second each rank reads, e.g. 1GB (default 1GB)")
     add_storage_arguments(p)
 
 
@@ -62,10 +66,17 @@ def run(args: argparse.Namespace) -> int:
         count, rate = accounting
         prefix, busiest = count.busiest(rate)
         summary["requests"] = {
-            "world_size": args.world or 1, "workers": args.workers or 1, "rate": rate, "gets_per_epoch": count.gets,
-            "ranges": count.ranges, "sidecars": count.sidecars, "gets_per_second": round(count.per_second(rate), 1),
-            "busiest_prefix": prefix, "busiest_prefix_gets_per_second": round(busiest, 1),
-            "prefixes": len(count.by_prefix), "warning": count.warning(rate),
+            "world_size": args.world or 1,
+            "workers": args.workers or 1,
+            "rate": rate,
+            "gets_per_epoch": count.gets,
+            "ranges": count.ranges,
+            "sidecars": count.sidecars,
+            "gets_per_second": round(count.per_second(rate), 1),
+            "busiest_prefix": prefix,
+            "busiest_prefix_gets_per_second": round(busiest, 1),
+            "prefixes": len(count.by_prefix),
+            "warning": count.warning(rate),
         }
     if args.json:
         if args.shards:
@@ -74,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sizes = [s.samples for s in manifest.shards] or [0]
     print(f"{summary['manifest']}")
-    print(f"  {summary['shards']} shards, {summary['samples']} samples, {human_bytes(summary['bytes'])}"
-          f" (samples per shard {min(sizes)}..{max(sizes)})")
+    print(
+        f"  {summary['shards']} shards, {summary['samples']} samples, {human_bytes(summary['bytes'])} (samples per shard {min(sizes)}..{max(sizes)})"
+    )
     print("  fields: " + ", ".join(f"{ext} ({n})" for ext, n in sorted(manifest.extensions.items())))
     if manifest.label_map:
         counts = manifest.label_counts or {}
@@ -110,17 +122,25 @@ def requests_of(args: argparse.Namespace, manifest):
 
 def show_mix(args: argparse.Namespace, mix) -> int:
     """Each source of a mix: its name, what it asks, and its manifest's size."""
-    sources = [{"name": name, "url": source.url if isinstance(source.url, str) else source.label,
-                "ask": source.ask().describe(), "shards": len(m.shards), "samples": m.total_samples,
-                "bytes": m.total_bytes}
-               for name, source, m in zip(mix.names, mix.sources, mix.manifests)]
-    summary = {"mix": args.url, "sources": sources, "samples": sum(s["samples"] for s in sources),
-               "bytes": sum(s["bytes"] for s in sources)}
+    sources = [
+        {
+            "name": name,
+            "url": source.url if isinstance(source.url, str) else source.label,
+            "ask": source.ask().describe(),
+            "shards": len(m.shards),
+            "samples": m.total_samples,
+            "bytes": m.total_bytes,
+        }
+        for name, source, m in zip(mix.names, mix.sources, mix.manifests)
+    ]
+    summary = {"mix": args.url, "sources": sources, "samples": sum(s["samples"] for s in sources), "bytes": sum(s["bytes"] for s in sources)}
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
     print(f"{args.url}: mix of {len(sources)} sources, {summary['samples']} samples, {human_bytes(summary['bytes'])}")
     for s in sources:
-        print(f"  {s['name']}  ({s['ask']})  {s['shards']} shards, {s['samples']} samples, {human_bytes(s['bytes'])}"
-              + (f"  {s['url']}" if s["url"] != s["name"] else ""))
+        print(
+            f"  {s['name']}  ({s['ask']})  {s['shards']} shards, {s['samples']} samples, {human_bytes(s['bytes'])}"
+            + (f"  {s['url']}" if s["url"] != s["name"] else "")
+        )
     return 0

@@ -10,8 +10,22 @@ import sys
 
 from shardstream.storage.fs import make_storage_options
 
-_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
-          "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -26,10 +40,16 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("storage (S3 and other fsspec URLs)")
     group.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
     group.add_argument("--profile", help="AWS profile from ~/.aws/config")
-    group.add_argument("--allow-root", action="append", default=[], metavar="URL",
-                       help="a location outside the dataset's root that its manifest may list shards in (repeatable)")
-    group.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
-                       help="give up on a storage request after this long across its retries (default 60)")
+    group.add_argument(
+        "--allow-root",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a location outside the dataset's root that its manifest may list shards in (repeatable)",
+    )
+    group.add_argument(
+        "--deadline", type=float, default=None, metavar="SECONDS", help="give up on a storage request after this long across its retries (default 60)"
+    )
 
 
 def storage_options_from(args: argparse.Namespace) -> dict:

@@ -37,9 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-count", type=int, default=DEFAULT_MAX_COUNT, help=f"samples per shard at most (default {DEFAULT_MAX_COUNT})")
     p.add_argument("--max-size", type=parse_size, default=DEFAULT_MAX_SIZE, help="bytes per shard at most, e.g. 256MB (default 256MB)")
     p.add_argument("--prefix", default="shard", help="shard file name stem (default: shard)")
-    p.add_argument("--prefixes", type=int, default=1, metavar="N",
-                   help="spread shards over N directories (S3 prefixes): shard i goes to DEST/(i mod N)/, zero-padded, "
-                        "e.g. 03/shard-000003.tar (default 1: all in DEST)")
+    p.add_argument(
+        "--prefixes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="spread shards over N directories (S3 prefixes): shard i goes to DEST/(i mod N)/, zero-padded, "
+        "e.g. 03/shard-000003.tar (default 1: all in DEST)",
+    )
     p.add_argument("--label-from-dir", action="store_true", help="add 'cls' from the first-level folder name (ImageFolder layout)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
@@ -81,10 +86,22 @@ def run(args: argparse.Namespace) -> int:
         executor = client.get_executor(pure=False, retries=args.retries)
     try:
         result = pack(
-            args.src, args.dest, kind=args.kind, max_count=args.max_count, max_size=args.max_size,
-            shuffle=args.shuffle, seed=args.seed, workers=args.workers, label_from_dir=args.label_from_dir,
-            overwrite=args.overwrite, on_error=args.on_error, prefix=args.prefix, prefixes=args.prefixes,
-            storage_options=storage_options_from(args), progress=progress, executor=executor,
+            args.src,
+            args.dest,
+            kind=args.kind,
+            max_count=args.max_count,
+            max_size=args.max_size,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            workers=args.workers,
+            label_from_dir=args.label_from_dir,
+            overwrite=args.overwrite,
+            on_error=args.on_error,
+            prefix=args.prefix,
+            prefixes=args.prefixes,
+            storage_options=storage_options_from(args),
+            progress=progress,
+            executor=executor,
         )
     except KeyboardInterrupt:
         print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
@@ -95,8 +112,10 @@ def run(args: argparse.Namespace) -> int:
         if client is not None:
             client.close()
     rate = result.bytes / 1e6 / max(result.seconds, 1e-9)
-    print(f"packed {result.samples} samples into {result.shards} shards, {human_bytes(result.bytes)} "
-          f"in {result.seconds:.1f} s ({rate:.1f} MB/s, {result.samples / max(result.seconds, 1e-9):.0f} samples/s)")
+    print(
+        f"packed {result.samples} samples into {result.shards} shards, {human_bytes(result.bytes)} "
+        f"in {result.seconds:.1f} s ({rate:.1f} MB/s, {result.samples / max(result.seconds, 1e-9):.0f} samples/s)"
+    )
     exts = ", ".join(f"{k} ({v})" for k, v in sorted(result.manifest.extensions.items()))
     print(f"fields: {exts}")
     if result.manifest.label_map:

@@ -52,8 +52,14 @@ def run(args: argparse.Namespace) -> int:
                 pass
     started = time.perf_counter()
     try:
-        problems = verify_dataset(manifest, deep=args.deep, storage_options=storage_options_from(args),
-                                  progress=progress, threads=args.threads, config=storage_config_from(args))
+        problems = verify_dataset(
+            manifest,
+            deep=args.deep,
+            storage_options=storage_options_from(args),
+            progress=progress,
+            threads=args.threads,
+            config=storage_config_from(args),
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -62,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"PROBLEM {problem}")
     rate = manifest.total_bytes / 1e6 / max(seconds, 1e-9)
     verdict = f"{len(problems)} problems" if problems else "OK"
-    print(f"{verdict}: {len(manifest.shards)} shards, {manifest.total_samples} samples, "
-          f"{human_bytes(manifest.total_bytes)} checked{' deeply' if args.deep else ''} in {seconds:.1f} s "
-          f"({rate:.1f} MB/s, {seconds / max(manifest.total_bytes / 1e9, 1e-9):.1f} s per GB)")
+    print(
+        f"{verdict}: {len(manifest.shards)} shards, {manifest.total_samples} samples, "
+        f"{human_bytes(manifest.total_bytes)} checked{' deeply' if args.deep else ''} in {seconds:.1f} s "
+        f"({rate:.1f} MB/s, {seconds / max(manifest.total_bytes / 1e9, 1e-9):.1f} s per GB)"
+    )
     return 1 if problems else 0

@@ -19,8 +19,16 @@ from shardstream.errors import ShardFormatError
 
 # Longest suffixes first: ".tar.gz" before ".gz".
 SUFFIXES = (
-    (".tar.gz", "gzip"), (".tgz", "gzip"), (".tar.bz2", "bz2"), (".tbz2", "bz2"), (".tbz", "bz2"),
-    (".tar.xz", "xz"), (".txz", "xz"), (".tar.zst", "zstd"), (".tzst", "zstd"), (".tar.zstd", "zstd"),
+    (".tar.gz", "gzip"),
+    (".tgz", "gzip"),
+    (".tar.bz2", "bz2"),
+    (".tbz2", "bz2"),
+    (".tbz", "bz2"),
+    (".tar.xz", "xz"),
+    (".txz", "xz"),
+    (".tar.zst", "zstd"),
+    (".tzst", "zstd"),
+    (".tar.zstd", "zstd"),
 )
 SHARD_SUFFIXES = (".tar", *(suffix for suffix, _ in SUFFIXES))
 SKIP_BLOCK = 4 << 20
@@ -29,7 +37,7 @@ UNKNOWN_END = 1 << 62  # the parser's ``end`` for a whole decompressed stream (i
 
 
 def shard_compression(url: str) -> str | None:
-    """"gzip", "bz2", "xz" or "zstd" for a compressed shard URL (by its suffix), else None."""
+    """ "gzip", "bz2", "xz" or "zstd" for a compressed shard URL (by its suffix), else None."""
     lower = url.lower()
     for suffix, kind in SUFFIXES:
         if lower.endswith(suffix):

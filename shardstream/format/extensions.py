@@ -15,8 +15,18 @@ INT = ("cls", "cls2", "class", "count", "index", "inx", "id")
 JSON = ("json", "jsn")
 # Image extensions and the PIL format that writes them.
 IMAGE_FORMATS = {
-    "jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "bmp": "BMP", "gif": "GIF",
-    "ppm": "PPM", "pgm": "PPM", "pbm": "PPM", "pnm": "PPM", "tif": "TIFF", "tiff": "TIFF",
+    "jpg": "JPEG",
+    "jpeg": "JPEG",
+    "png": "PNG",
+    "webp": "WEBP",
+    "bmp": "BMP",
+    "gif": "GIF",
+    "ppm": "PPM",
+    "pgm": "PPM",
+    "pbm": "PPM",
+    "pnm": "PPM",
+    "tif": "TIFF",
+    "tiff": "TIFF",
 }
 IMAGE = tuple(IMAGE_FORMATS)
 NPY = ("npy",)
@@ -28,8 +38,18 @@ PICKLE = ("pyd", "pickle", "pkl")  # decoded only on request: unpickling runs co
 COMPRESSION = {"gz": "gzip"}  # field suffixes decompressed before the inner extension is decoded
 
 KINDS: dict[str, str] = {}
-for _kind, _exts in (("text", TEXT), ("int", INT), ("json", JSON), ("image", IMAGE), ("npy", NPY), ("npz", NPZ),
-                     ("torch", TORCH), ("tenbin", TENBIN), ("msgpack", MSGPACK), ("pickle", PICKLE)):
+for _kind, _exts in (
+    ("text", TEXT),
+    ("int", INT),
+    ("json", JSON),
+    ("image", IMAGE),
+    ("npy", NPY),
+    ("npz", NPZ),
+    ("torch", TORCH),
+    ("tenbin", TENBIN),
+    ("msgpack", MSGPACK),
+    ("pickle", PICKLE),
+):
     for _ext in _exts:
         KINDS[_ext] = _kind
 

@@ -75,8 +75,14 @@ class ShardTable(Sequence[ShardInfo]):
             return [self[j] for j in range(*i.indices(len(self)))]
         m = self._m
         i = range(len(m.paths))[i]  # negative indices, IndexError
-        return ShardInfo(path=m.paths[i], samples=int(m.counts[i]), bytes=int(m.sizes[i]), sha256=m.sha256(i),
-                         index=m.sidecar_path(i), span=(int(m.spans[i, 0]), int(m.spans[i, 1])))
+        return ShardInfo(
+            path=m.paths[i],
+            samples=int(m.counts[i]),
+            bytes=int(m.sizes[i]),
+            sha256=m.sha256(i),
+            index=m.sidecar_path(i),
+            span=(int(m.spans[i, 0]), int(m.spans[i, 1])),
+        )
 
     def __iter__(self) -> Iterator[ShardInfo]:
         for i in range(len(self)):
@@ -119,12 +125,26 @@ class Manifest:
                 spans[i] = (arr[0], arr[-1])
             elif s.span is not None:
                 spans[i] = s.span
-        self._set_arrays([s.path for s in shards], [s.samples for s in shards], [s.bytes for s in shards],
-                         [s.sha256 for s in shards], spans, [s.index for s in shards], inline)
+        self._set_arrays(
+            [s.path for s in shards],
+            [s.samples for s in shards],
+            [s.bytes for s in shards],
+            [s.sha256 for s in shards],
+            spans,
+            [s.index for s in shards],
+            inline,
+        )
 
-    def _set_arrays(self, paths: list[str], counts: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray,
-                    shas: list[str | None], spans: np.ndarray, sidecars: list[str | None] | None,
-                    inline: dict[int, np.ndarray]) -> None:
+    def _set_arrays(
+        self,
+        paths: list[str],
+        counts: Sequence[int] | np.ndarray,
+        sizes: Sequence[int] | np.ndarray,
+        shas: list[str | None],
+        spans: np.ndarray,
+        sidecars: list[str | None] | None,
+        inline: dict[int, np.ndarray],
+    ) -> None:
         n = len(paths)
         self.paths = paths
         self.counts = np.asarray(counts, dtype=np.int64).reshape(n)
@@ -194,8 +214,9 @@ class Manifest:
                 # bytes), and a sidecar too long still shows.
                 data = read_head(url, sidecar_size(samples) + 1, options)
             except StorageError as exc:
-                raise StorageError(f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); "
-                                   "run `shardstream verify` on the dataset") from exc
+                raise StorageError(
+                    f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); run `shardstream verify` on the dataset"
+                ) from exc
             return decode_offsets(data, url, samples, size)
 
         sha = self.sha256(i) or f"{size}"
@@ -244,11 +265,13 @@ class Manifest:
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Manifest:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise ManifestError(f"{where}: not a shardstream manifest (no \"format\": \"{FORMAT_NAME}\")")
+            raise ManifestError(f'{where}: not a shardstream manifest (no "format": "{FORMAT_NAME}")')
         version = doc.get("version")
         if version not in READ_VERSIONS or isinstance(version, bool):
-            raise ManifestError(f"{where}: unknown manifest format version {version!r} (this shardstream reads "
-                                f"versions {', '.join(map(str, READ_VERSIONS))}; upgrade shardstream)")
+            raise ManifestError(
+                f"{where}: unknown manifest format version {version!r} (this shardstream reads "
+                f"versions {', '.join(map(str, READ_VERSIONS))}; upgrade shardstream)"
+            )
         manifest = cls(
             extensions=dict(doc.get("extensions") or {}),
             label_map=doc.get("label_map"),
@@ -270,9 +293,7 @@ class Manifest:
                 seen.add(path)
         total = doc.get("total_samples")
         if total is not None and total != manifest.total_samples:
-            raise ManifestError(
-                f"{where}: total_samples says {total} but the shards add up to {manifest.total_samples}"
-            )
+            raise ManifestError(f"{where}: total_samples says {total} but the shards add up to {manifest.total_samples}")
         return manifest
 
 
@@ -346,10 +367,8 @@ def _read_shards_v2(manifest: Manifest, cols: Any, where: str) -> None:
         i = next(i for i, h in enumerate(shas) if not (h is None or _is_sha(h)))
         raise bad(i, "'sha256' must be 64 hex digits")
     sidecars = cols.get("index")
-    if sidecars is not None and not (isinstance(sidecars, list) and len(sidecars) == n
-                                     and all(isinstance(x, str) and x for x in sidecars)):
-        raise ManifestError(f"{where}: 'shards.index' must be null (each shard's sidecar is its path + "
-                            f"'{SUFFIX}') or a list of {n} sidecar paths")
+    if sidecars is not None and not (isinstance(sidecars, list) and len(sidecars) == n and all(isinstance(x, str) and x for x in sidecars)):
+        raise ManifestError(f"{where}: 'shards.index' must be null (each shard's sidecar is its path + '{SUFFIX}') or a list of {n} sidecar paths")
     manifest._set_arrays(paths, counts, sizes, shas, np.stack([first, end], axis=1), sidecars, {})
 
 
@@ -409,17 +428,23 @@ def dataset_root_problem(url: str) -> str | None:
     opened at the first link's path (``s3://b/p/a::b`` would put the shards under ``p/a/`` and
     the manifest *as* the object ``p/a``)."""
     if "::" in url:
-        return ("'::' chains filesystems in an fsspec URL (as in 'simplecache::s3://...'): the shards would be "
-                "written under the path before '::' and the manifest over that path itself, so the dataset could "
-                "not be read back; use a plain URL without '::'")
+        return (
+            "'::' chains filesystems in an fsspec URL (as in 'simplecache::s3://...'): the shards would be "
+            "written under the path before '::' and the manifest over that path itself, so the dataset could "
+            "not be read back; use a plain URL without '::'"
+        )
     if is_shard_pattern(url):
         char = next((c for c in PATTERN_CHARS if c in url), None)
         if char is not None:
-            return (f"{char!r} makes the reader take the URL as a shard pattern (glob or brace expansion), "
-                    "not a dataset root, so ShardStream could not read the dataset back; use a path without any of "
-                    f"{' '.join(PATTERN_CHARS)}")
-        return ("it ends like a tar shard's name, so the reader would take it as one shard file, not a "
-                "dataset root; choose a folder name without a tar suffix")
+            return (
+                f"{char!r} makes the reader take the URL as a shard pattern (glob or brace expansion), "
+                "not a dataset root, so ShardStream could not read the dataset back; use a path without any of "
+                f"{' '.join(PATTERN_CHARS)}"
+            )
+        return (
+            "it ends like a tar shard's name, so the reader would take it as one shard file, not a "
+            "dataset root; choose a folder name without a tar suffix"
+        )
     return None
 
 
@@ -431,8 +456,7 @@ def check_dataset_root(url: str, what: str = "destination") -> None:
         raise ConfigError(f"{what} {url!r} cannot be a dataset root: {problem}")
 
 
-def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None, *,
-                  config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
     """Read and validate a manifest; shard paths resolve against its directory and may not leave
     it (see ``confine``). The read follows ``config``: timeouts, retries, resume mid-body."""
     if "::" in source:  # the writers' rule (dataset_root_problem), on the reader's side too
@@ -466,7 +490,7 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
 def _normal(url: str) -> str:
     """A URL or path with '.'/'..' segments resolved (``file://`` and local paths made absolute)."""
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     if "://" in url:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"

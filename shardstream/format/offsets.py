@@ -87,11 +87,11 @@ def decode_offsets(data: bytes, url: str, samples: int, size: int) -> np.ndarray
     if magic != MAGIC:
         raise ManifestError(f"{url}: not a shardstream offset sidecar (bad magic {magic!r})")
     if count != samples:
-        raise ManifestError(f"{url}: offset sidecar is for {count} samples, the manifest says {samples}; "
-                            "re-run `shardstream index` to rebuild it")
+        raise ManifestError(f"{url}: offset sidecar is for {count} samples, the manifest says {samples}; re-run `shardstream index` to rebuild it")
     if len(data) != sidecar_size(samples):
-        raise ManifestError(f"{url}: offset sidecar is {len(data)} bytes, expected {sidecar_size(samples)} "
-                            f"for {samples} samples (truncated or overwritten)")
+        raise ManifestError(
+            f"{url}: offset sidecar is {len(data)} bytes, expected {sidecar_size(samples)} for {samples} samples (truncated or overwritten)"
+        )
     raw = np.frombuffer(data, dtype="<u8", offset=HEADER.size)
     problem = check_offsets(raw, samples, size)  # unsigned, as stored: checked before the cast to int64
     if problem is not None:

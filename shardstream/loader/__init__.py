@@ -259,8 +259,7 @@ class UnpackStage:
     bounded (``watch``: workers.watched's keywords). When a pass ends, the segments of its workers
     are unmapped, unless the workers persist into the next pass."""
 
-    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False,
-                 watch: dict[str, Any] | None = None):
+    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False, watch: dict[str, Any] | None = None):
         self.pin, self.channels, self.persistent, self.watch = pin, channels, persistent, watch
 
     def __call__(self, batches):
@@ -285,9 +284,17 @@ class UnpackStage:
 class ShardLoader(webdataset.WebLoader):
     """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
 
-    def __init__(self, dataset: ShardStream, *, log_interval: float | None = None, channels: Channels | None = None,
-                 start_method: str = "auto", timeout: float | None = None, first_batch_timeout: float | None = None,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        dataset: ShardStream,
+        *,
+        log_interval: float | None = None,
+        channels: Channels | None = None,
+        start_method: str = "auto",
+        timeout: float | None = None,
+        first_batch_timeout: float | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
         self.log_interval = log_interval
@@ -297,8 +304,13 @@ class ShardLoader(webdataset.WebLoader):
         self.start_method = start_method
         self.worker_start = kwargs.get("worker_init_fn") if isinstance(kwargs.get("worker_init_fn"), WorkerStart) else None
         self._checked: set[str] = set()  # start methods the dataset was found picklable for
-        self._watch = {"stats": dataset.counters, "rank": dataset.world.rank, "timeout": timeout,
-                       "first_timeout": first_batch_timeout, "semaphores": None}
+        self._watch = {
+            "stats": dataset.counters,
+            "rank": dataset.world.rank,
+            "timeout": timeout,
+            "first_timeout": first_batch_timeout,
+            "semaphores": None,
+        }
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
         self._pass: tuple[PassPlan, list[int]] | None = None  # the last pass's plan, and [batches received in it]
 
@@ -442,8 +454,10 @@ def make_loader(
     """
     dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
     if kwargs.pop("timeout", None):
-        raise ConfigError("make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
-                          "keywords, in seconds); DataLoader's timeout is set from them")
+        raise ConfigError(
+            "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
+            "keywords, in seconds); DataLoader's timeout is set from them"
+        )
     if kwargs.get("multiprocessing_context") is not None:
         if start_method != "auto":
             raise ConfigError("give start_method or multiprocessing_context, not both")

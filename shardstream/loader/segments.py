@@ -92,8 +92,7 @@ class PooledTensor:
 
     __slots__ = ("segment", "dtype", "size", "stride", "offset", "handoff")
 
-    def __init__(self, segment: int, dtype: Any, size: tuple[int, ...], stride: tuple[int, ...], offset: int,
-                 handoff: Handoff | None = None):
+    def __init__(self, segment: int, dtype: Any, size: tuple[int, ...], stride: tuple[int, ...], offset: int, handoff: Handoff | None = None):
         self.segment, self.dtype, self.size, self.stride, self.offset = segment, dtype, size, stride, offset
         self.handoff = handoff
 
@@ -118,8 +117,7 @@ class Handoff:
 
     __slots__ = ("token", "worker", "segments", "dropped", "channels_id", "channels", "received", "_views")
 
-    def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int],
-                 channels_id: int = 0):
+    def __init__(self, token: int, worker: int, segments: list[tuple[int, Any]], dropped: list[int], channels_id: int = 0):
         self.token, self.worker, self.segments, self.dropped = token, worker, segments, dropped
         self.channels_id = channels_id
         self.channels: Channels | None = None
@@ -176,8 +174,15 @@ class WorkerPool:
     """A worker's segments. ``take`` hands one out; the loader's pack step (once per batch) asks
     ``find`` for the marker of each tensor on them, then tells ``sent`` which were sent."""
 
-    def __init__(self, release_fd: int, worker: int, max_segments: int = MAX_SEGMENTS, channels_id: int = 0,
-                 token: int | None = None, inherited: Sequence[tuple[int, Any, int]] = ()):
+    def __init__(
+        self,
+        release_fd: int,
+        worker: int,
+        max_segments: int = MAX_SEGMENTS,
+        channels_id: int = 0,
+        token: int | None = None,
+        inherited: Sequence[tuple[int, Any, int]] = (),
+    ):
         self.fd, self.worker, self.max_segments, self.channels_id = release_fd, worker, max_segments, channels_id
         self.token = int.from_bytes(os.urandom(8), "little") if token is None else token
         self.segments: list[_Segment] = []
@@ -254,8 +259,7 @@ class WorkerPool:
         ptr = tensor.untyped_storage().data_ptr()
         for seg in self.segments:
             if seg.storage.data_ptr() == ptr:
-                return PooledTensor(seg.number, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                                    tensor.storage_offset())
+                return PooledTensor(seg.number, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
         return None
 
     def sent(self, numbers: set[int]) -> Handoff | None:
@@ -313,8 +317,7 @@ class Channels:
             return {"owner": -1, "pipes": [], "id": 0, "inherit": {}}
         # A worker started by a forkserver or spawn: the read ends of the release pipes go as passed
         # descriptors, the segments set aside for it as shared storages (torch's reduction: their fds).
-        return {"owner": _PASSED, "pipes": [(reduction.DupFd(r), -1) for r, _ in self.pipes], "id": self.id,
-                "inherit": self.inherit}
+        return {"owner": _PASSED, "pipes": [(reduction.DupFd(r), -1) for r, _ in self.pipes], "id": self.id, "inherit": self.inherit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["pipes"] = [(r.detach() if hasattr(r, "detach") else r, w) for r, w in state["pipes"]]
@@ -381,8 +384,10 @@ class Channels:
                 known[number] = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
             base = known.get(number)
             if base is None:
-                raise RuntimeError(f"shardstream hand-off: worker {handoff.worker} sent segment {number} "
-                                   f"by number, but it was never mapped here (please report this)")
+                raise RuntimeError(
+                    f"shardstream hand-off: worker {handoff.worker} sent segment {number} "
+                    f"by number, but it was never mapped here (please report this)"
+                )
             view = base[:]
             with self._lock:
                 self.views[(token, number)] = self.views.get((token, number), 0) + 1

@@ -65,11 +65,15 @@ def fork_hazard() -> str | None:
     version = ".".join(map(str, sys.version_info[:3]))
     native = native_threads()
     if native > 0:
-        _hazard = (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
-                   f"and this process has {native} thread{'s' if native > 1 else ''} that Python did not start")
+        _hazard = (
+            f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
+            f"and this process has {native} thread{'s' if native > 1 else ''} that Python did not start"
+        )
     elif _distributed_initialized():
-        _hazard = (f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
-                   "and torch.distributed is initialized (its threads do)")
+        _hazard = (
+            f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
+            "and torch.distributed is initialized (its threads do)"
+        )
     return _hazard
 
 
@@ -255,8 +259,7 @@ def unlink_semaphores(mark: int) -> int:
 
 
 # -- in the main process: the watchdog ------------------------------------------------------------
-def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first_timeout: float | None,
-            semaphores: int | None = None) -> Any:
+def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first_timeout: float | None, semaphores: int | None = None) -> Any:
     """Yield ``batches`` (a DataLoader iterator) with every wait bounded: ``first_timeout`` for the
     first batch, ``timeout`` for each later one (None: unbounded). A wait past its bound raises
     WorkerTimeout naming the worker that owes the next batch and its last step. With
@@ -309,12 +312,17 @@ def _late_worker(it: Any, stats: Any, rank: int, bound: float, elapsed: float) -
         proc = it._workers[w]
         line = stats.worker_line(w)
         if line is None or line[0] != proc.pid:
-            lines.append(f"worker {w} (pid {proc.pid}) has not started its pass: no line of the dataset ran in "
-                         f"{elapsed:.0f} s since the pass began (a start that hung: a fork deadlock, or an import or "
-                         f"worker_init_fn that blocks)")
+            lines.append(
+                f"worker {w} (pid {proc.pid}) has not started its pass: no line of the dataset ran in "
+                f"{elapsed:.0f} s since the pass began (a start that hung: a fork deadlock, or an import or "
+                f"worker_init_fn that blocks)"
+            )
         else:
             pid, ago, made, what = line
             lines.append(f"worker {w} (pid {pid}) made {made} batches this pass; its last step, {ago:.0f} s ago: {what}")
-    return (f"rank {rank}: no batch from the DataLoader workers in {bound:g} s; " + "; ".join(lines)
-            + ". Raise make_loader's timeout / first_batch_timeout if this is expected (slow storage, huge batches); "
-              "py-spy dump --pid PID shows where a worker is stuck")
+    return (
+        f"rank {rank}: no batch from the DataLoader workers in {bound:g} s; "
+        + "; ".join(lines)
+        + ". Raise make_loader's timeout / first_batch_timeout if this is expected (slow storage, huge batches); "
+        "py-spy dump --pid PID shows where a worker is stuck"
+    )

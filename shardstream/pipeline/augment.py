@@ -24,9 +24,16 @@ import random
 class RandomResizedCrop:
     """Image bytes -> uint8 CHW tensor of ``size x size`` (torchvision's RandomResizedCrop sampling)."""
 
-    def __init__(self, size: int = 224, *, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), seed: int = 0, reduced_decode: bool = True,
-                 fast: bool = True):
+    def __init__(
+        self,
+        size: int = 224,
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        seed: int = 0,
+        reduced_decode: bool = True,
+        fast: bool = True,
+    ):
         self.size = size
         self.fast = fast
         self.scale = scale
@@ -99,6 +106,5 @@ class RandomResizedCrop:
         x1, y1 = max(x0 + 1, round((x + w) * sx)), max(y0 + 1, round((y + h) * sy))
         region = torch.from_numpy(np.ascontiguousarray(array[y0:y1, x0:x1]))
         # HWC -> 1CHW as a channels-last view: torch's uint8 antialiased bilinear fast path.
-        out = F.interpolate(region.permute(2, 0, 1).unsqueeze(0), size=(self.size, self.size),
-                            mode="bilinear", antialias=True, align_corners=False)
+        out = F.interpolate(region.permute(2, 0, 1).unsqueeze(0), size=(self.size, self.size), mode="bilinear", antialias=True, align_corners=False)
         return out[0]

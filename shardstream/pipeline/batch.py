@@ -25,8 +25,10 @@ class Batch(dict):
     __slots__ = ()
 
     def __missing__(self, name: Any) -> Any:
-        raise KeyError(f"{name!r}: this batch has fields {sorted(map(str, self))}; a field missing from every "
-                       f"sample of a batch is not in it (is the extension right? `shardstream show` lists samples)")
+        raise KeyError(
+            f"{name!r}: this batch has fields {sorted(map(str, self))}; a field missing from every "
+            f"sample of a batch is not in it (is the extension right? `shardstream show` lists samples)"
+        )
 
 
 def _stack(values: list[Any]) -> Any:
@@ -47,7 +49,6 @@ def _stack(values: list[Any]) -> Any:
         reals = all(type(x) is float for x in values) or all(isinstance(x, numbers.Real) for x in values)
         return torch.tensor(values, dtype=torch.float64) if reals else values
     if type(v).__module__ == "numpy" and hasattr(v, "shape"):
-
         return stack_arrays(values) if all(x.shape == v.shape for x in values) else values
     return values
 
@@ -70,11 +71,13 @@ def _fields_differ(samples: list[Any]) -> None:
             if name not in s:
                 having = next(x for x in samples if name in x)
                 raise SampleError(
-                    s.get("__url__", "?"), s.get("__key__", "?"),
+                    s.get("__url__", "?"),
+                    s.get("__key__", "?"),
                     f"has no field {name!r} while sample {having.get('__key__', '?')!r} of the same batch has it "
                     f"(fields: {sorted(s)}). Samples of a batch must have the same fields: pass "
                     f"decode=Decode(required=[{name!r}]) to drop (on_error='skip') or reject samples without it, "
-                    f"or a transform/collate= that fills in or leaves out optional fields")
+                    f"or a transform/collate= that fills in or leaves out optional fields",
+                )
 
 
 def _collate_value(values: list[Any]) -> Any:
@@ -89,8 +92,10 @@ def _collate_value(values: list[Any]) -> Any:
 def _collate_sequence(samples: list[Any]) -> Any:
     first = samples[0]
     if not all(len(s) == len(first) for s in samples):
-        raise ConfigError(f"samples of a batch are {type(first).__name__}s of different lengths "
-                          f"({sorted({len(s) for s in samples})}): return the same structure for every sample, or pass collate=")
+        raise ConfigError(
+            f"samples of a batch are {type(first).__name__}s of different lengths "
+            f"({sorted({len(s) for s in samples})}): return the same structure for every sample, or pass collate="
+        )
     columns = [_collate_value(list(col)) for col in zip(*samples)]
     if hasattr(first, "_fields"):  # namedtuple
         return type(first)(*columns)
@@ -217,8 +222,10 @@ def batch_samples(
     if made < num_batches:
         pool = recent + pending
         if not pool:
-            raise TooManyErrors(f"no sample could be read for this worker: all of its samples failed and were skipped, "
-                                f"so its {num_batches} batches cannot be filled (see the warnings above for why)")
+            raise TooManyErrors(
+                f"no sample could be read for this worker: all of its samples failed and were skipped, "
+                f"so its {num_batches} batches cannot be filled (see the warnings above for why)"
+            )
         missing = (num_batches - made) * batch_size - len(pending)
         if stats is not None:
             stats.refilled += missing
@@ -233,4 +240,3 @@ def batch_samples(
                 yield batch
                 made += 1
                 pending = []
-

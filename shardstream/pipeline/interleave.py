@@ -31,8 +31,9 @@ def _tagged(chunks: Iterable[list[dict[str, Any]]], name: str) -> Iterator[list[
         yield chunk
 
 
-def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: Iterable[int] | None,
-                  names: Sequence[str] | None) -> Iterator[list[dict[str, Any]]]:
+def merge_sources(
+    streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: Iterable[int] | None, names: Sequence[str] | None
+) -> Iterator[list[dict[str, Any]]]:
     """Position by position, take the next sample of the source the pattern names (no pattern:
     one stream, passed on; no names: samples are not tagged).
 
@@ -59,15 +60,26 @@ def merge_sources(streams: Sequence[Iterable[list[dict[str, Any]]]], pattern: It
         logger.debug("mix: %d positions found their source short, %d samples left over", short, left)
 
 
-def read_planned(part: WorkerPlan, read: Callable[[int, list[Range]], Iterable[list[Any]]],
-                 read_back: Callable[[int, list[Range]], Iterable[list[Any]]] | None = None) -> Iterator[list[Any]]:
+def read_planned(
+    part: WorkerPlan,
+    read: Callable[[int, list[Range]], Iterable[list[Any]]],
+    read_back: Callable[[int, list[Range]], Iterable[list[Any]]] | None = None,
+) -> Iterator[list[Any]]:
     """The samples of a worker's planned pass (``plan.run.WorkerPlan``), window after window.
     ``read(source, ranges)`` yields lists of samples in range order; ``read_back`` (default
     ``read``) does so for the buffered samples a resumed window reads back (scattered single
     samples: a pool of requests, see ``pipeline.read.read_scattered``)."""
     back = read_back or read
     for window in part.windows:
-        streams = [continue_samples(back(i, s.back) if s.back else iter(()), read(i, s.ranges) if s.ranges else iter(()), s.cut,
-                                    s.placement, buffer_size=part.shuffle_buffer, initial=part.shuffle_initial)
-                   for i, s in enumerate(window.sources)]
+        streams = [
+            continue_samples(
+                back(i, s.back) if s.back else iter(()),
+                read(i, s.ranges) if s.ranges else iter(()),
+                s.cut,
+                s.placement,
+                buffer_size=part.shuffle_buffer,
+                initial=part.shuffle_initial,
+            )
+            for i, s in enumerate(window.sources)
+        ]
         yield from merge_sources(streams, window.pattern(), part.names)

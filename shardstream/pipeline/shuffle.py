@@ -20,8 +20,9 @@ from shardstream.plan.shuffle import BufferShuffler, StreamCut
 T = TypeVar("T")
 
 
-def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: Any,
-                    buffer: list[T] | None = None, grow: bool = False) -> Iterator[list[T]]:
+def shuffle_samples(
+    chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: Any, buffer: list[T] | None = None, grow: bool = False
+) -> Iterator[list[T]]:
     """Yield every item of the incoming lists (and of ``buffer``) exactly once, shuffled, as lists."""
     if buffer_size <= 1:
         yield from chunks
@@ -37,8 +38,9 @@ def shuffle_samples(chunks: Iterable[list[T]], *, buffer_size: int, initial: int
         yield rest
 
 
-def continue_samples(back: Iterable[list[T]], rest: Iterable[list[T]], cut: StreamCut, placement: np.ndarray | None, *,
-                     buffer_size: int, initial: int) -> Iterator[list[T]]:
+def continue_samples(
+    back: Iterable[list[T]], rest: Iterable[list[T]], cut: StreamCut, placement: np.ndarray | None, *, buffer_size: int, initial: int
+) -> Iterator[list[T]]:
     """A stream's shuffled samples from where ``cut`` stood: ``back`` holds the samples that sat in
     its buffer, read back in ``placement`` order (sorted by sample: ``placement[i]`` is the buffer
     slot of the i-th read), ``rest`` the samples it had not read yet. A fresh stream has nothing

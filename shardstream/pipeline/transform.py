@@ -44,8 +44,9 @@ def bind_per_sample(decoder: Callable[[dict], dict], transform: Callable[[dict],
     return decoder, transform
 
 
-def transform_samples(chunks: Iterable[list[dict[str, Any]]], transform: Callable[[dict[str, Any]], Any], counters: Any,
-                      filtered: list[int], policy: ErrorPolicy) -> Iterator[list[Any]]:
+def transform_samples(
+    chunks: Iterable[list[dict[str, Any]]], transform: Callable[[dict[str, Any]], Any], counters: Any, filtered: list[int], policy: ErrorPolicy
+) -> Iterator[list[Any]]:
     """Apply the user's transform to lists of samples; a None result drops the sample (counted).
     A transform that raises fails its sample under the user's policy, as a decode error does: a
     SampleError naming the shard and key, raised, or skipped, counted and logged (``policy``, with

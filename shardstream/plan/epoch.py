@@ -120,8 +120,12 @@ class EpochPlan(RankSlices):
             f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "
             f"{self.world_size} ranks x {self.batches_per_rank} batches of {self.batch_size} "
             f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
-            + (f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
-               "shard's start and skips to it (repack as plain .tar to split cheaply)" if self.compressed_shards else "")
+            + (
+                f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
+                "shard's start and skips to it (repack as plain .tar to split cheaply)"
+                if self.compressed_shards
+                else ""
+            )
             + (f"; {self.resumed}" if self.resumed else "")
             + (f"; {self.requests}" if self.requests else "")
         )
@@ -171,7 +175,16 @@ def plan_epoch(
     order = perm[counts_arr[perm] > 0]
     starts = np.concatenate([[0], np.cumsum(counts_arr[order])[:-1]]).astype(np.int64)
     return EpochPlan(
-        epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers,
-        batch_size=batch_size, mode=mode, total_samples=total, batches_per_rank=batches,
-        shard_order=tuple(order.tolist()), starts=tuple(starts.tolist()), compressed_shards=compressed_shards,
+        epoch=epoch,
+        seed=seed,
+        shuffle=shuffle,
+        world_size=world_size,
+        num_workers=workers,
+        batch_size=batch_size,
+        mode=mode,
+        total_samples=total,
+        batches_per_rank=batches,
+        shard_order=tuple(order.tolist()),
+        starts=tuple(starts.tolist()),
+        compressed_shards=compressed_shards,
     )

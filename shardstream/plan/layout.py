@@ -43,8 +43,7 @@ class SampleIds:
     def of_ranges(self, ranges: Sequence[Range]) -> np.ndarray:
         if not ranges:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(self.base[r.shard] + r.start, self.base[r.shard] + r.stop, dtype=np.int64)
-                               for r in ranges])
+        return np.concatenate([np.arange(self.base[r.shard] + r.start, self.base[r.shard] + r.stop, dtype=np.int64) for r in ranges])
 
     def ranges(self, ids: np.ndarray) -> list[Range]:
         """Ids (in read order) as shard ranges; consecutive ids of one shard become one range."""
@@ -54,8 +53,7 @@ class SampleIds:
         breaks = np.flatnonzero((np.diff(ids) != 1) | (np.diff(shards) != 0)) + 1
         starts = np.concatenate([[0], breaks])
         stops = np.concatenate([breaks, [len(ids)]])
-        return [Range(int(shards[a]), int(ids[a] - self.base[shards[a]]), int(ids[b - 1] - self.base[shards[a]] + 1))
-                for a, b in zip(starts, stops)]
+        return [Range(int(shards[a]), int(ids[a] - self.base[shards[a]]), int(ids[b - 1] - self.base[shards[a]] + 1)) for a, b in zip(starts, stops)]
 
 
 class Layout:
@@ -171,8 +169,22 @@ def epoch_layout(plan: EpochPlan | MixPlan, counts: Sequence[np.ndarray], *, see
 class RestLayout(Layout):
     """What an interrupted epoch left unconsumed (per source, sample ids in order), laid out again."""
 
-    def __init__(self, rest: Sequence[np.ndarray], ids: Sequence[SampleIds], *, epoch: int, segment: int, seed: int, shuffle: bool,
-                 mixed: bool, world_size: int, batch_size: int, mode: str, per_batch: str, targets: Sequence[float]):
+    def __init__(
+        self,
+        rest: Sequence[np.ndarray],
+        ids: Sequence[SampleIds],
+        *,
+        epoch: int,
+        segment: int,
+        seed: int,
+        shuffle: bool,
+        mixed: bool,
+        world_size: int,
+        batch_size: int,
+        mode: str,
+        per_batch: str,
+        targets: Sequence[float],
+    ):
         self.epoch, self.segment, self.seed, self.mixed = epoch, segment, seed, mixed
         self.world_size, self.batch_size, self.mode = world_size, batch_size, mode
         self.ids = list(ids)
@@ -186,8 +198,12 @@ class RestLayout(Layout):
             quotas = [c * batches for c in counts]  # the rest of each source beyond whole batches is left out
             pattern = exact_pattern(counts)
         if shuffle and len(quotas) > 1:
-            phases = tuple(int(x) for x in np.random.default_rng(
-                [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, _REST_TAG, segment]).integers(0, PHASES, len(quotas)))
+            phases = tuple(
+                int(x)
+                for x in np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, _REST_TAG, segment]).integers(
+                    0, PHASES, len(quotas)
+                )
+            )
         else:
             phases = (0,) * len(quotas)
         self.interleave = Interleave(tuple(quotas), per_batch, batch_size, phases, counts, pattern)
@@ -244,8 +260,9 @@ class WindowRead:
         return self.end - self.begin
 
 
-def window_read(layout: Layout, rank: int, worker: int, lo: int, t0: int, t1: int, num_workers: int, received: int, *,
-                buffer: int, initial: int) -> WindowRead | None:
+def window_read(
+    layout: Layout, rank: int, worker: int, lo: int, t0: int, t1: int, num_workers: int, received: int, *, buffer: int, initial: int
+) -> WindowRead | None:
     """Worker ``worker``'s slice of the window of batches [lo, lo + t1 - t0) of ``layout``, which
     is batches [t0, t1) of a pass of which the loop received ``received``; None when it has
     nothing left to deliver there. A slice with batches already consumed is cut: its shuffle is
@@ -266,8 +283,9 @@ def window_read(layout: Layout, rank: int, worker: int, lo: int, t0: int, t1: in
         stream = layout.ids_of(i, source_runs)
         cut = cut_stream(len(stream), outputs[i], buffer_size=buffer, initial=initial, rng=rng)
         held = stream[np.asarray(cut.buffered, dtype=np.int64)]
-        read.sources.append(SourceRead(layout.ids[i].ranges(np.sort(held)), np.argsort(held, kind="stable"),
-                                       layout.ids[i].ranges(stream[cut.taken:]), cut))
+        read.sources.append(
+            SourceRead(layout.ids[i].ranges(np.sort(held)), np.argsort(held, kind="stable"), layout.ids[i].ranges(stream[cut.taken :]), cut)
+        )
     return read
 
 
@@ -314,12 +332,11 @@ def unconsumed(layout: Layout, used: Consumption) -> list[np.ndarray]:
             for i, source_runs in enumerate(layout.runs(p0, p1)):
                 stream = layout.ids_of(i, source_runs)
                 index = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in source_runs] or [np.zeros(0, np.int64)])
-                cut = cut_stream(len(stream), outputs[i], buffer_size=used.buffer, initial=used.initial,
-                                 rng=layout.rng(rank, worker, i, lo))
+                cut = cut_stream(len(stream), outputs[i], buffer_size=used.buffer, initial=used.initial, rng=layout.rng(rank, worker, i, lo))
                 order = np.asarray(cut.buffered, dtype=np.int64)
                 order = order[np.argsort(stream[order], kind="stable")]
-                ids[i] += [stream[order], stream[cut.taken:]]
-                js[i] += [index[order], index[cut.taken:]]
+                ids[i] += [stream[order], stream[cut.taken :]]
+                js[i] += [index[order], index[cut.taken :]]
         p0, p1 = layout.span(rank, hi, layout.batches_per_rank)
         for i, source_runs in enumerate(layout.runs(p0, p1)):
             ids[i].append(layout.ids_of(i, source_runs))

@@ -106,8 +106,10 @@ class SourceShare:
     share: float  # realised share of the samples read
 
     def __str__(self) -> str:
-        return (f"{self.name}: {self.used} used of {self.samples} ({self.repeated} repeated, {self.dropped} dropped, "
-                f"{self.unseen} unseen), share {self.share:.4f} asked {self.asked_share:.4f}")
+        return (
+            f"{self.name}: {self.used} used of {self.samples} ({self.repeated} repeated, {self.dropped} dropped, "
+            f"{self.unseen} unseen), share {self.share:.4f} asked {self.asked_share:.4f}"
+        )
 
 
 def quotas(sizes: Sequence[int], asks: Sequence[Ask]) -> tuple[list[int], list[float]]:
@@ -346,18 +348,28 @@ class MixPlan(RankSlices):
         out = []
         for i, name in enumerate(self.names):
             n = self.sizes[i]
-            out.append(SourceShare(
-                name=name, samples=n, quota=self.quotas[i], used=used[i], repeated=max(0, used[i] - n),
-                dropped=max(0, self.quotas[i] - used[i]), unseen=max(0, n - min(used[i], self.quotas[i])),
-                asked_share=self.targets[i] / total_target, share=used[i] / total_used,
-            ))
+            out.append(
+                SourceShare(
+                    name=name,
+                    samples=n,
+                    quota=self.quotas[i],
+                    used=used[i],
+                    repeated=max(0, used[i] - n),
+                    dropped=max(0, self.quotas[i] - used[i]),
+                    unseen=max(0, n - min(used[i], self.quotas[i])),
+                    asked_share=self.targets[i] / total_target,
+                    share=used[i] / total_used,
+                )
+            )
         return out
 
     def summary(self) -> str:
         extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.used_samples - self.total_samples} repeated"
-        head = (f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "
-                f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
-                f"{self.batch_size} ({extra}), {self.num_workers} workers per rank" + (f"; {self.resumed}" if self.resumed else ""))
+        head = (
+            f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "
+            f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
+            f"{self.batch_size} ({extra}), {self.num_workers} workers per rank" + (f"; {self.resumed}" if self.resumed else "")
+        )
         return "\n".join([head, *(f"  {s}" for s in self.shares())])
 
 
@@ -382,9 +394,11 @@ def plan_mix(
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "pad" and per_batch == "exact":
-        raise ConfigError("mode='pad' with per_batch='exact' cannot work: the same count of each source in every batch "
-                          "leaves out what the smallest source's batches cannot carry, while pad mode promises every "
-                          "sample of the epoch at least once; use per_batch='spread' with mode='pad'")
+        raise ConfigError(
+            "mode='pad' with per_batch='exact' cannot work: the same count of each source in every batch "
+            "leaves out what the smallest source's batches cannot carry, while pad mode promises every "
+            "sample of the epoch at least once; use per_batch='spread' with mode='pad'"
+        )
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1:
@@ -430,14 +444,25 @@ def plan_mix(
             f"{num_workers}: {workers - batches_per_rank} workers would have nothing to read; use num_workers <= "
             f"{batches_per_rank}"
         )
-    passes = tuple(
-        _passes(counts[i], q[i], seed=seed, epoch=epoch, source=i, shuffle=shuffle) for i in range(len(counts))
-    )
-    phases = tuple(int(x) for x in _rng(seed, epoch).integers(0, PHASES, len(counts))) \
-        if shuffle else (0,) * len(counts)
+    passes = tuple(_passes(counts[i], q[i], seed=seed, epoch=epoch, source=i, shuffle=shuffle) for i in range(len(counts)))
+    phases = tuple(int(x) for x in _rng(seed, epoch).integers(0, PHASES, len(counts))) if shuffle else (0,) * len(counts)
     return MixPlan(
-        epoch=epoch, seed=seed, shuffle=shuffle, world_size=world_size, num_workers=workers, batch_size=batch_size,
-        per_batch=per_batch, names=tuple(names), asks=tuple(asks), counts=tuple(tuple(int(x) for x in c) for c in counts),
-        quotas=tuple(q), targets=tuple(targets), batches_per_rank=batches_per_rank, passes=passes, phases=phases,
-        per_batch_counts=tuple(per_batch_counts), batch_pattern=pattern, mode=mode,
+        epoch=epoch,
+        seed=seed,
+        shuffle=shuffle,
+        world_size=world_size,
+        num_workers=workers,
+        batch_size=batch_size,
+        per_batch=per_batch,
+        names=tuple(names),
+        asks=tuple(asks),
+        counts=tuple(tuple(int(x) for x in c) for c in counts),
+        quotas=tuple(q),
+        targets=tuple(targets),
+        batches_per_rank=batches_per_rank,
+        passes=passes,
+        phases=phases,
+        per_batch_counts=tuple(per_batch_counts),
+        batch_pattern=pattern,
+        mode=mode,
     )

@@ -95,8 +95,14 @@ class Timeline:
     data epoch ``epoch`` starting at ``start``; ``first`` (a layout and where it starts), when
     given, is data epoch ``epoch - 1``: the epoch a state was loaded in, as it goes on."""
 
-    def __init__(self, fresh: Callable[[int], Layout], batches: int, epoch: int = 0, start: int = 0,
-                 first: tuple[Layout, int, tuple[Segment, ...]] | None = None):
+    def __init__(
+        self,
+        fresh: Callable[[int], Layout],
+        batches: int,
+        epoch: int = 0,
+        start: int = 0,
+        first: tuple[Layout, int, tuple[Segment, ...]] | None = None,
+    ):
         self.fresh, self.batches, self.epoch, self.start, self.first = fresh, batches, epoch, start, first
 
     def windows(self, a: int, b: int) -> list[Window]:
@@ -140,9 +146,22 @@ class PassPlan:
     """One pass: windows [pass_start, pass_end) of the timeline, of which ``received`` batches were
     received before (a pass resumed on its own topology); what every (rank, worker) reads."""
 
-    def __init__(self, run: RunPlan, loader_epoch: int, topology: Topology, windows: list[Window], pass_start: int,
-                 pass_end: int, received: int = 0, *, loaded: State | None = None, exact: bool | None = None, summary: str = "",
-                 dropped: int = 0, repeated: int = 0):
+    def __init__(
+        self,
+        run: RunPlan,
+        loader_epoch: int,
+        topology: Topology,
+        windows: list[Window],
+        pass_start: int,
+        pass_end: int,
+        received: int = 0,
+        *,
+        loaded: State | None = None,
+        exact: bool | None = None,
+        summary: str = "",
+        dropped: int = 0,
+        repeated: int = 0,
+    ):
         self.run, self.loader_epoch, self.topology, self.windows = run, loader_epoch, topology, windows
         self.pass_start, self.pass_end, self.received = pass_start, pass_end, received
         self.loaded, self.exact, self._summary = loaded, exact, summary
@@ -162,13 +181,24 @@ class PassPlan:
         reads = []
         for w in self.windows:
             t0 = w.at - self.pass_start
-            read = window_read(w.layout, rank, plays, w.lo, t0, t0 + w.hi - w.lo, k, self.received,
-                               buffer=self.topology.shuffle_buffer, initial=self.topology.shuffle_initial)
+            read = window_read(
+                w.layout,
+                rank,
+                plays,
+                w.lo,
+                t0,
+                t0 + w.hi - w.lo,
+                k,
+                self.received,
+                buffer=self.topology.shuffle_buffer,
+                initial=self.topology.shuffle_initial,
+            )
             if read is not None:
                 reads.append(read)
         names = self.run.sources.names if self.run.sources.mixed else None
-        return WorkerPlan(rank, worker, plays, sum(r.batches for r in reads), reads, names,
-                          self.topology.shuffle_buffer, self.topology.shuffle_initial)
+        return WorkerPlan(
+            rank, worker, plays, sum(r.batches for r in reads), reads, names, self.topology.shuffle_buffer, self.topology.shuffle_initial
+        )
 
     def state_after(self, batches: int) -> dict[str, Any]:
         """The resume state once every rank received ``batches`` batches of this pass."""
@@ -200,8 +230,10 @@ class PassPlan:
         if self.run.by_epochs:
             return head
         last = self.windows[-1].layout.epoch if self.windows else first
-        return (f"loader epoch {self.loader_epoch}: steps {self.pass_start}..{self.pass_end} of the run, "
-                f"{self.batches_per_rank} batches per rank from data epochs {first}..{last}; {head}")
+        return (
+            f"loader epoch {self.loader_epoch}: steps {self.pass_start}..{self.pass_end} of the run, "
+            f"{self.batches_per_rank} batches per rank from data epochs {first}..{last}; {head}"
+        )
 
 
 def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
@@ -238,16 +270,16 @@ class RunPlan:
     @property
     def run_json(self) -> dict[str, int]:
         s = self.settings
-        return {"steps": s.steps} if s.steps is not None else {"samples_per_epoch": s.samples_per_epoch} \
-            if s.samples_per_epoch is not None else {}
+        return {"steps": s.steps} if s.steps is not None else {"samples_per_epoch": s.samples_per_epoch} if s.samples_per_epoch is not None else {}
 
     def _pass_length(self, world_size: int, batch_size: int) -> int:
         s = self.settings
         if s.samples_per_epoch is not None:
             steps = s.samples_per_epoch // (world_size * batch_size)
             if steps < 1:
-                raise ConfigError(f"samples_per_epoch={s.samples_per_epoch} is less than one step of batch_size x world_size "
-                                  f"= {world_size * batch_size} samples")
+                raise ConfigError(
+                    f"samples_per_epoch={s.samples_per_epoch} is less than one step of batch_size x world_size = {world_size * batch_size} samples"
+                )
             return steps
         return s.steps if s.steps is not None else self.batches_per_epoch
 
@@ -260,8 +292,10 @@ class RunPlan:
         if self.by_epochs:
             self.plan_epoch(0, num_workers)  # plan_epoch / plan_mix say it with their numbers
         elif self.batches_per_pass < num_workers:
-            raise ConfigError(f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
-                              f"{num_workers - self.batches_per_pass} workers would have nothing to yield")
+            raise ConfigError(
+                f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
+                f"{num_workers - self.batches_per_pass} workers would have nothing to yield"
+            )
 
     def report(self, epoch: int, num_workers: int | None = None) -> EpochPlan | MixPlan:
         """The plan of data epoch ``epoch`` as a report, ``num_workers`` checked: a run by epochs
@@ -271,19 +305,37 @@ class RunPlan:
         return self.plan_epoch(epoch, max(1, num_workers or 0) if self.by_epochs else 1)
 
     # -- data epochs --------------------------------------------------------------------------------
-    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None,
-                   batch_size: int | None = None) -> EpochPlan | MixPlan:
+    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> EpochPlan | MixPlan:
         """The plan of data epoch ``epoch`` (the report: ``.summary()``); raises ConfigError for
         settings that cannot work."""
         s, src = self.settings, self.sources
         world = world_size or s.world_size
         batch = batch_size or s.batch_size
         if src.mixed:
-            return plan_mix([c.tolist() for c in src.counts], list(src.asks), world_size=world, num_workers=num_workers,
-                            batch_size=batch, names=list(src.names), seed=s.seed, epoch=epoch, shuffle=s.shuffle,
-                            per_batch=s.per_batch, mode=s.mode)
-        return plan_epoch(src.counts[0], world_size=world, num_workers=num_workers, batch_size=batch, seed=s.seed,
-                          epoch=epoch, shuffle=s.shuffle, mode=s.mode, compressed_shards=src.compressed_shards)
+            return plan_mix(
+                [c.tolist() for c in src.counts],
+                list(src.asks),
+                world_size=world,
+                num_workers=num_workers,
+                batch_size=batch,
+                names=list(src.names),
+                seed=s.seed,
+                epoch=epoch,
+                shuffle=s.shuffle,
+                per_batch=s.per_batch,
+                mode=s.mode,
+            )
+        return plan_epoch(
+            src.counts[0],
+            world_size=world,
+            num_workers=num_workers,
+            batch_size=batch,
+            seed=s.seed,
+            epoch=epoch,
+            shuffle=s.shuffle,
+            mode=s.mode,
+            compressed_shards=src.compressed_shards,
+        )
 
     def layout(self, epoch: int, world_size: int | None = None, batch_size: int | None = None) -> Layout:
         key = (epoch, world_size or self.settings.world_size, batch_size or self.settings.batch_size)
@@ -291,8 +343,9 @@ class RunPlan:
         if found is None:
             if len(self._layouts) > 8:
                 self._layouts.clear()
-            found = self._layouts[key] = epoch_layout(self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts,
-                                                      seed=self.settings.seed, mixed=self.sources.mixed)
+            found = self._layouts[key] = epoch_layout(
+                self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts, seed=self.settings.seed, mixed=self.sources.mixed
+            )
         return found
 
     # -- states ---------------------------------------------------------------------------------------
@@ -304,8 +357,7 @@ class RunPlan:
         """Read and check a state: StateError for a state of other data, order or run."""
         state = State.from_json(doc)
         s = self.settings
-        state.check(sources=self.sources.identity, seed=s.seed, shuffle=s.shuffle, mode=s.mode, per_batch=s.per_batch,
-                    run=self.run_json)
+        state.check(sources=self.sources.identity, seed=s.seed, shuffle=s.shuffle, mode=s.mode, per_batch=s.per_batch, run=self.run_json)
         self._replay(state)  # a state that does not fit this data fails now, not in a worker
         return state
 
@@ -321,8 +373,10 @@ class RunPlan:
             else:
                 layout = self._rest(layouts[-1], state.segments[i - 1], i, t)
             if seg.position - seg.start > layout.batches_per_rank:
-                raise StateError(f"the resume state says {seg.position - seg.start} batches were received in segment {i}, "
-                                 f"which has only {layout.batches_per_rank} per rank; the state does not fit this dataset")
+                raise StateError(
+                    f"the resume state says {seg.position - seg.start} batches were received in segment {i}, "
+                    f"which has only {layout.batches_per_rank} per rank; the state does not fit this dataset"
+                )
             layouts.append(layout)
         self._replayed = (state, layouts)
         return layouts
@@ -335,9 +389,20 @@ class RunPlan:
     def _rest(self, layout: Layout, seg: Segment, index: int, topology: Topology) -> RestLayout:
         s = self.settings
         targets = self.plan_epoch(layout.epoch).targets if self.sources.mixed else (1.0,)  # type: ignore[union-attr]
-        return RestLayout(unconsumed(layout, self._consumption(layout, seg)), layout.ids, epoch=layout.epoch, segment=index,
-                          seed=s.seed, shuffle=s.shuffle, mixed=self.sources.mixed, world_size=topology.world_size,
-                          batch_size=topology.batch_size, mode=s.mode, per_batch=s.per_batch, targets=targets)
+        return RestLayout(
+            unconsumed(layout, self._consumption(layout, seg)),
+            layout.ids,
+            epoch=layout.epoch,
+            segment=index,
+            seed=s.seed,
+            shuffle=s.shuffle,
+            mixed=self.sources.mixed,
+            world_size=topology.world_size,
+            batch_size=topology.batch_size,
+            mode=s.mode,
+            per_batch=s.per_batch,
+            targets=targets,
+        )
 
     # -- passes ---------------------------------------------------------------------------------------
     def pass_plan(self, loader_epoch: int, num_workers: int, state: State | None = None, resumed: bool = False) -> PassPlan:
@@ -385,8 +450,10 @@ class RunPlan:
             windows = timeline.windows(max(last.pass_start, last.start), pass_end)
             plan = PassPlan(self, k, topology, windows, last.pass_start, pass_end, last.batches, loaded=state, exact=True)
             plan.timeline = timeline
-            plan._summary = (f"resuming epoch {e} exactly after {done} of {layout.batches_per_rank} batches per rank "
-                             f"({topology.describe()}): {plan.batches_per_rank} batches per rank to go")
+            plan._summary = (
+                f"resuming epoch {e} exactly after {done} of {layout.batches_per_rank} batches per rank "
+                f"({topology.describe()}): {plan.batches_per_rank} batches per rank to go"
+            )
             return plan
         old = last.topology
         end = self._pass_end(x, pass_end, old, topology)
@@ -394,24 +461,37 @@ class RunPlan:
             fresh = self.layout(e)
             timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + fresh.batches_per_rank, (fresh, x, ()))
             windows = timeline.windows(x, x + fresh.batches_per_rank if self.by_epochs else end)
-            plan = PassPlan(self, k, topology, windows, x, windows[-1].end if self.by_epochs and windows else end, loaded=state,
-                            exact=False, dropped=fresh.dropped, repeated=fresh.repeated)
+            plan = PassPlan(
+                self,
+                k,
+                topology,
+                windows,
+                x,
+                windows[-1].end if self.by_epochs and windows else end,
+                loaded=state,
+                exact=False,
+                dropped=fresh.dropped,
+                repeated=fresh.repeated,
+            )
             plan.timeline = timeline
             extra = f"{fresh.dropped} dropped" if self.settings.mode == "drop" else f"{fresh.repeated} repeated"
-            plan._summary = (f"resuming epoch {e} from its start on {topology.describe()} (none of it was consumed on "
-                             f"{old.describe()}): {fresh.batches_per_rank} batches per rank ({extra})")
+            plan._summary = (
+                f"resuming epoch {e} from its start on {topology.describe()} (none of it was consumed on "
+                f"{old.describe()}): {fresh.batches_per_rank} batches per rank ({extra})"
+            )
             return plan
         rest = self._rest(layout, last, len(state.segments), topology)
         timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + rest.batches_per_rank, (rest, x, state.segments))
         if self.by_epochs:
             end = x + rest.batches_per_rank
-        plan = PassPlan(self, k, topology, timeline.windows(x, end), x, end, loaded=state, exact=False,
-                        dropped=rest.dropped, repeated=rest.repeated)
+        plan = PassPlan(self, k, topology, timeline.windows(x, end), x, end, loaded=state, exact=False, dropped=rest.dropped, repeated=rest.repeated)
         plan.timeline = timeline
         extra = f"{rest.dropped} dropped" if self.settings.mode == "drop" else f"{rest.repeated} repeated"
-        plan._summary = (f"resuming epoch {e} elastically: {rest.total + rest.left_out} samples not yet consumed after {done} "
-                         f"batches per rank on {old.describe()} -> {topology.describe()}: {rest.batches_per_rank} batches per "
-                         f"rank ({extra})")
+        plan._summary = (
+            f"resuming epoch {e} elastically: {rest.total + rest.left_out} samples not yet consumed after {done} "
+            f"batches per rank on {old.describe()} -> {topology.describe()}: {rest.batches_per_rank} batches per "
+            f"rank ({extra})"
+        )
         if not self.by_epochs:
             plan._summary += f"; this pass yields {plan.batches_per_rank} batches per rank, then fresh data epochs follow"
         return plan
@@ -422,4 +502,3 @@ class RunPlan:
         if self.settings.samples_per_epoch is None:
             return pass_end
         return x + (pass_end - x) * old.world_size * old.batch_size // (new.world_size * new.batch_size)
-

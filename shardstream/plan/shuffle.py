@@ -21,8 +21,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-def stream_rng(seed: int, epoch: int, rank: int, worker: int, *, source: int | None = None, segment: int = 0,
-               at: int = 0) -> random.Random:
+def stream_rng(seed: int, epoch: int, rank: int, worker: int, *, source: int | None = None, segment: int = 0, at: int = 0) -> random.Random:
     """The RNG of one shuffled stream: worker ``worker`` of rank ``rank`` in data epoch ``epoch``;
     ``source``: which source of a mix (None for a single dataset); ``segment``: 0 for the epoch as
     planned, k for its rest laid out again by the k-th elastic resume; ``at``: the batch of the
@@ -39,8 +38,7 @@ class BufferShuffler(Generic[T]):
     state captured by an earlier run (with ``rng`` in the matching state).
     """
 
-    def __init__(self, buffer_size: int, initial: int, rng: random.Random, *,
-                 buffer: list[T] | None = None, grow: bool = False):
+    def __init__(self, buffer_size: int, initial: int, rng: random.Random, *, buffer: list[T] | None = None, grow: bool = False):
         self.buffer_size = buffer_size
         self.initial = max(1, min(initial, buffer_size))
         self.rng = rng
@@ -107,4 +105,4 @@ def cut_stream(length: int, outputs: int, *, buffer_size: int, initial: int, rng
     if len(out) == outputs:
         return StreamCut(taken, shuffler.buffer, shuffler.grow, rng, False)
     rest = shuffler.drain()
-    return StreamCut(length, rest[outputs - len(out):], False, None, True)
+    return StreamCut(length, rest[outputs - len(out) :], False, None, True)

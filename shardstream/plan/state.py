@@ -56,8 +56,7 @@ class Segment:
         return self.pass_start + self.batches
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.topology.to_json(), "start": self.start, "pass_start": self.pass_start, "pass_end": self.pass_end,
-                "batches": self.batches}
+        return {**self.topology.to_json(), "start": self.start, "pass_start": self.pass_start, "pass_end": self.pass_end, "batches": self.batches}
 
 
 @dataclass(frozen=True)
@@ -77,9 +76,19 @@ class State:
         return self.segments[-1]
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "sources": [dict(s) for s in self.sources], "seed": self.seed,
-                "shuffle": self.shuffle, "mode": self.mode, "per_batch": self.per_batch, "run": dict(self.run),
-                "loader_epoch": self.loader_epoch, "epoch": self.epoch, "segments": [s.to_json() for s in self.segments]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "sources": [dict(s) for s in self.sources],
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "mode": self.mode,
+            "per_batch": self.per_batch,
+            "run": dict(self.run),
+            "loader_epoch": self.loader_epoch,
+            "epoch": self.epoch,
+            "segments": [s.to_json() for s in self.segments],
+        }
 
     def with_last(self, segment: Segment) -> State:
         return replace(self, segments=self.segments[:-1] + (segment,))
@@ -88,13 +97,16 @@ class State:
     def from_json(cls, doc: Any) -> State:
         """Read a state of any version this shardstream knows; StateError naming what is wrong."""
         if not isinstance(doc, Mapping) or doc.get("format") not in (FORMAT, _V1_MIX):
-            raise StateError(f"not a shardstream resume state (no \"format\": \"{FORMAT}\"); "
-                             "pass what loader.state_dict() or ShardStream.state_dict() returned")
+            raise StateError(
+                f'not a shardstream resume state (no "format": "{FORMAT}"); pass what loader.state_dict() or ShardStream.state_dict() returned'
+            )
         version = doc.get("version")
         known = (1,) if doc["format"] == _V1_MIX else (1, VERSION)
         if version not in known:
-            raise StateError(f"resume state version {version!r} is unknown to this shardstream (it reads versions "
-                             f"{', '.join(map(str, known))} of {doc['format']!r}); resume with the shardstream version that saved it")
+            raise StateError(
+                f"resume state version {version!r} is unknown to this shardstream (it reads versions "
+                f"{', '.join(map(str, known))} of {doc['format']!r}); resume with the shardstream version that saved it"
+            )
         try:
             state = _read(dict(doc), version if isinstance(version, int) else 0)
         except (KeyError, TypeError, ValueError) as exc:
@@ -104,42 +116,60 @@ class State:
 
     def validate(self) -> None:
         if self.mode not in MODES or self.per_batch not in PER_BATCH or not self.segments or not self.sources:
-            raise StateError(f"resume state holds impossible values: mode {self.mode!r}, per_batch {self.per_batch!r}, "
-                             f"{len(self.segments)} segments, {len(self.sources)} sources")
+            raise StateError(
+                f"resume state holds impossible values: mode {self.mode!r}, per_batch {self.per_batch!r}, "
+                f"{len(self.segments)} segments, {len(self.sources)} sources"
+            )
         for i, s in enumerate(self.segments):
             t = s.topology
-            if t.world_size < 1 or t.num_workers < 1 or t.batch_size < 1 or t.shuffle_buffer < 0 or t.shuffle_initial < 1 \
-                    or s.batches < 0 or (s.pass_end is not None and s.pass_end < s.pass_start):
+            if (
+                t.world_size < 1
+                or t.num_workers < 1
+                or t.batch_size < 1
+                or t.shuffle_buffer < 0
+                or t.shuffle_initial < 1
+                or s.batches < 0
+                or (s.pass_end is not None and s.pass_end < s.pass_start)
+            ):
                 raise StateError(f"resume state holds impossible values in segment {i}: {s.to_json()}")
             if i and s.start != self.segments[i - 1].position:
-                raise StateError(f"resume state segment {i} starts at {s.start}, not where segment {i - 1} stopped "
-                                 f"({self.segments[i - 1].position}); it was not written by state_dict()")
+                raise StateError(
+                    f"resume state segment {i} starts at {s.start}, not where segment {i - 1} stopped "
+                    f"({self.segments[i - 1].position}); it was not written by state_dict()"
+                )
         if self.last.position < self.last.start:
             raise StateError(f"resume state stops before its segment starts ({self.last.to_json()})")
 
-    def check(self, *, sources: Sequence[Mapping[str, Any]], seed: int, shuffle: bool, mode: str, per_batch: str,
-              run: Mapping[str, int]) -> None:
+    def check(self, *, sources: Sequence[Mapping[str, Any]], seed: int, shuffle: bool, mode: str, per_batch: str, run: Mapping[str, int]) -> None:
         """Refuse a state saved for other data, another order or another run, naming what differs."""
         mine = [dict(s) for s in self.sources]
         theirs = [dict(s) for s in sources]
         if mine != theirs:
             if len(mine) == len(theirs) == 1 and "name" not in mine[0] and "name" not in theirs[0]:
-                raise StateError(f"the resume state was saved for another dataset ({mine[0].get('samples')} samples, manifest "
-                                 f"digest {mine[0].get('manifest')}) than this one ({theirs[0].get('samples')} samples, digest "
-                                 f"{theirs[0].get('manifest')}); resume with the manifest the checkpoint was trained on")
-            raise StateError(f"the resume state was saved for another mix ({mine}) than this one ({theirs}); resume with "
-                             "the sources, manifests and asks it was trained on")
+                raise StateError(
+                    f"the resume state was saved for another dataset ({mine[0].get('samples')} samples, manifest "
+                    f"digest {mine[0].get('manifest')}) than this one ({theirs[0].get('samples')} samples, digest "
+                    f"{theirs[0].get('manifest')}); resume with the manifest the checkpoint was trained on"
+                )
+            raise StateError(
+                f"the resume state was saved for another mix ({mine}) than this one ({theirs}); resume with "
+                "the sources, manifests and asks it was trained on"
+            )
         fields = [("seed", self.seed, seed), ("shuffle", self.shuffle, shuffle), ("mode", self.mode, mode)]
         if len(theirs) > 1 or "name" in theirs[0]:
             fields.append(("per_batch", self.per_batch, per_batch))
         for name, saved, now in fields:
             if saved != now:
                 how = f"schedule=Schedule(per_batch={saved!r})" if name == "per_batch" else f"{name}={saved!r}"
-                raise StateError(f"the resume state was saved with {name}={saved!r} but this ShardStream has {name}={now!r}; "
-                                 f"construct it with {how} to resume this epoch")
+                raise StateError(
+                    f"the resume state was saved with {name}={saved!r} but this ShardStream has {name}={now!r}; "
+                    f"construct it with {how} to resume this epoch"
+                )
         if dict(self.run) != dict(run):
-            raise StateError(f"the resume state was saved for a run {_describe_run(self.run)} but this ShardStream runs "
-                             f"{_describe_run(run)}; construct it with schedule=Schedule({_run_args(self.run)}) to resume")
+            raise StateError(
+                f"the resume state was saved for a run {_describe_run(self.run)} but this ShardStream runs "
+                f"{_describe_run(run)}; construct it with schedule=Schedule({_run_args(self.run)}) to resume"
+            )
 
 
 def _describe_run(run: Mapping[str, int]) -> str:
@@ -167,8 +197,17 @@ def _topology(doc: Mapping[str, Any]) -> Topology:
 def _read(doc: dict[str, Any], version: int) -> State:
     if doc["format"] == _V1_MIX:  # v1 mix: one segment of a run by epochs
         seg = Segment(_topology(doc), batches=_int(doc["batches"], "batches"))
-        return State(tuple(dict(s) for s in doc["sources"]), _int(doc["seed"], "seed"), bool(doc["shuffle"]), "drop",
-                     str(doc["per_batch"]), {}, _int(doc["epoch"], "epoch"), _int(doc["epoch"], "epoch"), (seg,))
+        return State(
+            tuple(dict(s) for s in doc["sources"]),
+            _int(doc["seed"], "seed"),
+            bool(doc["shuffle"]),
+            "drop",
+            str(doc["per_batch"]),
+            {},
+            _int(doc["epoch"], "epoch"),
+            _int(doc["epoch"], "epoch"),
+            (seg,),
+        )
     if version == 1:  # v1 single dataset: segments laid end to end on the epoch's own timeline
         segments, at = [], 0
         for s in doc["segments"]:
@@ -176,15 +215,40 @@ def _read(doc: dict[str, Any], version: int) -> State:
             segments.append(Segment(_topology(s), start=at, pass_start=at, batches=batches))
             at += batches
         sources = ({"manifest": str(doc["manifest"]), "samples": _int(doc["samples"], "samples")},)
-        return State(sources, _int(doc["seed"], "seed"), bool(doc["shuffle"]), str(doc["mode"]), "spread", {},
-                     _int(doc["epoch"], "epoch"), _int(doc["epoch"], "epoch"), tuple(segments))
+        return State(
+            sources,
+            _int(doc["seed"], "seed"),
+            bool(doc["shuffle"]),
+            str(doc["mode"]),
+            "spread",
+            {},
+            _int(doc["epoch"], "epoch"),
+            _int(doc["epoch"], "epoch"),
+            tuple(segments),
+        )
     run = {str(k): _int(v, k) for k, v in dict(doc["run"]).items()}
     if set(run) - {"steps", "samples_per_epoch"} or len(run) > 1:
         raise ValueError(f"run must be {{}}, {{'steps': N}} or {{'samples_per_epoch': S}}, got {run}")
     segments = []
     for s in doc["segments"]:
         end = s["pass_end"]
-        segments.append(Segment(_topology(s), _int(s["start"], "start"), _int(s["pass_start"], "pass_start"),
-                                None if end is None else _int(end, "pass_end"), _int(s["batches"], "batches")))
-    return State(tuple(dict(s) for s in doc["sources"]), _int(doc["seed"], "seed"), bool(doc["shuffle"]), str(doc["mode"]),
-                 str(doc["per_batch"]), run, _int(doc["loader_epoch"], "loader_epoch"), _int(doc["epoch"], "epoch"), tuple(segments))
+        segments.append(
+            Segment(
+                _topology(s),
+                _int(s["start"], "start"),
+                _int(s["pass_start"], "pass_start"),
+                None if end is None else _int(end, "pass_end"),
+                _int(s["batches"], "batches"),
+            )
+        )
+    return State(
+        tuple(dict(s) for s in doc["sources"]),
+        _int(doc["seed"], "seed"),
+        bool(doc["shuffle"]),
+        str(doc["mode"]),
+        str(doc["per_batch"]),
+        run,
+        _int(doc["loader_epoch"], "loader_epoch"),
+        _int(doc["epoch"], "epoch"),
+        tuple(segments),
+    )

@@ -49,8 +49,13 @@ class Topology:
     shuffle_initial: int
 
     def to_json(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size,
-                "shuffle_buffer": self.shuffle_buffer, "shuffle_initial": self.shuffle_initial}
+        return {
+            "world_size": self.world_size,
+            "num_workers": self.num_workers,
+            "batch_size": self.batch_size,
+            "shuffle_buffer": self.shuffle_buffer,
+            "shuffle_initial": self.shuffle_initial,
+        }
 
     def describe(self) -> str:
         return f"{self.world_size} ranks x {self.num_workers} workers x batch {self.batch_size}"

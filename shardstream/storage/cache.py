@@ -97,15 +97,21 @@ class ShardCache:
             )
         too_big = [u for size, u in shards if size > self.limit]
         if too_big:
-            logger.warning("cache %s: %d shards are larger than cache_limit %d bytes and will be streamed, not cached "
-                           "(e.g. %s)", self.dir, len(too_big), self.limit, too_big[0])
+            logger.warning(
+                "cache %s: %d shards are larger than cache_limit %d bytes and will be streamed, not cached (e.g. %s)",
+                self.dir,
+                len(too_big),
+                self.limit,
+                too_big[0],
+            )
 
     def name(self, url: str, sha256: str | None, size: int) -> str:
         ident = sha256 or hashlib.sha256(f"{url}:{size}".encode()).hexdigest()
         return os.path.join(self.dir, ident[:40] + _SUFFIX)
 
-    def open(self, url: str, sha256: str | None, size: int, download: Callable[[Callable[[bytes], None]], None],
-             counters: Any = None) -> tuple[Any, Any] | None:
+    def open(
+        self, url: str, sha256: str | None, size: int, download: Callable[[Callable[[bytes], None]], None], counters: Any = None
+    ) -> tuple[Any, Any] | None:
         """Return ``(file, lock)`` for the cached shard, filling it first if needed; None to bypass.
 
         ``download(write)`` streams the shard's bytes into ``write``. The caller reads ``file``
@@ -158,8 +164,13 @@ class ShardCache:
         if found != size:
             f.close()
             if drop:
-                logger.warning("cache %s: %s is %d bytes, the manifest says %d (cut short by a crash?): "
-                               "dropping it and fetching the shard again", self.dir, path, found, size)
+                logger.warning(
+                    "cache %s: %s is %d bytes, the manifest says %d (cut short by a crash?): dropping it and fetching the shard again",
+                    self.dir,
+                    path,
+                    found,
+                    size,
+                )
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -180,8 +191,9 @@ class ShardCache:
             return None  # larger than the whole cache: streamed (warned about at construction)
         with self._dir_locked():
             if not self._make_room(size, keep=path):
-                logger.warning("cache %s: no room under its limit (%d bytes) beside the shards in use: "
-                               "streaming this shard from storage", self.dir, self.limit)
+                logger.warning(
+                    "cache %s: no room under its limit (%d bytes) beside the shards in use: streaming this shard from storage", self.dir, self.limit
+                )
                 return None
             tmp = f"{path}{_PARTIAL}{uuid.uuid4().hex[:8]}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -205,8 +217,7 @@ class ShardCache:
     def _disk_full(self, exc: OSError) -> None:
         if not self._warned_full:
             self._warned_full = True
-            logger.warning("cache %s: the disk is full (%s): streaming shards from storage instead of caching them",
-                           self.dir, exc.strerror)
+            logger.warning("cache %s: the disk is full (%s): streaming shards from storage instead of caching them", self.dir, exc.strerror)
 
     def _fill(self, tmp: str, path: str, url: str, sha256: str | None, size: int, download) -> bool:
         """Download into the reserved ``tmp`` and publish it as ``path``; False if the disk filled up."""
@@ -214,6 +225,7 @@ class ShardCache:
         written = 0
         try:
             with open(tmp, "r+b") as f:
+
                 def write(chunk: bytes) -> None:
                     nonlocal written
                     if written + len(chunk) > size:

@@ -45,23 +45,73 @@ TRANSIENT = frozenset({Kind.THROTTLED, Kind.TIMEOUT, Kind.UNAVAILABLE})
 
 _CODES = {
     Kind.NOT_FOUND: {"NoSuchKey", "NoSuchBucket", "NotFound", "NoSuchVersion", "404"},
-    Kind.DENIED: {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-                  "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "Forbidden", "403"},
-    Kind.THROTTLED: {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-                     "RequestThrottled", "ServiceUnavailable", "503", "429"},
+    Kind.DENIED: {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "Forbidden",
+        "403",
+    },
+    Kind.THROTTLED: {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestThrottled",
+        "ServiceUnavailable",
+        "503",
+        "429",
+    },
     Kind.UNAVAILABLE: {"InternalError", "RequestTimeout", "BadGateway", "GatewayTimeout", "500", "502", "504"},
 }
 _BY_CODE = {code: kind for kind, codes in _CODES.items() for code in codes}
 
 # Exception classes by (module prefix, class name): found anywhere in an exception's MRO.
 _TYPES = (
-    (Kind.NO_CREDENTIALS, "botocore", {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
-                                       "NoAuthTokenError", "TokenRetrievalError", "UnauthorizedSSOTokenError"}),
+    (
+        Kind.NO_CREDENTIALS,
+        "botocore",
+        {
+            "NoCredentialsError",
+            "PartialCredentialsError",
+            "CredentialRetrievalError",
+            "NoAuthTokenError",
+            "TokenRetrievalError",
+            "UnauthorizedSSOTokenError",
+        },
+    ),
     (Kind.TIMEOUT, "botocore", {"ReadTimeoutError", "ConnectTimeoutError"}),
-    (Kind.INVALID, "botocore", {"ParamValidationError", "NoRegionError", "InvalidRegionError",
-                                "InvalidS3AddressingStyleError", "UnknownEndpointError", "InvalidEndpointConfigurationError"}),
-    (Kind.UNAVAILABLE, "botocore", {"EndpointConnectionError", "ConnectionClosedError", "ProxyConnectionError",
-                                    "SSLError", "HTTPClientError", "ResponseStreamingError", "IncompleteReadError"}),
+    (
+        Kind.INVALID,
+        "botocore",
+        {
+            "ParamValidationError",
+            "NoRegionError",
+            "InvalidRegionError",
+            "InvalidS3AddressingStyleError",
+            "UnknownEndpointError",
+            "InvalidEndpointConfigurationError",
+        },
+    ),
+    (
+        Kind.UNAVAILABLE,
+        "botocore",
+        {
+            "EndpointConnectionError",
+            "ConnectionClosedError",
+            "ProxyConnectionError",
+            "SSLError",
+            "HTTPClientError",
+            "ResponseStreamingError",
+            "IncompleteReadError",
+        },
+    ),
     (Kind.UNAVAILABLE, "aiohttp", {"ClientError"}),
     (Kind.TIMEOUT, "httpx", {"TimeoutException"}),
     (Kind.UNAVAILABLE, "httpx", {"TransportError"}),
@@ -75,8 +125,10 @@ _DENIED = (
     ("InvalidToken", "the session token is not valid (check AWS_SESSION_TOKEN or the profile)"),
 )
 _DENIED_DEFAULT = "access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
-_NO_CREDENTIALS = ("no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the AWS_PROFILE or --profile "
-                   "entry of ~/.aws/credentials and ~/.aws/config, and instance metadata): set them or pass --profile")
+_NO_CREDENTIALS = (
+    "no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the AWS_PROFILE or --profile "
+    "entry of ~/.aws/credentials and ~/.aws/config, and instance metadata): set them or pass --profile"
+)
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -217,8 +269,7 @@ def cause(exc: BaseException) -> str:
     for cur in _chain(exc):
         if _has_type(cur, "botocore", {"ConnectTimeoutError"}):
             return "connect timeout (no connection within the connect timeout)"
-        if _has_type(cur, "botocore", {"ReadTimeoutError"}) or _has_type(cur, "aiohttp", {"SocketTimeoutError",
-                                                                                        "ServerTimeoutError"}):
+        if _has_type(cur, "botocore", {"ReadTimeoutError"}) or _has_type(cur, "aiohttp", {"SocketTimeoutError", "ServerTimeoutError"}):
             return "read timeout (the server sent nothing within the read timeout)"
         if isinstance(cur, socket.gaierror) or _has_type(cur, "aiohttp", {"ClientConnectorDNSError"}):
             return "host name not found (DNS)"
@@ -233,8 +284,9 @@ def cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: float = 0.0, fs=None,
-                  path: str | None = None, hint: str = "") -> StorageError:
+def storage_error(
+    url: str, exc: BaseException, *, attempts: int = 1, waited: float = 0.0, fs=None, path: str | None = None, hint: str = ""
+) -> StorageError:
     """The one translation of a storage failure into the error tree, naming ``url`` and the cause.
 
     ``attempts``/``waited`` say how long a transient cause lasted; ``fs``/``path`` let a bare 403
@@ -248,27 +300,27 @@ def storage_error(url: str, exc: BaseException, *, attempts: int = 1, waited: fl
             return BucketNotFound(f"{url}: the bucket does not exist (check the URL and --endpoint-url)", url=url)
         return StorageNotFound(f"{url}: not found{hint}", url=url)
     if kind is Kind.DENIED and not url.startswith(("s3://", "s3a://")) and error_code(exc) is None:
-        return AccessDenied(f"{url}: access denied ({cause(exc)}): check the credentials in the storage options "
-                            "(for hf://, the token)", url=url)
+        return AccessDenied(f"{url}: access denied ({cause(exc)}): check the credentials in the storage options (for hf://, the token)", url=url)
     if kind is Kind.DENIED:
         return AccessDenied(f"{url}: {explain_denied(fs, path, exc) if path else denied_message(exc)}", url=url)
     if kind is Kind.NO_CREDENTIALS:
         if _has_type(exc, "botocore", {"NoCredentialsError"}):
             return NoCredentials(f"{url}: {_NO_CREDENTIALS}", url=url)
-        return NoCredentials(f"{url}: credentials incomplete or unusable ({exc}); check the AWS_* variables and --profile",
-                             url=url)
+        return NoCredentials(f"{url}: credentials incomplete or unusable ({exc}); check the AWS_* variables and --profile", url=url)
     if kind is Kind.INVALID:
-        return StorageError(f"{url}: the store refused the request as invalid ({cause(exc)}); check the URL, "
-                            "--endpoint-url and the region", url=url)
+        return StorageError(f"{url}: the store refused the request as invalid ({cause(exc)}); check the URL, --endpoint-url and the region", url=url)
     tries = f" after {attempts} {'try' if attempts == 1 else 'tries'} in {waited:.1f} s"
     what = "check the endpoint URL and the network" if kind is not Kind.THROTTLED else "the store is overloaded: retry later"
     if kind is Kind.TIMEOUT:
         return StorageTimeout(f"{url}: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
-    return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts,
-                              waited=waited)
+    return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
 
 
 _KIND_OF_ERROR: dict[type, Kind] = {
-    StorageNotFound: Kind.NOT_FOUND, BucketNotFound: Kind.NOT_FOUND, AccessDenied: Kind.DENIED, NoCredentials: Kind.NO_CREDENTIALS,
-    StorageTimeout: Kind.TIMEOUT, StorageUnavailable: Kind.UNAVAILABLE,
+    StorageNotFound: Kind.NOT_FOUND,
+    BucketNotFound: Kind.NOT_FOUND,
+    AccessDenied: Kind.DENIED,
+    NoCredentials: Kind.NO_CREDENTIALS,
+    StorageTimeout: Kind.TIMEOUT,
+    StorageUnavailable: Kind.UNAVAILABLE,
 }

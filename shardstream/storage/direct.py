@@ -63,8 +63,7 @@ class S3ResponseError(OSError):
     def __init__(self, status: int, code: str | None, message: str):
         super().__init__(f"HTTP {status} {code or ''}: {message}".strip())
         self.status = status
-        self.response = {"Error": {"Code": code or str(status), "Message": message},
-                         "ResponseMetadata": {"HTTPStatusCode": status}}
+        self.response = {"Error": {"Code": code or str(status), "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}
 
 
 def _xml_field(body: bytes, name: str) -> str | None:
@@ -190,8 +189,7 @@ class DirectS3:
 
         async def presign() -> str:
             client = await self.fs.set_session()
-            return await client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": probe},
-                                                       ExpiresIn=URL_LIFETIME)
+            return await client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": probe}, ExpiresIn=URL_LIFETIME)
 
         parts = urlsplit(self._sync(presign))
         query = "&".join(q for q in parts.query.split("&") if q and not _AUTH_PARAM.match(q))
@@ -279,8 +277,7 @@ class DirectS3:
         and an error answer or a broken connection raised, by the body's first ``readinto``."""
         return DirectBody(self, self.url(bucket, key, version), a, b, timeout)
 
-    def get(self, bucket: str, key: str, version: str | None, a: int, b: int, out: memoryview,
-            timeout: float | None) -> int:
+    def get(self, bucket: str, key: str, version: str | None, a: int, b: int, out: memoryview, timeout: float | None) -> int:
         """Bytes [a, b) into ``out``; returns how many arrived (fewer when the object is shorter).
         Raises S3ResponseError for an error answer, TimeoutError or OSError for the transport;
         ``got`` in the exception's ``partial`` attribute says how many bytes arrived first."""
@@ -309,8 +306,7 @@ class DirectBody:
     to its end gives its connection back for the next request; one closed before, or broken, closes
     it."""
 
-    __slots__ = ("_owner", "_url", "_a", "_b", "_where", "_conn", "_resp", "_left", "_got", "_failed", "_target",
-                 "_answered")
+    __slots__ = ("_owner", "_url", "_a", "_b", "_where", "_conn", "_resp", "_left", "_got", "_failed", "_target", "_answered")
 
     def __init__(self, owner: DirectS3, url: str, a: int, b: int, timeout: float | None):
         parts = urlsplit(url)

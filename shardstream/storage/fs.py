@@ -82,12 +82,35 @@ def require_hf(url: str) -> None:
 
 # s3fs's own keyword arguments: options beyond these (and ``profile``) go to the botocore session
 # s3fs makes, so a dataset with such options keeps a session of its own.
-_S3FS_ARGS = frozenset({
-    "anon", "endpoint_url", "key", "secret", "token", "use_ssl", "client_kwargs", "requester_pays", "default_block_size",
-    "default_fill_cache", "default_cache_type", "version_aware", "config_kwargs", "s3_additional_kwargs", "username",
-    "password", "cache_regions", "asynchronous", "loop", "max_concurrency", "fixed_upload_size", "skip_instance_cache",
-    "use_listings_cache", "listings_expiry_time", "max_paths",
-})
+_S3FS_ARGS = frozenset(
+    {
+        "anon",
+        "endpoint_url",
+        "key",
+        "secret",
+        "token",
+        "use_ssl",
+        "client_kwargs",
+        "requester_pays",
+        "default_block_size",
+        "default_fill_cache",
+        "default_cache_type",
+        "version_aware",
+        "config_kwargs",
+        "s3_additional_kwargs",
+        "username",
+        "password",
+        "cache_regions",
+        "asynchronous",
+        "loop",
+        "max_concurrency",
+        "fixed_upload_size",
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+    }
+)
 _sessions: dict[tuple, Any] = {}
 _sessions_lock = threading.Lock()
 

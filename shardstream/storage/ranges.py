@@ -93,9 +93,9 @@ def open_range(
         return FileReader(f, counters, os.fstat(f.fileno()).st_size), f.close
 
     if cache is not None and shard_size is not None:
+
         def download(write: Callable[[bytes], None]) -> None:
-            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config,
-                                         hint=hint, short_object_ends=True)
+            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config, hint=hint, short_object_ends=True)
             try:
                 while chunk := read_all(DOWNLOAD_BLOCK):
                     write(chunk)
@@ -112,14 +112,12 @@ def open_range(
         # A whole shard's samples end just before the tar's end-of-archive blocks: ask for the
         # object through its end, so the GET is the whole object (a server or cache then serves it
         # as it is; moto copies every range that stops short of the end) and drop those few bytes.
-        inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config,
-                                  hint=hint, short_object_ends=True)
+        inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config, hint=hint, short_object_ends=True)
         return _EndsBefore(inner, end - start, tail), inner.close
     # A 416 for a range asked here means the object is shorter than the manifest (or its HEAD)
     # said: the stream ends there, as a short local file's does, and the parser reports a truncated
     # shard naming the URL, the byte reached and the end expected, as it does on local disk.
-    reader = make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint,
-                               short_object_ends=True)
+    reader = make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint, short_object_ends=True)
     return reader, reader.close
 
 
@@ -165,8 +163,15 @@ class _EndsBefore:
         return data
 
 
-def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None, *,
-              config: StorageConfig = DEFAULT_STORAGE, counters: Any = None, hint: str = "") -> bytes:
+def read_head(
+    url: str,
+    n: int,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    hint: str = "",
+) -> bytes:
     """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
     GET on S3, no HEAD first) under the retry policy; a try that breaks midway starts again
     (this is for small objects: offset sidecars)."""
@@ -178,12 +183,18 @@ def read_head(url: str, n: int, storage_options: Mapping[str, Any] | None = None
                 return f.read(n)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path,
-                      began=began))
+    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began))
 
 
-def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "", began: float | None = None) -> int:
+def object_size(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    hint: str = "",
+    began: float | None = None,
+) -> int:
     """The object's size in bytes (a HEAD on S3), under the retry policy (an error's time counts
     from ``began``, else from this call)."""
     began = time.monotonic() if began is None else began
@@ -196,16 +207,24 @@ def object_size(url: str, storage_options: Mapping[str, Any] | None = None, *, c
     return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
 
 
-def open_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "", began: float | None = None) -> tuple[int, ReadFn, Callable[[], None]]:
+def open_object(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    hint: str = "",
+    began: float | None = None,
+) -> tuple[int, ReadFn, Callable[[], None]]:
     """``(size, read, close)`` over a whole object, read front to back with retry and resume."""
     size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
     read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
     return size, read, close
 
 
-def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-                counters: Any = None, hint: str = "") -> bytes:
+def read_object(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None, hint: str = ""
+) -> bytes:
     """A whole (small) object's bytes, e.g. the manifest. On S3 the first ``FIRST_READ_OBJECT``
     bytes come in one ranged GET with no HEAD first (S3 answers a range past the end with what
     there is: one round trip less before the first batch). An object that fills that read, or on
@@ -215,8 +234,7 @@ def read_object(url: str, storage_options: Mapping[str, Any] | None = None, *, c
     if url.startswith(("s3://", "s3a://")):
         fs, path, fetch = resolve(url, storage_options, config)
         if fetch is not None:
-            head = call(url, lambda: fetch(0, FIRST_READ_OBJECT), config=config, counters=counters, hint=hint,
-                        fs=fs, path=path, began=began)
+            head = call(url, lambda: fetch(0, FIRST_READ_OBJECT), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
             if len(head) < FIRST_READ_OBJECT:
                 return bytes(head)
             began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read

@@ -57,8 +57,7 @@ class Prefetcher:
         size = len(item) if isinstance(item, (bytes, bytearray)) else 0
         queue = self._queues[index]
         with self._cond:
-            while (not self._stop and index >= self._front and self._bytes + size > self._max
-                   and not (index == self._front and not queue)):
+            while not self._stop and index >= self._front and self._bytes + size > self._max and not (index == self._front and not queue):
                 self._cond.wait()
             if self._stop or index < self._front:  # closed, or the consumer moved past this range
                 return False

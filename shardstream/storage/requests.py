@@ -38,8 +38,7 @@ def shard_prefixes(manifest: Any) -> tuple[list[str], np.ndarray]:
     found = _PREFIXES.get(manifest)
     if found is None:
         index: dict[str, int] = {}
-        ids = np.fromiter((index.setdefault(p.rpartition("/")[0], len(index)) for p in manifest.paths), dtype=np.int64,
-                          count=len(manifest.paths))
+        ids = np.fromiter((index.setdefault(p.rpartition("/")[0], len(index)) for p in manifest.paths), dtype=np.int64, count=len(manifest.paths))
         names = [manifest._resolve(d) if d else (manifest.base_url or ".") for d in index]
         found = _PREFIXES[manifest] = (names, ids)
     return found
@@ -75,15 +74,19 @@ class RequestCount:
         name, per_second = self.busiest(rate)
         if per_second <= S3_GETS_PER_PREFIX:
             return None
-        return (f"{name} would get {per_second:,.0f} GET/s, above S3's {S3_GETS_PER_PREFIX:,} per prefix (503 SlowDown, "
-                "and each GET is billed): use larger shards, or spread them over prefixes (shardstream pack --prefixes N)")
+        return (
+            f"{name} would get {per_second:,.0f} GET/s, above S3's {S3_GETS_PER_PREFIX:,} per prefix (503 SlowDown, "
+            "and each GET is billed): use larger shards, or spread them over prefixes (shardstream pack --prefixes N)"
+        )
 
     def describe(self, rate: float = DEFAULT_RATE) -> str:
         name, busiest = self.busiest(rate)
         prefixes = f"{len(self.by_prefix)} prefixes" if len(self.by_prefix) != 1 else "1 prefix"
-        text = (f"requests: {self.gets:,} GETs per epoch ({self.ranges:,} ranges of {_human(self.bytes / max(1, self.ranges))} "
-                f"on average, one GET each, + at most {self.sidecars:,} offset sidecars); at {_human(rate)}/s per rank x "
-                f"{self.world_size} ranks: {self.per_second(rate):,.0f} GET/s, {busiest:,.0f} on the busiest of {prefixes} ({name})")
+        text = (
+            f"requests: {self.gets:,} GETs per epoch ({self.ranges:,} ranges of {_human(self.bytes / max(1, self.ranges))} "
+            f"on average, one GET each, + at most {self.sidecars:,} offset sidecars); at {_human(rate)}/s per rank x "
+            f"{self.world_size} ranks: {self.per_second(rate):,.0f} GET/s, {busiest:,.0f} on the busiest of {prefixes} ({name})"
+        )
         warning = self.warning(rate)
         return text + (f"; WARNING: {warning}" if warning else "")
 
@@ -129,8 +132,13 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
     per_prefix = np.bincount(ids[order], weights=pieces + sidecars_per_entry, minlength=len(names))
     ranked = sorted(((names[i], int(g)) for i, g in enumerate(per_prefix) if g), key=lambda kv: (-kv[1], kv[0]))
     total_bytes = int(np.asarray(manifest.sizes, dtype=np.int64)[order].sum()) if len(order) else 0
-    return RequestCount(ranges=int(pieces.sum()), sidecars=int(len(sidecar_pairs)),
-                        bytes=int(total_bytes * covered / n) if n else 0, world_size=world, by_prefix=tuple(ranked))
+    return RequestCount(
+        ranges=int(pieces.sum()),
+        sidecars=int(len(sidecar_pairs)),
+        bytes=int(total_bytes * covered / n) if n else 0,
+        world_size=world,
+        by_prefix=tuple(ranked),
+    )
 
 
 def with_requests(plan: Any, manifest: Any) -> Any:

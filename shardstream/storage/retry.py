@@ -42,8 +42,7 @@ class Fetch(Protocol):
     def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes: ...
 
 
-def reader_storage_options(options: Mapping[str, Any] | None, protocol: str,
-                           config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
+def reader_storage_options(options: Mapping[str, Any] | None, protocol: str, config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
     """Storage options for reading under ``config`` (kept for callers of the old name)."""
     return config.fs_options(options, protocol)
 
@@ -260,8 +259,11 @@ def fs_fetcher(fs: Any, path: str) -> Fetch:
         data = fs.cat_file(path, start=a, end=b, **extra)
         if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
             url = fs.unstrip_protocol(path)
-            raise StorageError(f"{url}: asked for bytes {a}-{b - 1}, the server sent {len(data)} bytes: it does not "
-                               "support HTTP Range requests (206 Partial Content), which shardstream needs", url=url)
+            raise StorageError(
+                f"{url}: asked for bytes {a}-{b - 1}, the server sent {len(data)} bytes: it does not "
+                "support HTTP Range requests (206 Partial Content), which shardstream needs",
+                url=url,
+            )
         return data
 
     return fetch
@@ -275,8 +277,18 @@ class _Attempts:
     when the caller passes ``began`` (``storage.ranges``), what it did for the request before the
     first try (making the filesystem and its session)."""
 
-    def __init__(self, url: str, config: StorageConfig, rng: random.Random, counters: Any, sleep, hint: str,
-                 fs: Any = None, path: str | None = None, began: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        config: StorageConfig,
+        rng: random.Random,
+        counters: Any,
+        sleep,
+        hint: str,
+        fs: Any = None,
+        path: str | None = None,
+        began: float | None = None,
+    ):
         self.url, self.config, self.rng, self.counters, self.sleep, self.hint = url, config, rng, counters, sleep, hint
         self.fs, self.path = fs, path
         self.began = time.monotonic() if began is None else began
@@ -292,12 +304,12 @@ class _Attempts:
             raise exc  # not a storage failure: a bug, shown with its own traceback
         self.attempt += 1
         if kind not in TRANSIENT:
-            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began,
-                                hint=self.hint, fs=self.fs, path=self.path) from exc
+            raise storage_error(
+                self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint, fs=self.fs, path=self.path
+            ) from exc
         delay = backoff(self.attempt, self.rng, self.config)
         if self.attempt >= self.config.max_attempts or time.monotonic() - self.began + delay >= self.config.deadline:
-            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began,
-                                hint=self.hint) from exc
+            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
         self.counters.add("retries")
         if resumed:
             self.counters.add("resumes")
@@ -307,14 +319,22 @@ class _Attempts:
         self.sleep(delay)
 
 
-def call(url: str, fn: Callable[[], T], *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None,
-         sleep: Callable[[float], None] = time.sleep, hint: str = "", fs: Any = None, path: str | None = None,
-         began: float | None = None) -> T:
+def call(
+    url: str,
+    fn: Callable[[], T],
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    sleep: Callable[[float], None] = time.sleep,
+    hint: str = "",
+    fs: Any = None,
+    path: str | None = None,
+    began: float | None = None,
+) -> T:
     """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
     let a bare 403 be asked again for its reason; ``began`` (``time.monotonic()``): when the
     request started, if before this call (the time an error reports counts from there)."""
-    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path,
-                         began)
+    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path, began)
     while True:
         try:
             return fn()
@@ -340,8 +360,9 @@ def make_range_reader(
     ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
     (the read starts at or past the object's end) ends the stream, as a short local file does: the
     caller reports a truncated object, not an invalid request."""
-    return RangeReader(fetch, url=url, start=start, end=end, counters=counters, config=config, sleep=sleep, seed=seed,
-                       hint=hint, short_object_ends=short_object_ends)
+    return RangeReader(
+        fetch, url=url, start=start, end=end, counters=counters, config=config, sleep=sleep, seed=seed, hint=hint, short_object_ends=short_object_ends
+    )
 
 
 class RangeReader:
@@ -356,9 +377,20 @@ class RangeReader:
     does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
     ``fetch``. A read that makes progress starts the deadline afresh."""
 
-    def __init__(self, fetch: Fetch, *, url: str, start: int, end: int, counters: Any = None,
-                 config: StorageConfig = DEFAULT_STORAGE, sleep: Callable[[float], None] = time.sleep, seed: int = 0,
-                 hint: str = "", short_object_ends: bool = False):
+    def __init__(
+        self,
+        fetch: Fetch,
+        *,
+        url: str,
+        start: int,
+        end: int,
+        counters: Any = None,
+        config: StorageConfig = DEFAULT_STORAGE,
+        sleep: Callable[[float], None] = time.sleep,
+        seed: int = 0,
+        hint: str = "",
+        short_object_ends: bool = False,
+    ):
         self._fetch = fetch
         self._open: OpenBody | None = getattr(fetch, "open", None)
         self._body: Body | None = None
@@ -449,8 +481,7 @@ class RangeReader:
                         counters.add("throttles")
                     # (words, not the exception: a log record that kept it would keep its frames' views of
                     # ``view`` alive, and the block could not be cut to size)
-                    logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got,
-                                 f"{type(exc).__name__}: {exc}")
+                    logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got, f"{type(exc).__name__}: {exc}")
                     break
                 if self._short_ends and is_past_end(exc):
                     logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)

@@ -66,12 +66,10 @@ class Scan:
         return max(0, len(self.offsets) - 1)
 
     def info(self) -> ShardInfo:
-        return ShardInfo(path=self.url, samples=self.samples, bytes=self.size, sha256=self.sha256,
-                         offsets=tuple(self.offsets))
+        return ShardInfo(path=self.url, samples=self.samples, bytes=self.size, sha256=self.sha256, offsets=tuple(self.offsets))
 
 
-def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None = None,
-                progress: Callable[[int], None] | None = None) -> Scan:
+def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None = None, progress: Callable[[int], None] | None = None) -> Scan:
     """Parse, hash and index bytes [0, size) of a shard given by ``read``. ``on_sample(key, start,
     end, fields)`` sees each sample. Raises ShardFormatError (with ``scan.offsets`` so far kept
     on the exception as ``partial``) or what ``read`` raises."""
@@ -82,8 +80,7 @@ def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None
     compression = shard_compression(url)  # offsets of a compressed shard are in its decompressed stream
     tar_read = decompressing(read, url, compression) if compression else read
     try:
-        for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size,
-                                         require_end_marker=True):
+        for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size, require_end_marker=True):
             for key, offset, sample_end, fields in batch:
                 scan.offsets.append(offset)
                 data_end = sample_end
@@ -101,8 +98,14 @@ def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None
     return scan
 
 
-def scan_url(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE,
-             on_sample: OnSample | None = None, progress: Callable[[int], None] | None = None) -> Scan:
+def scan_url(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    on_sample: OnSample | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Scan:
     """``scan_stream`` over a whole object. Raises StorageError or ShardFormatError."""
     size, read, close = open_object(url, storage_options, config=config)
     try:
@@ -111,14 +114,14 @@ def scan_url(url: str, storage_options: Mapping[str, Any] | None = None, *, conf
         close()
 
 
-def scan_shard(url: str, storage_options: Mapping[str, Any] | None = None, *,
-               config: StorageConfig = DEFAULT_STORAGE) -> ShardInfo:
+def scan_shard(url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE) -> ShardInfo:
     """Read one shard end to end and describe it. Raises StorageError or ShardFormatError."""
     return scan_url(url, storage_options, config=config).info()
 
 
-def scan_shards(urls: list[str], storage_options: Mapping[str, Any] | None = None, *, threads: int = 8,
-                config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+def scan_shards(
+    urls: list[str], storage_options: Mapping[str, Any] | None = None, *, threads: int = 8, config: StorageConfig = DEFAULT_STORAGE
+) -> Manifest:
     """Index many shards in parallel (I/O-bound: threads) into an in-memory manifest."""
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
         results = list(pool.map(lambda u: scan_url(u, storage_options, config=config), urls))

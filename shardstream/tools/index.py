@@ -58,8 +58,9 @@ def shard_urls(inputs: str | Sequence[str], storage_options: Mapping[str, Any] |
     return list(dict.fromkeys(urls))
 
 
-def write_index(pattern: str | Sequence[str], dest: str, *, storage_options: Mapping[str, Any] | None = None, threads: int = 8,
-                overwrite: bool = False) -> tuple[Manifest, str]:
+def write_index(
+    pattern: str | Sequence[str], dest: str, *, storage_options: Mapping[str, Any] | None = None, threads: int = 8, overwrite: bool = False
+) -> tuple[Manifest, str]:
     """Index the shards that ``pattern`` names (one input or several) and write their manifest at
     ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL."""
     check_dataset_root(dest)
@@ -71,7 +72,7 @@ def write_index(pattern: str | Sequence[str], dest: str, *, storage_options: Map
     manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads)
     canonical = _canonical(url)
     base = canonical.rsplit("/", 1)[0] + "/"
-    manifest.paths = [p[len(base):] if p.startswith(base) else p for p in manifest.paths]
+    manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]
     _place_sidecars(manifest)
     write_manifest(manifest, url, storage_options)  # sidecars first, the manifest last
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
@@ -95,5 +96,4 @@ def upgrade_manifest(source: str, *, storage_options: Mapping[str, Any] | None =
 def _place_sidecars(manifest: Manifest) -> None:
     absolute = [("://" in p or p.startswith("/")) for p in manifest.paths]
     if any(absolute):
-        manifest._sidecars = [f"offsets/{i:06d}{SUFFIX}" if a else p + SUFFIX
-                              for i, (p, a) in enumerate(zip(manifest.paths, absolute))]
+        manifest._sidecars = [f"offsets/{i:06d}{SUFFIX}" if a else p + SUFFIX for i, (p, a) in enumerate(zip(manifest.paths, absolute))]

@@ -18,8 +18,9 @@ from shardstream.storage import fs as storage
 from shardstream.write.writer import MAX_SKIPPED_LISTED
 
 
-def merge_datasets(dest: str, parts: Sequence[str], *, storage_options: Mapping[str, Any] | None = None,
-                   overwrite: bool = False) -> tuple[Manifest, str]:
+def merge_datasets(
+    dest: str, parts: Sequence[str], *, storage_options: Mapping[str, Any] | None = None, overwrite: bool = False
+) -> tuple[Manifest, str]:
     """Write DEST's manifest listing the shards of ``parts`` in order; returns it and its URL.
 
     DEST may be one of the parts (its current shards come where it is listed): that is how a
@@ -46,8 +47,10 @@ def merge_datasets(dest: str, parts: Sequence[str], *, storage_options: Mapping[
             label_map = part.label_map
             label_counts = dict(part.label_counts) if part.label_counts is not None else None
         elif part.label_map != label_map:
-            raise ManifestError(f"{part_url}: its label_map differs from {part_urls[0]}'s: the labels would not mean "
-                                "the same class; pack the parts with the same classes")
+            raise ManifestError(
+                f"{part_url}: its label_map differs from {part_urls[0]}'s: the labels would not mean "
+                "the same class; pack the parts with the same classes"
+            )
         elif label_counts is not None and part.label_counts is not None:
             for name, count in part.label_counts.items():
                 label_counts[name] = label_counts.get(name, 0) + count
@@ -58,17 +61,21 @@ def merge_datasets(dest: str, parts: Sequence[str], *, storage_options: Mapping[
         for i in range(len(part.paths)):
             shard_url = part.shard_url(i)
             if shard_url in where:
-                raise ManifestError(f"{shard_url} is listed by both {where[shard_url]} and {part_url}: "
-                                    "a shard may appear once in a dataset")
+                raise ManifestError(f"{shard_url} is listed by both {where[shard_url]} and {part_url}: a shard may appear once in a dataset")
             where[shard_url] = part_url
             offsets = part.offsets(i) if part.version == 1 else None
-            shards.append(ShardInfo(
-                path=_relative(shard_url, base), samples=int(part.counts[i]), bytes=int(part.sizes[i]),
-                sha256=part.sha256(i), offsets=offsets, index=_relative(part.sidecar_url(i), base),
-                span=(int(part.spans[i, 0]), int(part.spans[i, 1])),
-            ))
-    manifest = Manifest(shards=shards, extensions=extensions, label_map=label_map, label_counts=label_counts,
-                        skipped=skipped)
+            shards.append(
+                ShardInfo(
+                    path=_relative(shard_url, base),
+                    samples=int(part.counts[i]),
+                    bytes=int(part.sizes[i]),
+                    sha256=part.sha256(i),
+                    offsets=offsets,
+                    index=_relative(part.sidecar_url(i), base),
+                    span=(int(part.spans[i, 0]), int(part.spans[i, 1])),
+                )
+            )
+    manifest = Manifest(shards=shards, extensions=extensions, label_map=label_map, label_counts=label_counts, skipped=skipped)
     write_manifest(manifest, url, storage_options)
     manifest.base_url = base
     manifest.storage_options = dict(storage_options or {})
@@ -77,7 +84,7 @@ def merge_datasets(dest: str, parts: Sequence[str], *, storage_options: Mapping[
 
 def _relative(target: str, base: str) -> str:
     prefix = base.rstrip("/") + "/"
-    return target[len(prefix):] if target.startswith(prefix) else target
+    return target[len(prefix) :] if target.startswith(prefix) else target
 
 
 __all__ = ["merge_datasets", "MANIFEST_NAME"]

@@ -27,9 +27,16 @@ class Problem:
         return f"{self.shard}" + (f" [{self.key}]" if self.key else "") + f": {self.what}"
 
 
-def verify_shard(manifest: Manifest, index: int, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
-                 progress: Callable[[int], None] | None = None, max_problems: int = 100,
-                 config: StorageConfig = DEFAULT_STORAGE) -> list[Problem]:
+def verify_shard(
+    manifest: Manifest,
+    index: int,
+    *,
+    deep: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+    max_problems: int = 100,
+    config: StorageConfig = DEFAULT_STORAGE,
+) -> list[Problem]:
     info = manifest.shards[index]
     url = manifest.shard_url(index)
     problems: list[Problem] = []
@@ -88,12 +95,19 @@ def _check_offsets(manifest: Manifest, index: int, found: list[int], storage_opt
     return []
 
 
-def verify_dataset(manifest: Manifest, *, deep: bool = False, storage_options: Mapping[str, Any] | None = None,
-                   progress: Callable[[int], None] | None = None, threads: int = 4,
-                   config: StorageConfig = DEFAULT_STORAGE) -> list[Problem]:
+def verify_dataset(
+    manifest: Manifest,
+    *,
+    deep: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+    threads: int = 4,
+    config: StorageConfig = DEFAULT_STORAGE,
+) -> list[Problem]:
     """Every problem found in every shard, in manifest order."""
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        results = pool.map(lambda i: verify_shard(manifest, i, deep=deep, storage_options=storage_options, progress=progress,
-                                                  config=config),
-                           range(len(manifest.shards)))
+        results = pool.map(
+            lambda i: verify_shard(manifest, i, deep=deep, storage_options=storage_options, progress=progress, config=config),
+            range(len(manifest.shards)),
+        )
         return [p for problems in results for p in problems]

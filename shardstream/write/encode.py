@@ -96,6 +96,4 @@ def check_key(key: str, where: str) -> None:
     """Keys must round-trip through webdataset's name split: no dot in the last component."""
     last = key.rsplit("/", 1)[-1]
     if not last or "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
-        raise SourceError(
-            where, f"key {key!r} is not usable: the last path component must be non-empty and contain no '.'"
-        )
+        raise SourceError(where, f"key {key!r} is not usable: the last path component must be non-empty and contain no '.'")

@@ -111,13 +111,34 @@ def pack_source(
     if not items and not listing.errors:
         raise SourceError(src, "source holds no samples")
     if executor is not None:
-        return _pack_tasks(items, None, dest, src=src, executor=executor, max_count=max_count, max_size=max_size,
-                           prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
-                           label_map=listing.label_map, errors=listing.errors, progress=progress, started=started,
-                           in_flight=in_flight)
+        return _pack_tasks(
+            items,
+            None,
+            dest,
+            src=src,
+            executor=executor,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            on_error=on_error,
+            label_map=listing.label_map,
+            errors=listing.errors,
+            progress=progress,
+            started=started,
+            in_flight=in_flight,
+        )
     with ShardWriter(
-        dest, max_count=max_count, max_size=max_size, prefix=prefix, prefixes=prefixes, storage_options=storage_options,
-        overwrite=overwrite, label_map=listing.label_map,
+        dest,
+        max_count=max_count,
+        max_size=max_size,
+        prefix=prefix,
+        prefixes=prefixes,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        label_map=listing.label_map,
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
@@ -140,9 +161,14 @@ def pack_source(
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
     assert writer.manifest is not None  # the with-block closed the writer without an error
     return PackResult(
-        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
-        shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
-        seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
+        manifest=writer.manifest,
+        manifest_url=writer.manifest_url,
+        samples=writer.samples_written,
+        shards=len(writer.shards),
+        bytes=sum(s.bytes for s in writer.shards),
+        seconds=time.perf_counter() - started,
+        skipped=writer.skipped,
+        skipped_count=writer.skipped_count,
     )
 
 
@@ -151,6 +177,8 @@ def _init_worker(storage_options) -> None:
     committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_worker_storage_options(storage_options)
+
+
 def pack_fn(
     fn: Callable[[Any], Any],
     inputs: Iterable[Any],
@@ -187,30 +215,95 @@ def pack_fn(
     where = getattr(fn, "__qualname__", repr(fn))
     if executor is None and workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return _pack_tasks(units, fn, dest, src=where, executor=pool, max_count=max_count, max_size=max_size,
-                               prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
-                               label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
-    return _pack_tasks(units, fn, dest, src=where, executor=executor, max_count=max_count, max_size=max_size,
-                       prefix=prefix, prefixes=prefixes, storage_options=storage_options, overwrite=overwrite, on_error=on_error,
-                       label_map=None, errors=[], progress=progress, started=started, in_flight=in_flight)
+            return _pack_tasks(
+                units,
+                fn,
+                dest,
+                src=where,
+                executor=pool,
+                max_count=max_count,
+                max_size=max_size,
+                prefix=prefix,
+                prefixes=prefixes,
+                storage_options=storage_options,
+                overwrite=overwrite,
+                on_error=on_error,
+                label_map=None,
+                errors=[],
+                progress=progress,
+                started=started,
+                in_flight=in_flight,
+            )
+    return _pack_tasks(
+        units,
+        fn,
+        dest,
+        src=where,
+        executor=executor,
+        max_count=max_count,
+        max_size=max_size,
+        prefix=prefix,
+        prefixes=prefixes,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        on_error=on_error,
+        label_map=None,
+        errors=[],
+        progress=progress,
+        started=started,
+        in_flight=in_flight,
+    )
 
 
-def _pack_tasks(units: Sequence[Any], fn: Callable[[Any], Any] | None, dest: str, *, src: str, executor: Executor | None,
-                max_count: int, max_size: int, prefix: str, prefixes: int, storage_options: Mapping[str, Any] | None,
-                overwrite: bool,
-                on_error: str, label_map: dict[str, int] | None, errors: list[tuple[str, str]],
-                progress: Callable[[int, int], None] | None, started: float, in_flight: int) -> PackResult:
+def _pack_tasks(
+    units: Sequence[Any],
+    fn: Callable[[Any], Any] | None,
+    dest: str,
+    *,
+    src: str,
+    executor: Executor | None,
+    max_count: int,
+    max_size: int,
+    prefix: str,
+    prefixes: int,
+    storage_options: Mapping[str, Any] | None,
+    overwrite: bool,
+    on_error: str,
+    label_map: dict[str, int] | None,
+    errors: list[tuple[str, str]],
+    progress: Callable[[int, int], None] | None,
+    started: float,
+    in_flight: int,
+) -> PackResult:
     """The driver of a task pack: prepare the destination, run one task per shard, adopt the
     results in shard order, write the manifest last (``ShardWriter.close``)."""
     options = dict(storage_options or {})
     keys: set[str] = set()
-    with ShardWriter(dest, max_count=max_count, max_size=max_size, prefix=prefix, prefixes=prefixes, storage_options=options,
-                     overwrite=overwrite, label_map=label_map) as writer:
+    with ShardWriter(
+        dest,
+        max_count=max_count,
+        max_size=max_size,
+        prefix=prefix,
+        prefixes=prefixes,
+        storage_options=options,
+        overwrite=overwrite,
+        label_map=label_map,
+    ) as writer:
         for where, what in errors:
             writer.skip(where, what)
-        tasks = (ShardTask(dest=writer.dest, name=shard_name(prefix, i, prefixes), index=i, first=r.start,
-                           units=units[r.start:r.stop], fn=fn, on_error=on_error, storage_options=options)
-                 for i, r in enumerate(cut_shards(len(units), max_count)))
+        tasks = (
+            ShardTask(
+                dest=writer.dest,
+                name=shard_name(prefix, i, prefixes),
+                index=i,
+                first=r.start,
+                units=units[r.start : r.stop],
+                fn=fn,
+                on_error=on_error,
+                storage_options=options,
+            )
+            for i, r in enumerate(cut_shards(len(units), max_count))
+        )
         for result in run_tasks(executor, tasks, in_flight=in_flight):
             for where, what in result.skipped:
                 writer.skip(where, what)
@@ -220,8 +313,12 @@ def _pack_tasks(units: Sequence[Any], fn: Callable[[Any], Any] | None, dest: str
             keys.update(result.keys)
             writer.add_shard(result.info, result.extensions, result.label_counts)
             if result.info.bytes > max_size:
-                logger.warning("%s is %d bytes, above max_size %d (under an executor shards are cut by "
-                               "max_count only: lower it)", result.info.path, result.info.bytes, max_size)
+                logger.warning(
+                    "%s is %d bytes, above max_size %d (under an executor shards are cut by max_count only: lower it)",
+                    result.info.path,
+                    result.info.bytes,
+                    max_size,
+                )
             if progress is not None:
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
@@ -229,9 +326,14 @@ def _pack_tasks(units: Sequence[Any], fn: Callable[[Any], Any] | None, dest: str
         writer.remove_partials()  # left by attempts the engine killed and retried elsewhere
     assert writer.manifest is not None  # the with-block closed the writer without an error
     return PackResult(
-        manifest=writer.manifest, manifest_url=writer.manifest_url, samples=writer.samples_written,
-        shards=len(writer.shards), bytes=sum(s.bytes for s in writer.shards),
-        seconds=time.perf_counter() - started, skipped=writer.skipped, skipped_count=writer.skipped_count,
+        manifest=writer.manifest,
+        manifest_url=writer.manifest_url,
+        samples=writer.samples_written,
+        shards=len(writer.shards),
+        bytes=sum(s.bytes for s in writer.shards),
+        seconds=time.perf_counter() - started,
+        skipped=writer.skipped,
+        skipped_count=writer.skipped_count,
     )
 
 

@@ -55,9 +55,7 @@ class Listing:
         self.temp: Any = None  # a TemporaryDirectory holding decompressed copies of compressed shards (removed with the listing)
 
 
-def list_source(
-    src: str, kind: str = "auto", *, label_from_dir: bool = False, storage_options: Mapping[str, Any] | None = None
-) -> Listing:
+def list_source(src: str, kind: str = "auto", *, label_from_dir: bool = False, storage_options: Mapping[str, Any] | None = None) -> Listing:
     if kind == "auto":
         kind = detect_kind(src, storage_options)
     if label_from_dir and kind != "dir":

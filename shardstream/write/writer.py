@@ -150,8 +150,9 @@ class ShardWriter:
                 foreign += [f"{folder}/{e}" for e in inside if not (self._shard_re.fullmatch(e) or _is_leftover(e))]
         if not overwrite:
             if MANIFEST_NAME in entries:
-                raise DestinationError(f"{url} already holds a dataset ({MANIFEST_NAME}); to replace it pass "
-                                       "overwrite=True (shardstream pack: --overwrite)")
+                raise DestinationError(
+                    f"{url} already holds a dataset ({MANIFEST_NAME}); to replace it pass overwrite=True (shardstream pack: --overwrite)"
+                )
             if foreign:
                 raise DestinationError(
                     f"{url} is not empty ({len(foreign)} other entries, e.g. {foreign[0]!r}); "
@@ -191,9 +192,7 @@ class ShardWriter:
                 raise SourceError(f"key {key!r}", "duplicate key: two samples would share one key")
             self._keys.add(key)
         pieces, size = encode_members(key, fields)
-        if self._file is not None and (
-            self._count >= self.max_count or self._size + size + len(END_OF_ARCHIVE) > self.max_size
-        ):
+        if self._file is not None and (self._count >= self.max_count or self._size + size + len(END_OF_ARCHIVE) > self.max_size):
             self._finish_shard()
         if self._file is None:
             self._start_shard()
@@ -296,8 +295,9 @@ class ShardWriter:
         # billion-sample pack keeps O(shards) here.
         sidecar = self._name + SIDECAR_SUFFIX
         storage.write_bytes_atomic(self.fs, storage.join(self.root, sidecar), encode_offsets(self._offsets))
-        self.shards.append(ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(),
-                                     index=sidecar, span=(self._offsets[0], self._offsets[-1])))
+        self.shards.append(
+            ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(), index=sidecar, span=(self._offsets[0], self._offsets[-1]))
+        )
         logger.debug("published %s (%d samples, %d bytes)", dest_path, self._count, self._size)
 
     # -- closing -------------------------------------------------------------------------------
