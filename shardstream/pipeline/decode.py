@@ -235,8 +235,9 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def default_decoders(image: str = "tensor", draft_size: tuple[int, int] | None = None, *,
-                     allow_pickle: bool = False) -> dict[str, Callable[[bytes], Any]]:
+def default_decoders(
+    image: str = "tensor", draft_size: tuple[int, int] | None = None, *, allow_pickle: bool = False
+) -> dict[str, Callable[[bytes], Any]]:
     """shardstream's decoders by extension (see the module docstring). ``allow_pickle`` adds
     pyd/pickle/pkl: only for data you trust, unpickling runs code."""
     image_decoder = ImageDecoder(image, draft_size)
@@ -352,6 +353,11 @@ class Decoder:
             return None  # kept as stored
         return _Gunzip(inner, decompress or gunzip)
 
+    @property
+    def passthrough(self) -> bool:
+        """True when it returns every sample as it is (no decoders, no required fields: ``decode=False``)."""
+        return not self.decoders and not self.required
+
     def viewing_exts(self) -> _ViewingExts:
         """The extensions whose decoder views a writable buffer in place (``in`` works on it)."""
         return _ViewingExts(self)
@@ -374,8 +380,9 @@ class Decoder:
             try:
                 sample[ext] = fn(sample[ext])
             except Exception as exc:  # a decoder may raise anything on corrupt bytes
-                raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"),
-                                  f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}") from exc
+                raise SampleError(
+                    sample.get("__url__", "?"), sample.get("__key__", "?"), f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}"
+                ) from exc
         return sample
 
 
@@ -396,15 +403,34 @@ class _ViewingExts:
 
 
 def decode_samples(chunks: Iterable[list[dict[str, Any]]], decoder: Callable[[dict], dict], policy: ErrorPolicy) -> Iterator[list[dict[str, Any]]]:
-    """Decode lists of samples; failures go to ``policy`` (raise, or skip and count)."""
+    """Decode lists of samples; failures go to ``policy`` (raise, or skip and count).
+
+    Each success resets the policy's run of consecutive failures; here that is done once per run
+    of successes (before the next failure, or at the end of the list), which leaves the policy as
+    a call per sample would. A decoder with nothing to do (``Decoder.passthrough``) passes the
+    lists on as they are."""
+    if getattr(decoder, "passthrough", False):
+        for chunk in chunks:
+            if chunk:
+                policy.ok()
+                yield chunk
+        return
     for chunk in chunks:
-        out = []
-        for sample in chunk:
+        out: list[dict[str, Any]] = []
+        append = out.append
+        samples = iter(chunk)
+        while True:
+            before = len(out)
             try:
-                out.append(decoder(sample))
+                for sample in samples:
+                    append(decoder(sample))
             except SampleError as exc:
+                if len(out) > before:
+                    policy.ok()
                 policy.failed(exc)
                 continue
-            policy.ok()
+            if len(out) > before:
+                policy.ok()
+            break
         if out:
             yield out

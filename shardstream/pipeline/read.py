@@ -23,11 +23,12 @@ from shardstream.buffers import BufferPool
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
-from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
+from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_dicts
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.ranges import FileReader
 from shardstream.storage.ranges import open_range as open_object_range
 from shardstream.storage.readahead import Prefetcher
 from shardstream.storage.scan import hashed, skip_exactly
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 # A range's first read is this small and the next ones double up to read_size, so the first
 # samples (and the first batch) are parsed out of a few hundred KiB rather than a full block.
 FIRST_READ = 256 << 10
+# A local file (or a cached shard) is read this much at a time, whatever read_size says: its reads
+# cost no request, and a block this size stays in the CPU's caches while it is parsed and its
+# samples are used (format.tar.PARSE_WINDOW has the figures).
+LOCAL_READ = 512 << 10
 
 
 def open_range(
@@ -57,12 +62,20 @@ def open_range(
     the bytes before ``start`` are dropped."""
     compression = shard_compression(url)
     if not compression:
-        return open_object_range(url, start, end, storage_options, counters, config=config, cache=cache,
-                                 shard_size=shard_size, sha256=sha256)
+        return open_object_range(url, start, end, storage_options, counters, config=config, cache=cache, shard_size=shard_size, sha256=sha256)
     if shard_size is None and "://" in url and not url.startswith("file://"):
         raise ValueError(f"{url}: reading a compressed remote shard needs its size (shard_size)")
-    raw_read, close = open_object_range(url, 0, shard_size if shard_size is not None else end, storage_options, counters,
-                                        config=config, cache=cache, shard_size=shard_size, sha256=sha256)
+    raw_read, close = open_object_range(
+        url,
+        0,
+        shard_size if shard_size is not None else end,
+        storage_options,
+        counters,
+        config=config,
+        cache=cache,
+        shard_size=shard_size,
+        sha256=sha256,
+    )
     try:
         return decompressing(raw_read, url, compression, skip=start), close
     except BaseException:
@@ -75,10 +88,21 @@ class RangeSource:
     whole-shard ranges are hashed as they stream (``verify_stream``), and the extensions whose
     large members may stay writable buffers (``keep_buffers``: decoders that view them in place)."""
 
-    def __init__(self, manifest: Manifest, *, storage_options: Mapping[str, Any] | None = None,
-                 read_size: int = DEFAULT_READ_SIZE, counters: Any = None, cache: ShardCache | None = None,
-                 readahead_bytes: int = 0, verify_stream: bool = False, config: StorageConfig = DEFAULT_STORAGE,
-                 keep_buffers: Container[str] = (), buffers: BufferPool | None = None, readahead_threads: int = 1):
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        read_size: int = DEFAULT_READ_SIZE,
+        counters: Any = None,
+        cache: ShardCache | None = None,
+        readahead_bytes: int = 0,
+        verify_stream: bool = False,
+        config: StorageConfig = DEFAULT_STORAGE,
+        keep_buffers: Container[str] = (),
+        buffers: BufferPool | None = None,
+        readahead_threads: int = 1,
+    ):
         self.manifest = manifest
         self.readahead_threads = readahead_threads
         self.keep_buffers = keep_buffers
@@ -95,8 +119,14 @@ class RangeSource:
         """A range is hashed while streaming when it is the whole shard, the manifest has its
         sha256, and no cache is in the way (cache fills are checked on their own)."""
         m = self.manifest
-        return (self.verify_stream and self.cache is None and bool(m._has_sha[rng.shard])
-                and rng.start == 0 and rng.stop == int(m.counts[rng.shard]) and not shard_compression(m.paths[rng.shard]))
+        return (
+            self.verify_stream
+            and self.cache is None
+            and bool(m._has_sha[rng.shard])
+            and rng.start == 0
+            and rng.stop == int(m.counts[rng.shard])
+            and not shard_compression(m.paths[rng.shard])
+        )
 
     def opener(self, rng: Range):
         """A function that opens the range; a range inside a shard fetches the shard's offset
@@ -110,8 +140,7 @@ class RangeSource:
                 start, end = 0, size
             else:
                 start, end = m.byte_range(rng.shard, rng.start, rng.stop, self.storage_options)
-            return open_range(url, start, end, self.storage_options, self.counters, config=self.config,
-                              cache=self.cache, shard_size=size, sha256=sha)
+            return open_range(url, start, end, self.storage_options, self.counters, config=self.config, cache=self.cache, shard_size=size, sha256=sha)
 
         return open_it
 
@@ -151,8 +180,10 @@ def read_range(
         raise ValueError(f"verify needs a whole-shard range with a sha256 in the manifest, got {rng} of {url}")
     close = None
     if read is None:
-        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters,
-                                 shard_size=shard.bytes)
+        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters, shard_size=shard.bytes)
+    local = isinstance(read, FileReader)
+    if local:
+        read_size = min(read_size, LOCAL_READ)
     digest = None
     if verify:
         digest = hashlib.sha256()
@@ -161,24 +192,25 @@ def read_range(
     expected = len(rng)
     got = 0
     try:
-        for batch in iter_sample_batches(_FirstReadsSmall(read), url=url, start=start, end=end, read_size=read_size,
-                                         keep_buffers=keep_buffers, buffers=buffers):
-            got += len(batch)
+        for samples in iter_sample_dicts(
+            _FirstReadsSmall(read),
+            url=url,
+            start=start,
+            end=end,
+            read_size=read_size,
+            keep_buffers=keep_buffers,
+            buffers=buffers,
+            reuse_blocks=local and not verify,
+        ):
+            got += len(samples)
             if got > expected:
                 break
-            samples = []
-            for key, _offset, _end, fields in batch:
-                fields["__key__"] = key
-                fields["__url__"] = url
-                samples.append(fields)
             yield samples
     finally:
         if close is not None:
             close()
     if got != expected:
-        raise ShardFormatError(
-            url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there"
-        )
+        raise ShardFormatError(url, start, f"the manifest lists {expected} samples in bytes [{start}, {end}) but the shard holds {got} there")
     if digest is not None:
         skip_exactly(read, shard.bytes - end, url, end)  # the end-of-archive blocks and padding
         if digest.hexdigest() != shard.sha256:
@@ -219,8 +251,9 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
     ranges = list(ranges)
     prefetcher = None
     if source.readahead_bytes > 0 and ranges:
-        prefetcher = Prefetcher([source.opener(r) for r in ranges], block_size=source.read_size,
-                                max_bytes=source.readahead_bytes, threads=source.readahead_threads)
+        prefetcher = Prefetcher(
+            [source.opener(r) for r in ranges], block_size=source.read_size, max_bytes=source.readahead_bytes, threads=source.readahead_threads
+        )
     try:
         for index, rng in enumerate(ranges):
             delivered = 0
@@ -232,9 +265,17 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                 else:
                     read, close = source.opener(rng)()
                 try:
-                    for chunk in read_range(source.manifest, rng, read_size=source.read_size, read=read, storage_options=source.storage_options,
-                                            verify=source.verifies(rng), counters=source.counters,
-                                            keep_buffers=source.keep_buffers, buffers=source.buffers):
+                    for chunk in read_range(
+                        source.manifest,
+                        rng,
+                        read_size=source.read_size,
+                        read=read,
+                        storage_options=source.storage_options,
+                        verify=source.verifies(rng),
+                        counters=source.counters,
+                        keep_buffers=source.keep_buffers,
+                        buffers=source.buffers,
+                    ):
                         delivered += len(chunk)
                         yield chunk
                         if policy is not None:
@@ -259,8 +300,9 @@ SHORT_RANGE = 8  # samples: ranges this short are latency-bound, not bandwidth-b
 READ_BACK_THREADS = 16
 
 
-def read_scattered(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None,
-                   threads: int = READ_BACK_THREADS) -> Iterator[list[dict[str, Any]]]:
+def read_scattered(
+    source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None, threads: int = READ_BACK_THREADS
+) -> Iterator[list[dict[str, Any]]]:
     """Like ``read_ranges`` (same order, same checks), but runs of short ranges are fetched by a
     pool of threads: a resumed epoch reads each worker's shuffle buffer back as single samples
     scattered over the shards, where one request after another would cost a round trip each."""

@@ -1,0 +1,326 @@
+"""Small samples through the user's own pipeline: shardstream against the newest litData and
+webdataset, each in a venv of its own, and against the floor, interleaved, medians.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small.py [--repeats 5] [--samples 200000] [--workers 0,2]
+        [--litdata-python /tmp/venv-litdata/bin/python] [--webdataset-python /tmp/venv-wds/bin/python]
+
+Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 is the CPU wheel):
+
+    python3 -m venv /tmp/venv-litdata && /tmp/venv-litdata/bin/pip install torch==2.13.0 litdata
+    python3 -m venv /tmp/venv-wds && /tmp/venv-wds/bin/pip install torch==2.13.0 webdataset
+
+Samples: a 1 KiB ``.bin`` payload and a JSON label (``{"label": i % 1000}``), written once to
+tmpfs (``--workdir``): tar shards of 10,000 samples (shardstream and webdataset read the same
+files) and litData's chunks (``litdata.optimize``, 64 MB), made from the same bytes (each
+builder prints a digest of what it wrote; they must agree). Every loader runs the same user
+function (payload -> uint8 tensor, label -> int through ``json.loads``) and torch's
+``default_collate``, batch 64, no shuffle: shardstream with ``decode=False`` (the function
+decodes), litData's ``StreamingDataset(transform=fn)`` + ``StreamingDataLoader``, webdataset's
+``.map(fn).batched(64, collation_fn=default_collate)`` + ``WebLoader``. The floor: the same
+function and collate over the same samples already in memory (a list of dicts), in one process.
+
+Every run is a fresh process of its loader's venv, one pass over all samples, timed from the
+dataset's construction: samples/s over the whole pass, CPU per sample (the process and its
+workers), and the time to the first batch. Contenders are interleaved within each repeat; the
+table gives medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # the shardstream under test (--repo)
+BATCH = 64
+SHARD_SAMPLES = 10_000
+
+
+def samples(n: int):
+    """The benchmark's samples, the same bytes in every venv: (key, payload, label JSON)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        yield f"{i:08d}", rng.bytes(1024), json.dumps({"label": i % 1000}).encode()
+
+
+def digest(n: int) -> str:
+    h = hashlib.sha256()
+    for key, payload, label in samples(n):
+        h.update(key.encode())
+        h.update(payload)
+        h.update(label)
+    return h.hexdigest()[:16]
+
+
+def fn(sample):
+    """The user's function: the same in every loader. (litData hands ``bytes`` fields over as
+    memoryviews, which ``json.loads`` refuses: ``bytes()`` of them; of a ``bytes`` it is the same object.)"""
+    import torch
+
+    return {"x": torch.frombuffer(bytearray(sample["bin"]), dtype=torch.uint8), "y": json.loads(bytes(sample["json"]))["label"]}
+
+
+# -- builders (each run in the venv that reads the format) ---------------------------------------
+
+
+def make_tars(root: str, n: int) -> None:
+    sys.path.insert(0, REPO)
+    from shardstream import ShardWriter
+
+    with ShardWriter(root, max_count=SHARD_SAMPLES, overwrite=True) as w:
+        for key, payload, label in samples(n):
+            w.write_encoded(key, {"bin": payload, "json": label})
+
+
+def _litdata_items(span: tuple[int, int]):
+    start, stop = span
+    for key, payload, label in samples(stop):
+        if int(key) >= start:
+            yield {"bin": payload, "json": label}
+
+
+def make_litdata(out: str, n: int) -> None:
+    import litdata
+
+    spans = [(start, min(start + SHARD_SAMPLES, n)) for start in range(0, n, SHARD_SAMPLES)]
+    litdata.optimize(fn=_litdata_items, inputs=spans, output_dir=out, chunk_bytes="64MB", num_workers=1, mode="overwrite", verbose=False)
+
+
+# -- one pass of one loader (run in a fresh process) -------------------------------------------
+
+
+def shardstream_batches(root: str, workers: int):
+    sys.path.insert(0, REPO)
+    from torch.utils.data import default_collate
+
+    from shardstream import ShardStream, World, make_loader
+
+    ds = ShardStream(root, batch_size=BATCH, shuffle=False, decode=False, transform=fn, collate=default_collate, world=World(0, 1))
+    return make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None)
+
+
+def litdata_batches(root: str, workers: int):
+    import litdata
+    from torch.utils.data import default_collate
+
+    ds = litdata.StreamingDataset(input_dir=root, transform=fn)
+    return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=default_collate)
+
+
+def webdataset_batches(root: str, workers: int):
+    import webdataset as wds
+    from torch.utils.data import default_collate
+
+    urls = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".tar"))
+    ds = (
+        wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False)
+        .map(fn)
+        .batched(BATCH, collation_fn=default_collate, partial=False)
+    )
+    return wds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+
+def floor_batches(n: int):
+    from torch.utils.data import default_collate
+
+    in_memory = [{"bin": payload, "json": label} for _, payload, label in samples(n)]
+    return (default_collate([fn(s) for s in in_memory[i : i + BATCH]]) for i in range(0, len(in_memory) - BATCH + 1, BATCH))
+
+
+def cpu_seconds() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def one_pass(name: str, data: str, workers: int, n: int) -> dict[str, float]:
+    if name == "floor":
+        loader = floor_batches(n)  # built before the clock starts: the samples are in memory
+    # Imports before the clock starts, for every loader alike: the clock is the loader's.
+    import torch.utils.data  # noqa: F401
+
+    if name == "shardstream":
+        sys.path.insert(0, REPO)
+        import shardstream.loader  # noqa: F401
+    elif name == "litdata":
+        import litdata  # noqa: F401
+    elif name == "webdataset":
+        import webdataset  # noqa: F401
+
+    t, c = time.perf_counter(), cpu_seconds()
+    if name == "shardstream":
+        loader = shardstream_batches(os.path.join(data, "tars"), workers)
+    elif name == "litdata":
+        loader = litdata_batches(os.path.join(data, "litdata"), workers)
+    elif name == "webdataset":
+        loader = webdataset_batches(os.path.join(data, "tars"), workers)
+    got = 0
+    first = None
+    for batch in loader:
+        if first is None:
+            first = time.perf_counter() - t
+        got += len(batch["y"])
+    wall, cpu = time.perf_counter() - t, cpu_seconds() - c
+    return {"samples": got, "wall": wall, "cpu": cpu, "first": first or 0.0}
+
+
+def version(name: str) -> str:
+    if name == "litdata":
+        import litdata
+
+        return litdata.__version__
+    if name == "webdataset":
+        import webdataset
+
+        return webdataset.__version__
+    if name == "shardstream":
+        sys.path.insert(0, REPO)
+        import shardstream
+
+        return getattr(shardstream, "__version__", "")
+    return ""
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def run(python: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([python, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{python} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def build(data: str, n: int, pythons: dict[str, str]) -> None:
+    stamp = os.path.join(data, f"built-{n}")
+    if os.path.exists(stamp):
+        return
+    shutil.rmtree(data, ignore_errors=True)
+    os.makedirs(data)
+    digests = {"tars": run(pythons["shardstream"], "--make", "tars", "--data", data, "--samples", str(n))}
+    if "litdata" in pythons:
+        digests["litdata"] = run(pythons["litdata"], "--make", "litdata", "--data", data, "--samples", str(n))
+    if len(set(digests.values())) != 1:
+        raise SystemExit(f"the builders wrote different samples: {digests}")
+    open(stamp, "w").close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--workers", default="0,2")
+    parser.add_argument("--workdir", default="/dev/shm/ssbench-small")
+    parser.add_argument("--keep", action="store_true", help="keep the data in --workdir for the next run")
+    parser.add_argument("--litdata-python", default="/tmp/venv-litdata/bin/python")
+    parser.add_argument("--webdataset-python", default="/tmp/venv-wds/bin/python")
+    parser.add_argument("--only", default="floor,shardstream,litdata,webdataset")
+    parser.add_argument(
+        "--baseline", help="another checkout of shardstream (say, main before a change), run as one more contender, 'baseline', in this venv"
+    )
+    # internal: one builder or one pass, in the venv the driver chose
+    parser.add_argument("--make", help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--version", help=argparse.SUPPRESS)
+    parser.add_argument("--repo", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.repo:
+        global REPO
+        REPO = args.repo
+
+    if args.make:
+        (make_tars if args.make == "tars" else make_litdata)(os.path.join(args.data, args.make), args.samples)
+        print(digest(args.samples))
+        return
+    if args.version:
+        print(version(args.version))
+        return
+    if args.run:
+        print(json.dumps(one_pass("shardstream" if args.run == "baseline" else args.run, args.data, int(args.workers), args.samples)))
+        return
+
+    names = args.only.split(",")
+    pythons = {"floor": sys.executable, "shardstream": sys.executable}
+    for name, python in (("litdata", args.litdata_python), ("webdataset", args.webdataset_python)):
+        if name in names:
+            if not os.path.exists(python):
+                raise SystemExit(f"{python} not found: make the venv as the docstring says, or leave {name} out with --only")
+            pythons[name] = python
+    names = [name for name in names if name in pythons]
+    repos = {}
+    if args.baseline:
+        names.insert(names.index("shardstream") + 1 if "shardstream" in names else len(names), "baseline")
+        pythons["baseline"] = sys.executable
+        repos["baseline"] = ["--repo", os.path.abspath(args.baseline)]
+    versions = {name: run(pythons[name], "--version", "shardstream" if name == "baseline" else name, *repos.get(name, [])) for name in names}
+    build(args.workdir, args.samples, {k: v for k, v in pythons.items() if k in ("shardstream", "litdata")})
+    try:
+        rows = []
+        for workers in [int(w) for w in args.workers.split(",")]:
+            results: dict[str, list[dict[str, float]]] = {name: [] for name in names if not (name == "floor" and workers)}
+            for _ in range(args.repeats):
+                for name in results:  # interleaved
+                    result = json.loads(
+                        run(
+                            pythons[name],
+                            "--run",
+                            name,
+                            "--data",
+                            args.workdir,
+                            "--workers",
+                            str(workers),
+                            "--samples",
+                            str(args.samples),
+                            *repos.get(name, []),
+                        )
+                    )
+                    if not args.samples - max(1, workers) * BATCH < result["samples"] <= args.samples:  # (partial batches dropped or not)
+                        raise SystemExit(f"{name} delivered {result['samples']} samples")
+                    results[name].append(result)
+            for name, runs in results.items():
+                rows.append(
+                    (
+                        workers,
+                        name,
+                        statistics.median(r["samples"] / r["wall"] for r in runs),
+                        statistics.median(r["cpu"] / r["samples"] * 1e6 for r in runs),
+                        statistics.median(r["first"] for r in runs),
+                        [r["samples"] / r["wall"] for r in runs],
+                    )
+                )
+        floor = next(rate for w, name, rate, *_ in rows if name == "floor") if "floor" in names else None
+        print("| num_workers | loader | samples/s | shardstream / it | of floor | CPU us/sample | first batch s | all runs (samples/s) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for workers, name, rate, cpu, first, each in rows:
+            ours = next((r for w, n, r, *_ in rows if w == workers and n == "shardstream"), None)
+            label = f"{name} {versions[name]}".strip() if name != "floor" else "floor (in-memory list)"
+            if name == "baseline":
+                label = f"shardstream {versions[name]} (--baseline)"
+            vs = f"{ours / rate:.2f}x" if ours else ""
+            of_floor = f"{rate / floor:.2f}" if floor else ""
+            print(
+                f"| {workers} | {label} | {rate:,.0f} | {vs} | {of_floor} | {cpu:.1f} | {first:.3f} | "
+                f"{', '.join(f'{x:,.0f}' for x in sorted(each))} |"
+            )
+        print(
+            f"(medians of {args.repeats} interleaved passes, each a fresh process, over {args.samples:,} samples of 1 KiB + "
+            f"a JSON label, batch {BATCH}; floor: the same function + collate over the samples in memory, one process)"
+        )
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

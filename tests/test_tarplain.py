@@ -1,0 +1,328 @@
+"""The tar parser's run-at-a-time path (``format.tar._plain_run``) against its member-by-member
+loop: the same samples, offsets, lists and errors, on writers' tars, on every kind of member the
+fast path leaves to the loop, and on fuzzed bytes; and the pipeline around it (samples built as
+dicts once, lists of at most a window, local reads, decode passing lists through)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import tarfile
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardstream.errors import SampleError, ShardFormatError
+from shardstream.format import tar
+from shardstream.format.tar import END_OF_ARCHIVE, PARSE_WINDOW, iter_sample_batches, iter_sample_dicts, member_header, padding
+from shardstream.pipeline.decode import Decoder, decode_samples
+from shardstream.policy import ErrorPolicy
+from shardstream.storage.ranges import FileReader
+
+
+def build(members: list[tuple[str, bytes]], end: bool = True) -> bytes:
+    out = b"".join(member_header(name, len(data)) + data + padding(len(data)) for name, data in members)
+    return out + END_OF_ARCHIVE if end else out
+
+
+def samples_tar(n: int, exts=("bin", "json"), size=1024, seed=0) -> bytes:
+    rng = random.Random(seed)
+    members = []
+    for i in range(n):
+        for ext in exts:
+            members.append((f"{i:08d}.{ext}", rng.randbytes(size) if ext == "bin" else json.dumps({"label": i}).encode()))
+    return build(members)
+
+
+class Blocks:
+    """``read(n)`` over bytes, as ``bytes`` or as ``bytearray`` blocks (what an S3 GET is read into)."""
+
+    def __init__(self, data: bytes, as_bytearray: bool = False):
+        self.stream = io.BytesIO(data)
+        self.as_bytearray = as_bytearray
+
+    def __call__(self, n: int):
+        chunk = self.stream.read(n)
+        return bytearray(chunk) if self.as_bytearray else chunk
+
+
+class BlocksInto(Blocks):
+    """The same, with ``readinto`` (as a local file has): the parser may read into a block it reuses."""
+
+    def readinto(self, view) -> int:
+        return self.stream.readinto(view)
+
+
+def parse(
+    data: bytes,
+    *,
+    fast: bool,
+    dicts: bool,
+    read_size: int = tar.DEFAULT_READ_SIZE,
+    as_bytearray: bool = False,
+    start: int = 0,
+    end: int | None = None,
+    require_end_marker: bool = True,
+    large_member: int = tar.LARGE_MEMBER,
+    reuse: bool = False,
+):
+    """Every list the parser yields, and the error it ends with (type, message, offset) or None."""
+    lists = []
+    error = None
+    stream = (BlocksInto if reuse else Blocks)(data[start:], as_bytearray)
+    try:
+        for chunk in tar._parse(
+            stream,
+            "mem://x.tar",
+            start,
+            len(data) if end is None else end,
+            read_size,
+            require_end_marker,
+            (),
+            large_member,
+            None,
+            dicts=dicts,
+            fast=fast,
+            reuse_blocks=reuse,
+        ):
+            lists.append(chunk)
+    except ShardFormatError as exc:
+        error = (type(exc), str(exc), exc.offset)
+    return lists, error
+
+
+def same_both_ways(data: bytes, **kwargs) -> tuple[list, object]:
+    """Parse ``data`` run at a time and member by member, as tuples and as dicts, and (dicts)
+    read into one reused block: all agree."""
+    for dicts in (False, True):
+        fast = parse(data, fast=True, dicts=dicts, **kwargs)
+        slow = parse(data, fast=False, dicts=dicts, **kwargs)
+        assert fast == slow
+        if dicts:
+            assert parse(data, fast=True, dicts=True, reuse=True, **kwargs) == fast
+            assert parse(data, fast=False, dicts=True, reuse=True, **kwargs) == fast
+        if dicts:
+            assert all(list(s)[-2:] == ["__key__", "__url__"] and s["__url__"] == "mem://x.tar" for chunk in fast[0] for s in chunk)
+    return parse(data, fast=True, dicts=False, **kwargs)
+
+
+def flat(lists):
+    return [s for chunk in lists for s in chunk]
+
+
+@pytest.mark.parametrize("read_size", [777, 4096, 65536, 1 << 20, 4 << 20])
+@pytest.mark.parametrize("as_bytearray", [False, True])
+def test_writers_tars_give_the_same_samples_both_ways(read_size, as_bytearray):
+    data = samples_tar(3000)
+    lists, error = same_both_ways(data, read_size=read_size, as_bytearray=as_bytearray)
+    assert error is None
+    got = flat(lists)
+    assert [k for k, *_ in got] == [f"{i:08d}" for i in range(3000)]
+    assert got[7][3]["json"] == b'{"label": 7}' and all(type(v) is bytes for *_, f in got for v in f.values())
+
+
+def test_the_run_path_is_taken_and_builds_each_sample_once(monkeypatch):
+    calls = []
+    real = tar._plain_samples
+    monkeypatch.setattr(tar, "_plain_samples", lambda *a: calls.append(1) or real(*a))
+    data = samples_tar(500)
+    got = flat(list(iter_sample_dicts(Blocks(data), url="u", end=len(data))))
+    assert calls and len(got) == 500
+    assert list(got[3]) == ["bin", "json", "__key__", "__url__"] and got[3]["__key__"] == "00000003"
+    tuples = flat(list(iter_sample_batches(Blocks(data), url="u", end=len(data))))
+    assert [{**f, "__key__": k, "__url__": "u"} for k, _, _, f in tuples] == got
+
+
+def test_lists_hold_at_most_a_window_of_a_block():
+    data = samples_tar(4000)  # ~10 MB
+    lists, _ = same_both_ways(data, read_size=4 << 20)
+    per_sample = 5 * 512
+    assert len(lists) > len(data) // (4 << 20)
+    assert max(len(chunk) for chunk in lists) <= PARSE_WINDOW // per_sample + 2
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        [("a/b/k1.txt", b"1"), ("a/b/k1.cls", b"2"), ("a/b/k2.txt", b"3"), ("a/b/k2.cls", b"4")],  # keys with folders
+        [("k1.JPG", b"x"), ("k1.Seg.PNG", b"y"), ("k2.JPG", b"z"), ("k2.Seg.PNG", b"w")],  # extensions lower-cased
+        [("k1.a", b""), ("k1.b", b""), ("k2.a", b""), ("k2.b", b"")],  # empty members
+        [("k1.", b"e"), ("k2.", b"f")],  # an empty extension
+        [("k1.a", b"1"), ("k2.a", b"1"), ("k2.b", b"2"), ("k3.a", b"3"), ("k3.b", b"3"), ("k3.c", b"3"), ("k4.a", b"4")],  # irregular
+        [("k1.a", b"1"), ("__meta__/info.txt", b"m"), ("k2.a", b"2")],  # metadata member
+        [("__index__.json", b"{}"), ("k1.a", b"1")],
+        [("k1.a", b"1"), ("noext", b"n"), ("k2.a", b"2")],  # no extension: not sample data
+        [("k1.a", b"1"), ("dir/.hidden.txt", b"h"), (".x.txt", b"h2"), ("k2.a", b"2")],  # hidden names: webdataset's regex
+        [("k1.a", b"1"), ("d" * 120 + "/k.a", b"long"), ("k2.a", b"2")],  # a long name: pax header
+        [("k1.a", b"1"), ("\u00fcber.a", b"u"), ("k2.a", b"2")],  # UTF-8 names
+        [("x.y/k1.a", b"1"), ("x.y/k1.b", b"1")],  # a dot in a folder name
+        [("k1.a..b", b"1"), ("k2.a", b"2")],  # '..' that is not a path component
+        [("1", b""), (".0.", b"")],  # as many dots as names, but not one in each
+        [("k1", b"x"), ("k2.a.b", b"y"), ("k3.c", b"z")],
+        [("d.x/k1", b"x"), ("k2.a", b"y")],  # the only dot in a folder
+        [("k1.a", b"1"), ("k1.b", b"1"), ("k2.a", b"2"), ("k1.c", b"1")],  # a key that comes back: error
+        [("k1.a", b"1"), ("k1.a", b"1")],  # a field twice: error
+        [("k1.a", b"1"), ("k2.a", b"1"), ("k2.a", b"1"), ("k3.a", b"1")],
+        [("k1.a", b"1"), ("../evil.a", b"x")],  # unsafe name: error
+        [("k1.a", b"1"), ("/abs.a", b"x")],
+    ],
+)
+@pytest.mark.parametrize("read_size", [512, 1024, 4 << 20])
+def test_members_the_run_path_leaves_to_the_loop_agree(members, read_size):
+    # The same members repeated, so runs form before and after the unusual ones.
+    prefix = [(f"p{i:04d}.{ext}", b"v" * i) for i in range(40) for ext in ("a", "b")]
+    suffix = [(f"s{i:04d}.{ext}", b"w" * i) for i in range(40) for ext in ("a", "b")]
+    for data in (build(members), build(prefix + members + suffix)):
+        same_both_ways(data, read_size=read_size)
+
+
+def test_other_writers_headers_agree():
+    """GNU-format and pax headers from Python's tarfile, and a checksum written as 7 digits."""
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=fmt) as tf:
+            for i in range(200):
+                for ext, payload in (("bin", bytes([i % 256]) * (i * 7)), ("cls", str(i).encode())):
+                    info = tarfile.TarInfo(f"dir/{i:05d}.{ext}")
+                    info.size = len(payload)
+                    tf.addfile(info, io.BytesIO(payload))
+        lists, error = same_both_ways(out.getvalue(), read_size=4096)
+        assert error is None and len(flat(lists)) == 200
+    data = bytearray(samples_tar(50))
+    chk = int(data[148:154], 8)
+    data[148:156] = b"%07o\0" % chk  # another spelling of the same checksum: the loop takes it
+    lists, error = same_both_ways(bytes(data))
+    assert error is None and len(flat(lists)) == 50
+
+
+def test_prefix_field_size_forms_and_sparse_members_agree():
+    data = bytearray(samples_tar(40))
+    hdr = 5 * 512 * 3  # the header of sample 3's .bin
+    data[hdr + 345 : hdr + 348] = b"pre"  # a POSIX prefix: the name becomes pre/...
+    data[hdr + 148 : hdr + 156] = b"%06o\0 " % (sum(data[hdr : hdr + 148]) + sum(data[hdr + 156 : hdr + 512]) + 256)
+    same_both_ways(bytes(data))
+    data = bytearray(samples_tar(40))
+    hdr = 5 * 512 * 7 + 3 * 512  # sample 7's .json header
+    data[hdr + 124 : hdr + 136] = b"       14 \0 "[:12]  # a size with leading spaces
+    data[hdr + 148 : hdr + 156] = b"%06o\0 " % (sum(data[hdr : hdr + 148]) + sum(data[hdr + 156 : hdr + 512]) + 256)
+    same_both_ways(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "where", [0, 1, 2, 512 * 5 * 30 + 3, 512 * 5 * 30 + 124, 512 * 5 * 30 + 150, 512 * 5 * 30 + 156, 512 * 5 * 30 + 600, 512 * 5 * 400 + 130]
+)
+def test_a_corrupt_byte_gives_the_same_samples_and_error(where):
+    base = samples_tar(600)
+    for value in (0, 0x20, 0x30, 0x37, 0x38, 0x80, 0xFF):
+        data = bytearray(base)
+        data[where] = value
+        for read_size in (3000, 1 << 20):
+            same_both_ways(bytes(data), read_size=read_size)
+
+
+@pytest.mark.parametrize("cut", [100, 512 * 5 * 10, 512 * 5 * 10 + 700, 512 * 5 * 300 + 2000])
+def test_truncated_and_ranged_reads_agree(cut):
+    data = samples_tar(400)
+    same_both_ways(data[:-cut], read_size=65536)
+    same_both_ways(data, start=512 * 5 * 17, end=len(data) - 1024 - 512 * 5 * cut // 2560, require_end_marker=False)
+
+
+def test_large_members_stay_with_the_loop():
+    data = build([("k1.a", b"1"), ("k1.big", b"b" * 70_000), ("k2.a", b"2"), ("k2.big", b"c" * 70_000)] * 1)
+    for read_size in (4096, 1 << 20):
+        same_both_ways(data, read_size=read_size, large_member=65536)
+
+
+def names():
+    part = st.text(alphabet="abcAB01._/-\u00e9", min_size=0, max_size=12)
+    return st.one_of(part, st.builds(lambda k, e: f"{k}.{e}", part, part))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(names(), st.integers(0, 1500)), min_size=1, max_size=40),
+    st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), max_size=3),
+    st.sampled_from([512, 1500, 8192, 1 << 20]),
+    st.booleans(),
+)
+def test_fuzz_both_ways_agree(members, flips, read_size, as_bytearray):
+    try:
+        data = bytearray(build([(name, bytes([len(name) % 251]) * size) for name, size in members if name]))
+    except (ValueError, UnicodeEncodeError):
+        return
+    for where, value in flips:
+        data[where % len(data)] = value
+    same_both_ways(bytes(data), read_size=read_size, as_bytearray=as_bytearray)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 12), st.integers(1, 4), st.lists(st.integers(0, 3000), min_size=1, max_size=4), st.sampled_from([700, 4096, 1 << 20]))
+def test_fuzz_regular_samples_agree(n, m, sizes, read_size):
+    exts = ["a", "b", "c", "d"][:m]
+    data = build([(f"{i:03d}.{ext}", b"z" * sizes[(i + j) % len(sizes)]) for i in range(n * 20) for j, ext in enumerate(exts)])
+    lists, error = same_both_ways(data, read_size=read_size)
+    assert error is None and len(flat(lists)) == n * 20
+
+
+# -- around the parser ------------------------------------------------------------------------------
+
+
+def test_local_reads_stay_small(tmp_path):
+    from shardstream.format.manifest import Manifest
+    from shardstream.pipeline.read import LOCAL_READ, read_range
+    from shardstream.plan.epoch import Range
+    from shardstream.storage.scan import scan_shards
+
+    path = tmp_path / "s.tar"
+    path.write_bytes(samples_tar(2000))
+    manifest: Manifest = scan_shards([str(path)])
+    asked = []
+
+    class Recording(FileReader):
+        __slots__ = ()
+
+        def __call__(self, n):
+            asked.append(n)
+            return super().__call__(n)
+
+        def readinto(self, view):
+            asked.append(len(view))
+            return super().readinto(view)
+
+    with open(path, "rb") as f:
+        got = flat(read_range(manifest, Range(0, 0, 2000), read=Recording(f, None, None), read_size=4 << 20))
+    with open(path, "rb") as f:
+        expected = flat(iter_sample_dicts(f.read, url=manifest.shard_url(0), end=manifest.shards[0].span[1]))
+    assert got == expected and len(got) == 2000 and asked and max(asked) <= LOCAL_READ + 2560
+
+
+def test_decode_passes_lists_through_when_it_has_nothing_to_do():
+    chunks = [[{"a": b"1"}], [], [{"a": b"2"}, {"a": b"3"}]]
+    policy = ErrorPolicy("raise", 0, None)
+    out = list(decode_samples(iter(chunks), Decoder({}), policy))
+    assert out == [chunks[0], chunks[2]] and out[0] is chunks[0]
+
+
+def test_decode_failures_count_as_one_call_per_sample_would():
+    """Successes reset the run of consecutive failures: a run of 2 bad samples is within a
+    tolerance of 2, 3 in a row is not, whatever the lists."""
+
+    def sample(i, bad):
+        return {"cls": b"x" if bad else str(i).encode(), "__key__": str(i), "__url__": "u"}
+
+    def run(pattern, tolerance):
+        policy = ErrorPolicy("skip", tolerance, None)
+        chunks = [[sample(i, b) for i, b in enumerate(part)] for part in pattern]
+        got = [s["cls"] for chunk in decode_samples(iter(chunks), Decoder({"cls": int}), policy) for s in chunk]
+        return got, policy.skipped
+
+    assert run([[0, 1, 1, 0, 1, 1, 0]], 2) == ([0, 3, 6], 4)
+    assert run([[0, 1], [1, 0, 1], [1, 0]], 2) == ([0, 1, 1], 4)
+    from shardstream.errors import TooManyErrors
+
+    with pytest.raises(TooManyErrors):
+        run([[0, 1, 1], [1, 0]], 2)
+    with pytest.raises(SampleError):
+        list(decode_samples(iter([[sample(0, True)]]), Decoder({"cls": int}), ErrorPolicy("raise", 0, None)))
