@@ -3,6 +3,10 @@ webdataset, each in a venv of its own, and against the floor, interleaved, media
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small.py [--repeats 5] [--samples 200000] [--workers 0,2]
         [--litdata-python /tmp/venv-litdata/bin/python] [--webdataset-python /tmp/venv-wds/bin/python]
+        [--baseline OTHER_CHECKOUT] [--keep] [--only floor,shardstream,litdata,webdataset]
+
+``--baseline``: another checkout of shardstream (main before a change, say) runs as one more
+contender in this venv; ``--keep`` keeps the data in ``--workdir`` for the next run.
 
 Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 is the CPU wheel):
 
@@ -12,7 +16,7 @@ Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 i
 Samples: a 1 KiB ``.bin`` payload and a JSON label (``{"label": i % 1000}``), written once to
 tmpfs (``--workdir``): tar shards of 10,000 samples (shardstream and webdataset read the same
 files) and litData's chunks (``litdata.optimize``, 64 MB), made from the same bytes (each
-builder prints a digest of what it wrote; they must agree). Every loader runs the same user
+builder, in its own venv, prints a digest of the samples it generated; they must agree). Every loader runs the same user
 function (payload -> uint8 tensor, label -> int through ``json.loads``) and torch's
 ``default_collate``, batch 64, no shuffle: shardstream with ``decode=False`` (the function
 decodes), litData's ``StreamingDataset(transform=fn)`` + ``StreamingDataLoader``, webdataset's
