@@ -342,29 +342,6 @@ def call(
             attempts.failed(exc)
 
 
-def make_range_reader(
-    fetch: Fetch,
-    *,
-    url: str,
-    start: int,
-    end: int,
-    counters: Any = None,
-    config: StorageConfig = DEFAULT_STORAGE,
-    sleep: Callable[[float], None] = time.sleep,
-    seed: int = 0,
-    hint: str = "",
-    short_object_ends: bool = False,
-) -> RangeReader:
-    """``read(n)`` over bytes [start, end) given ``fetch`` (see ``RangeReader``).
-
-    ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
-    (the read starts at or past the object's end) ends the stream, as a short local file does: the
-    caller reports a truncated object, not an invalid request."""
-    return RangeReader(
-        fetch, url=url, start=start, end=end, counters=counters, config=config, sleep=sleep, seed=seed, hint=hint, short_object_ends=short_object_ends
-    )
-
-
 class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
@@ -375,7 +352,11 @@ class RangeReader:
     short; the next read sends a new request from the byte reached), and a failure before any byte
     is retried under the policy; ``start()`` sends the request before the first read (read-ahead
     does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
-    ``fetch``. A read that makes progress starts the deadline afresh."""
+    ``fetch``. A read that makes progress starts the deadline afresh.
+
+    ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
+    (the read starts at or past the object's end) ends the stream, as a short local file does: the
+    caller reports a truncated object, not an invalid request."""
 
     def __init__(
         self,
@@ -532,3 +513,6 @@ class RangeReader:
             counters.add("bytes_read", len(data))
             self.pos = pos + len(data)  # a short body is not an error: the next read resumes from here
             return data
+
+
+make_range_reader = RangeReader  # ``read(n)`` over bytes [start, end) of ``fetch``: the name the callers use

@@ -12,6 +12,7 @@ write them, the driver writes the manifest last. ``pack(fn, inputs, dest)`` pack
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import random
@@ -213,46 +214,28 @@ def pack_fn(
     if not units:
         raise SourceError(repr(fn), "no inputs to pack")
     where = getattr(fn, "__qualname__", repr(fn))
-    if executor is None and workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return _pack_tasks(
-                units,
-                fn,
-                dest,
-                src=where,
-                executor=pool,
-                max_count=max_count,
-                max_size=max_size,
-                prefix=prefix,
-                prefixes=prefixes,
-                storage_options=storage_options,
-                overwrite=overwrite,
-                on_error=on_error,
-                label_map=None,
-                errors=[],
-                progress=progress,
-                started=started,
-                in_flight=in_flight,
-            )
-    return _pack_tasks(
-        units,
-        fn,
-        dest,
-        src=where,
-        executor=executor,
-        max_count=max_count,
-        max_size=max_size,
-        prefix=prefix,
-        prefixes=prefixes,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        on_error=on_error,
-        label_map=None,
-        errors=[],
-        progress=progress,
-        started=started,
-        in_flight=in_flight,
-    )
+    with contextlib.ExitStack() as stack:
+        if executor is None and workers > 1:
+            executor = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+        return _pack_tasks(
+            units,
+            fn,
+            dest,
+            src=where,
+            executor=executor,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            on_error=on_error,
+            label_map=None,
+            errors=[],
+            progress=progress,
+            started=started,
+            in_flight=in_flight,
+        )
 
 
 def _pack_tasks(
