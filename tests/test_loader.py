@@ -115,11 +115,15 @@ def test_user_collate_results_cross_real_workers_intact(tmp_path, collate):
         assert same(through_workers[i], in_process[j])
 
 
+def _same(batch):
+    return batch
+
+
 def test_make_loader_does_not_change_the_dataset(tmp_path):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
     ds = ShardStream(root, batch_size=4, world=World(0, 1))
     before = {k: v for k, v in vars(ds).items()}
-    loader = make_loader(ds, num_workers=2, collate_fn=lambda b: b)
+    loader = make_loader(ds, num_workers=2, collate_fn=_same)  # module level: forkserver workers get it pickled
     assert vars(ds).keys() == before.keys() and all(vars(ds)[k] is v for k, v in before.items())
     assert sorted(k for b in loader for k in b["__key__"]) == sorted(k for b in ds for k in b["__key__"])
     assert vars(ds).keys() == before.keys()
