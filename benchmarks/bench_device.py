@@ -138,7 +138,7 @@ def overlap(device: torch.device, out, batch_mib: int = 256, batches: int = 16) 
 
 
 def loader_run(root: str, sums: torch.Tensor, device: torch.device, workers: int, batch: int, pin: bool, to_gpu: bool, epochs: int) -> dict:
-    from shardstream import Shuffle, ShardStream, World, make_loader, to_device
+    from shardstream import ShardStream, Shuffle, World, make_loader, to_device
 
     ds = ShardStream(root, batch_size=batch, shuffle=Shuffle(256), world=World(0, 1))
     loader = make_loader(ds, num_workers=workers, pin_memory=pin, persistent_workers=workers > 0, log_interval=None)
