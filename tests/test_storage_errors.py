@@ -6,7 +6,9 @@ CLI's rule: shardstream's errors become one line, anything else shows its traceb
 from __future__ import annotations
 
 import pickle
+import re
 import socket
+import time
 
 import pytest
 import s3fs
@@ -174,12 +176,26 @@ def test_folder_of_tars_without_manifest_says_run_index(tmp_path, capsys):
         ShardStream(root, batch_size=4, world=World(0, 1))
 
 
+def _tries(message: str) -> tuple[int, float]:
+    """The tries and seconds an error reports ("... after 6 tries in 1.9 s; ...")."""
+    m = re.search(r"after (\d+) tr(?:y|ies) in ([0-9.]+) s", message)
+    assert m, message
+    return int(m.group(1)), float(m.group(2))
+
+
 def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3_endpoint, capsys, monkeypatch, tmp_path, dead_port):
     root, _ = image_folder
     port = dead_port.getsockname()[1]
-    assert main(["pack", str(root), "s3://bkt/x", "--endpoint-url", f"http://127.0.0.1:{port}", "--no-progress"]) == 1
+    began = time.monotonic()
+    assert main(["pack", str(root), "s3://bkt/x", "--endpoint-url", f"http://127.0.0.1:{port}", "--no-progress", "--deadline", "3"]) == 1
+    elapsed = time.monotonic() - began
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "s3://bkt" in err and "connection refused" in err, err
+    # A refused connection is transient: the destination check retries it under --deadline (not
+    # botocore's ~50 s of its own retries), and says how many tries it really made, in how long.
+    tries, seconds = _tries(err)
+    assert 1 < tries <= StorageConfig().max_attempts and 0 < seconds <= elapsed + 0.05, err  # (seconds: rounded to 0.1)
+    assert elapsed < 30, elapsed  # generous: a loaded machine; the default deadline is 60 s
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
@@ -189,6 +205,47 @@ def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3
     assert main(["pack", str(root), "s3://bkt/y", "--endpoint-url", endpoint, "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "s3://bkt" in err and "no credentials found" in err and "cannot reach" not in err
+
+
+def test_pack_api_follows_its_storage_config(image_folder, dead_port, monkeypatch):
+    from shardstream.write.pack import pack
+
+    root, _ = image_folder
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    options = {"endpoint_url": f"http://127.0.0.1:{dead_port.getsockname()[1]}"}
+    with pytest.raises(E.DestinationError, match=r"cannot write s3://bkt: cannot reach storage: connection refused.* after 2 tries in") as info:
+        pack(str(root), "s3://bkt/x", storage_options=options, config=StorageConfig(deadline=30, max_attempts=2))
+    cause = info.value.__cause__
+    assert isinstance(cause, E.StorageUnavailable) and cause.attempts == 2, repr(cause)
+    began = time.monotonic()
+    with pytest.raises(E.DestinationError, match="connection refused") as info:
+        pack(str(root), "s3://bkt/x", storage_options=options, config=StorageConfig(deadline=1, max_attempts=50))
+    elapsed = time.monotonic() - began
+    tries, seconds = _tries(str(info.value))
+    assert 1 < tries < 50 and seconds <= elapsed + 0.05 and elapsed < 20, (str(info.value), elapsed)  # the deadline ended it, not the tries
+
+
+def test_pack_tasks_carry_the_storage_config_to_the_processes_that_write(image_folder, tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardstream.write import tasks
+    from shardstream.write.pack import pack
+
+    root, keys = image_folder
+    config = StorageConfig(deadline=7, max_attempts=3, connect_timeout=2)
+    seen = []
+    write_shard = tasks.write_shard
+
+    def recording(task):
+        seen.append(pickle.loads(pickle.dumps(task)).config)  # as a process pool or Dask ships it
+        return write_shard(task)
+
+    monkeypatch.setattr(tasks, "write_shard", recording)
+    with ThreadPoolExecutor(2) as executor:
+        result = pack(str(root), str(tmp_path / "out"), max_count=2, executor=executor, config=config)
+    assert result.samples == len(keys) and len(seen) == result.shards > 1 and set(seen) == {config}
 
 
 def test_bad_options_are_config_errors(tmp_path):

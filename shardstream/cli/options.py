@@ -36,7 +36,11 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+DEADLINE_HELP = "give up on a storage request after this long across its retries (default 60)"
+
+
+def add_storage_arguments(parser: argparse.ArgumentParser, *, deadline_help: str = DEADLINE_HELP) -> None:
+    """The storage flags; ``deadline_help``: what ``--deadline`` bounds, where a command differs."""
     group = parser.add_argument_group("storage (S3 and other fsspec URLs)")
     group.add_argument("--endpoint-url", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL or AWS)")
     group.add_argument("--profile", help="AWS profile from ~/.aws/config")
@@ -47,9 +51,7 @@ def add_storage_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="a location outside the dataset's root that its manifest may list shards in (repeatable)",
     )
-    group.add_argument(
-        "--deadline", type=float, default=None, metavar="SECONDS", help="give up on a storage request after this long across its retries (default 60)"
-    )
+    group.add_argument("--deadline", type=float, default=None, metavar="SECONDS", help=deadline_help)
 
 
 def storage_options_from(args: argparse.Namespace) -> dict:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardstream.storage.config import DEFAULT_STORAGE
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
 
-from .options import add_storage_arguments, human_bytes, parse_size, storage_options_from
+from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from
 
 NAME = "pack"
 HELP = "pack a folder, a JSONL file or existing shards into tar shards with a manifest"
@@ -54,7 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_storage_arguments(p)
+    add_storage_arguments(
+        p,
+        deadline_help="give up on the destination check (one listing of the bucket, retried on transient failures) "
+        f"after this long (default {DEFAULT_STORAGE.deadline:g}); each upload request is retried by botocore, "
+        f"up to {DEFAULT_STORAGE.max_attempts} tries",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             storage_options=storage_options_from(args),
             progress=progress,
             executor=executor,
+            config=storage_config_from(args),
         )
     except KeyboardInterrupt:
         print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)

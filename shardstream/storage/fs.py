@@ -7,7 +7,8 @@ of a finished file and clear errors for a destination that is missing or refuses
 
 Every filesystem made here follows ``StorageConfig`` (timeouts; for S3 botocore's standard retry
 mode, which retries transient causes only, with ``max_attempts`` tries and s3fs's own retry loop
-off so tries do not multiply). Reads go through ``ranges.py``, which retries itself.
+off so tries do not multiply). Reads go through ``ranges.py``, which retries itself, and so does
+a pack's destination check (``check_destination_writable``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from shardstream.errors import BucketNotFound, ConfigError, DestinationError, StorageNotFound
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.retry import call
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +49,32 @@ def make_storage_options(
     return options
 
 
+def bound_options(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
+    """``storage_options`` with ``config``'s policy written into them, as ``get_fs(url, options,
+    config)`` applies it: for S3, botocore's standard retry mode with ``config.max_attempts`` tries
+    per request, and ``config``'s timeouts. A later ``get_fs(url, options)`` with no config (code
+    that takes only storage options, such as ``write_manifest``) then follows ``config`` too, and
+    gets the same cached filesystem. Options the user set explicitly win."""
+    protocol = fsspec.utils.get_protocol(url)
+    options = dict(storage_options or {})
+    if protocol in ("file", "local"):
+        return options
+    if protocol in ("s3", "s3a"):
+        config_kwargs = dict(options.get("config_kwargs") or {})
+        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "standard"})
+        options["config_kwargs"] = config_kwargs
+    return config.fs_options(options, protocol)
+
+
 def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE):
     """Return ``(filesystem, path)`` for a URL; options only apply to remote protocols."""
     protocol = fsspec.utils.get_protocol(url)
     if protocol in ("file", "local"):
         return url_to_fs(url)
-    options = dict(storage_options or {})
     if protocol == "hf":
         require_hf(url)
+    options = bound_options(url, storage_options, config)
     if protocol in ("s3", "s3a"):
-        config_kwargs = dict(options.get("config_kwargs") or {})
-        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "standard"})
-        options["config_kwargs"] = config_kwargs
         # Every S3 filesystem shares the session, the readers' own too (their options already
         # carry a retry policy: before, those made a session, and parsed botocore's models, per
         # process: 0.4-0.8 s of each DataLoader worker's CPU).
@@ -66,10 +82,10 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         if session is not None:
             options["session"] = session
             options.pop("profile", None)  # the session carries it
-        fs, path = url_to_fs(url, **config.fs_options(options, protocol))
+        fs, path = url_to_fs(url, **options)
         fs.retries = 1  # botocore retries (transient causes only); s3fs's loop would multiply them
         return fs, path
-    return url_to_fs(url, **config.fs_options(options, protocol))
+    return url_to_fs(url, **options)
 
 
 def require_hf(url: str) -> None:
@@ -237,8 +253,16 @@ def destination_error(url: str, exc: BaseException) -> BaseException:
     return DestinationError(f"cannot write {err}")
 
 
-def check_destination_writable(fs, path: str) -> None:
-    """Fail early and clearly when a remote destination's bucket is missing or refuses access."""
+def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> None:
+    """Fail early and clearly when a remote destination's bucket is missing or refuses access.
+
+    ``fs`` is the destination's filesystem (``get_fs``) and ``storage_options`` the options it was
+    made with. The check is one listing of the bucket under shardstream's retry policy
+    (``retry.call``), on a filesystem of the same options that makes one try per call (botocore's
+    retries off, as for reads: ``StorageConfig.fs_options``): a permanent failure (no such bucket,
+    denied, no credentials) fails at once, a transient one (refused, timeout, 5xx, throttling) is
+    retried with backoff while ``config.max_attempts`` and ``config.deadline`` allow, and the error
+    says how many tries were made in how long."""
     if is_local(fs):
         os.makedirs(path, exist_ok=True)
         if not os.access(path, os.W_OK):
@@ -247,6 +271,8 @@ def check_destination_writable(fs, path: str) -> None:
     bucket = path.split("/", 1)[0]
     url = full_url(fs, bucket)
     try:
-        fs.ls(bucket, refresh=True)
+        # One try per call: its own filesystem instance (fsspec keys instances by their options).
+        probe, probe_path = get_fs(url, config.fs_options(storage_options, fsspec.utils.get_protocol(url)), config)
+        call(url, lambda: probe.ls(probe_path, refresh=True), config=config)
     except Exception as exc:
         raise destination_error(url, exc) from exc

@@ -28,6 +28,7 @@ from typing import Any
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
@@ -57,7 +58,8 @@ def _load_safe(item: Item):
 
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
     """``pack(src, dest, ...)`` packs a directory tree, JSONL file or shards (``pack_source``);
-    ``pack(fn, inputs, dest, ...)`` packs what ``fn(input)`` returns or yields (``pack_fn``)."""
+    ``pack(fn, inputs, dest, ...)`` packs what ``fn(input)`` returns or yields (``pack_fn``).
+    Both take ``config`` (a ``StorageConfig``) for the destination: see ``ShardWriter``."""
     if callable(source):
         if len(args) != 2:
             raise TypeError("pack(fn, inputs, dest, ...) takes the inputs and the destination")
@@ -87,6 +89,7 @@ def pack_source(
     progress: Callable[[int, int], None] | None = None,
     executor: Executor | None = None,
     in_flight: int = DEFAULT_IN_FLIGHT,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> PackResult:
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
 
@@ -95,6 +98,8 @@ def pack_source(
     (the reader's ``ErrorPolicy``: ``error_tolerance`` consecutive bad samples, None = no limit,
     raise TooManyErrors).
     ``progress(samples, bytes)`` is called after each written sample.
+    ``config`` is the storage policy of the destination (``ShardWriter``; under an ``executor`` it
+    goes with every shard task to the process that writes the shard).
     """
     policy = ErrorPolicy(on_error, error_tolerance, log=False)  # raises ConfigError on a bad on_error
     check_dataset_root(dest)  # before the source is listed or anything is written
@@ -130,6 +135,7 @@ def pack_source(
             progress=progress,
             started=started,
             in_flight=in_flight,
+            config=config,
         )
     with ShardWriter(
         dest,
@@ -140,6 +146,7 @@ def pack_source(
         storage_options=storage_options,
         overwrite=overwrite,
         label_map=listing.label_map,
+        config=config,
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
@@ -196,6 +203,7 @@ def pack_fn(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     in_flight: int = DEFAULT_IN_FLIGHT,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> PackResult:
     """Pack the samples ``fn(input)`` returns (a dict) or yields (dicts) for every input, in the
     order of ``inputs``, whatever runs it: here (``workers=1``), a spawned process pool
@@ -203,7 +211,8 @@ def pack_fn(
 
     Shard ``i`` holds the samples of inputs ``[i * max_count, (i + 1) * max_count)``, so the
     output is byte-identical for any engine and worker count. An exception from ``fn`` names the
-    input; ``on_error`` decides (``"skip"`` lists it in the manifest).
+    input; ``on_error`` decides (``"skip"`` lists it in the manifest). ``config``: the storage
+    policy of the destination (``ShardWriter``), here and in every process that writes a shard.
     """
     ErrorPolicy(on_error, log=False)  # raises ConfigError on a bad on_error
     check_dataset_root(dest)  # before any input is run or anything is written
@@ -235,6 +244,7 @@ def pack_fn(
             progress=progress,
             started=started,
             in_flight=in_flight,
+            config=config,
         )
 
 
@@ -257,6 +267,7 @@ def _pack_tasks(
     progress: Callable[[int, int], None] | None,
     started: float,
     in_flight: int,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> PackResult:
     """The driver of a task pack: prepare the destination, run one task per shard, adopt the
     results in shard order, write the manifest last (``ShardWriter.close``)."""
@@ -271,6 +282,7 @@ def _pack_tasks(
         storage_options=options,
         overwrite=overwrite,
         label_map=label_map,
+        config=config,
     ) as writer:
         for where, what in errors:
             writer.skip(where, what)
@@ -284,6 +296,7 @@ def _pack_tasks(
                 fn=fn,
                 on_error=on_error,
                 storage_options=options,
+                config=config,
             )
             for i, r in enumerate(cut_shards(len(units), max_count))
         )

@@ -33,6 +33,7 @@ from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
 from shardstream.write.sources import Item, load_item, set_worker_storage_options
 from shardstream.write.writer import encode_members
@@ -54,6 +55,7 @@ class ShardTask:
     fn: Callable[[Any], Any] | None = None  # None: units are listed source items
     on_error: str = "raise"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    config: StorageConfig = DEFAULT_STORAGE  # the destination's storage policy (timeouts, upload tries)
 
 
 @dataclass
@@ -101,7 +103,7 @@ def _short(value: Any) -> str:
 def write_shard(task: ShardTask) -> ShardResult:
     """Run one task (in a worker process, a Dask worker, or inline): build, publish, describe."""
     set_worker_storage_options(task.storage_options)
-    fs, root = storage.get_fs(task.dest, task.storage_options)
+    fs, root = storage.get_fs(task.dest, task.storage_options, task.config)
     local = storage.is_local(fs)
     folder, _, base = task.name.rpartition("/")  # (a prefix directory: ``writer.shard_name``)
     if local:

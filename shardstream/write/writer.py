@@ -25,6 +25,7 @@ from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ class ShardWriter:
     no ``::`` (fsspec chaining), no ``* ? [ {`` (shard patterns), no tar suffix; ConfigError otherwise.
     ``overwrite=False`` refuses a destination that already holds a dataset or other files; a
     destination holding only the leftovers of an interrupted pack is cleaned and reused.
+
+    ``config`` (``StorageConfig``): the storage policy. The destination check made here (one
+    listing of the bucket) runs under shardstream's retry policy, bounded by ``config.deadline``
+    and ``config.max_attempts``; each upload (a shard, a sidecar, the manifest) is retried by
+    botocore's standard retry mode, up to ``config.max_attempts`` tries, with ``config``'s timeouts.
     """
 
     def __init__(
@@ -95,6 +101,7 @@ class ShardWriter:
         label_map: Mapping[str, int] | None = None,
         check_unique_keys: bool = True,
         prefixes: int = 1,
+        config: StorageConfig = DEFAULT_STORAGE,
     ):
         if max_count < 1:
             raise ConfigError(f"max_count must be >= 1, got {max_count}")
@@ -112,7 +119,8 @@ class ShardWriter:
         self.prefix = prefix
         self.label_map = dict(label_map) if label_map is not None else None
         self.storage_options = dict(storage_options or {})
-        self.fs, self.root = storage.get_fs(self.dest, storage_options)
+        self.config = config
+        self.fs, self.root = storage.get_fs(self.dest, storage_options, config)
         self._local = storage.is_local(self.fs)
         self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar(" + re.escape(SIDECAR_SUFFIX) + ")?")
         self._stale = self._prepare_destination(overwrite)
@@ -134,7 +142,7 @@ class ShardWriter:
     # -- destination ---------------------------------------------------------------------------
     def _prepare_destination(self, overwrite: bool) -> list[str]:
         """Refuse or clean the destination; returns old shard paths to delete once we succeed."""
-        storage.check_destination_writable(self.fs, self.root)
+        storage.check_destination_writable(self.fs, self.root, storage_options=self.storage_options, config=self.config)
         try:
             entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
         except FileNotFoundError:
@@ -319,7 +327,8 @@ class ShardWriter:
             label_counts=self.label_counts,
             skipped={"count": self.skipped_count, "items": list(self.skipped)},
         )
-        write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), self.storage_options)
+        # (options carrying the config: the manifest goes through this writer's own filesystem)
+        write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), storage.bound_options(self.dest, self.storage_options, self.config))
         manifest.base_url = self.dest
         manifest.storage_options = dict(self.storage_options)
         self.manifest = manifest
