@@ -1,7 +1,9 @@
 """How many requests a read makes. On S3 a range is one GET whatever the read size, on the direct
 path and on s3fs's, with and without read-ahead and DataLoader workers (counted by a proxy in front
 of the moto server); a new request is made only to resume after a break, from the byte reached;
-read-ahead sends the next range's request before the current range's last block is in."""
+read-ahead sends the next range's request before the current range's last block is in. And how
+many an epoch makes, counted from its plan alone (storage/requests.py), for one dataset or a mix,
+against the ranges every (rank, worker) reads and the GETs a read through the proxy makes."""
 
 from __future__ import annotations
 
@@ -346,3 +348,208 @@ def test_prefixes_pack_the_same_bytes_with_tasks_as_in_one_process(tmp_path):
     ds = ShardStream(str(tmp_path / "tasks"), batch_size=4, shuffle=False, world=World(0, 1))
     assert [k for b in ds for k in b["__key__"]] == [f"k{i:04d}" for i in range(40)]
     assert "requests" not in ds.plan().summary()  # local disk: no request line
+
+
+# -- a mix: every source counted on its own manifest, from the plan's per-worker reads ----------------
+def _listed_mix_requests(run, workers, manifests):
+    """Ranges, sidecars and GETs per prefix of a mix's epoch 0, from every (rank, worker)'s reads as
+    the pass plan hands them out (``PassPlan.worker``), one range at a time; local sources skipped."""
+    from shardstream.storage.requests import is_remote
+
+    plan = run.pass_plan(0, workers)
+    ranges, partial, per_prefix = 0, set(), Counter()
+    for rank in range(run.settings.world_size):
+        for worker in range(workers):
+            for window in plan.worker(rank, worker).windows:
+                for i, read in enumerate(window.sources):
+                    m = manifests[i]
+                    assert not read.back  # a fresh pass reads nothing back
+                    if not is_remote(m):
+                        continue
+                    for x in read.ranges:
+                        prefix = m.shard_url(x.shard).rsplit("/", 1)[0]
+                        ranges += 1
+                        per_prefix[prefix] += 1
+                        if (x.start > 0 or x.stop < m.counts[x.shard]) and (rank, worker, i, x.shard) not in partial:
+                            partial.add((rank, worker, i, x.shard))  # one sidecar per process and shard
+                            per_prefix[prefix] += 1
+    return ranges, len(partial), dict(per_prefix)
+
+
+def _mix_run(counts, asks, *, world, batch, mode="drop", per_batch="spread", shuffle=True):
+    from schedule_sim import make_run, make_sources
+
+    return make_run(make_sources(counts, asks), world=world, batch=batch, mode=mode, per_batch=per_batch, shuffle=shuffle)
+
+
+@pytest.mark.parametrize(
+    "world,workers,batch,mode,per_batch,shuffle",
+    [
+        (1, 1, 4, "drop", "spread", False),
+        (3, 2, 5, "drop", "spread", True),
+        (3, 1, 7, "pad", "spread", True),
+        (1, 2, 9, "drop", "exact", True),
+        (3, 1, 16, "pad", "spread", True),  # fewer samples than a step: the mixed sequence wraps twice
+        (2, 2, 1, "drop", "spread", True),
+    ],
+)
+def test_mix_request_counts_are_those_of_every_workers_planned_reads(world, workers, batch, mode, per_batch, shuffle):
+    """count_mix_requests, vectorised, against the ranges every (rank, worker) reads of each source:
+    passes entered mid-shard (repeat 1.5 draws a second, partial pass), worker slices cutting shards,
+    pad mode's wrap; two sources in one prefix add up there."""
+    import numpy as np
+
+    from shardstream.plan.mix import Ask
+    from shardstream.storage.requests import count_mix_requests
+
+    rng = np.random.default_rng(world * 10 + workers + batch)
+    counts = [rng.integers(1, 30, 13).tolist(), rng.integers(1, 20, 7).tolist(), rng.integers(1, 9, 5).tolist()]
+    if batch == 16:  # a small mix: 3 ranks x 16 samples is more than an epoch's
+        counts = [[3, 5], [2, 1, 4], [2]]
+    asks = [Ask(weight=2), Ask(repeat=1.5), Ask(weight=1)]
+    manifests = [
+        _manifest(counts[0], prefixes=3, base="s3://b/web"),
+        _manifest(counts[1], base="s3://b/code"),
+        _manifest(counts[2], base="s3://b/code"),
+    ]
+    run = _mix_run(counts, asks, world=world, batch=batch, mode=mode, per_batch=per_batch, shuffle=shuffle)
+    got = count_mix_requests(run.plan_epoch(0, workers), manifests)
+    ranges, sidecars, per_prefix = _listed_mix_requests(run, workers, manifests)
+    assert (got.ranges, got.sidecars, dict(got.by_prefix)) == (ranges, sidecars, per_prefix)
+    assert got.by_prefix[0][1] == max(per_prefix.values())
+    assert [name for name, _ in got.parts] == ["s0", "s1", "s2"] and sum(p.gets for _, p in got.parts) == got.gets
+    alone = [[m if j == i else _manifest([1], base="/local") for j, m in enumerate(manifests)] for i in range(3)]
+    per_source = [_listed_mix_requests(run, workers, ms) for ms in alone]
+    assert [(p.ranges, p.sidecars, dict(p.by_prefix)) for _, p in got.parts] == per_source
+    code = [dict(p.by_prefix).get("s3://b/code", 0) for _, p in got.parts]
+    assert code[1] and code[2] and per_prefix["s3://b/code"] == code[1] + code[2]  # two sources in one prefix add up
+
+
+def test_a_mix_counts_only_its_remote_sources_and_its_summary_says_so():
+    import numpy as np
+
+    from shardstream.plan.mix import Ask
+    from shardstream.storage.requests import count_mix_requests, with_requests
+
+    counts = [[20] * 10, [15] * 8]
+    run = _mix_run(counts, [Ask(weight=1), Ask(weight=1)], world=2, batch=4)
+    plan = run.plan_epoch(0, 2)
+    local, remote = _manifest(counts[0], base="/data/curated"), _manifest(counts[1], base="s3://b/web")
+    got = count_mix_requests(plan, [local, remote])
+    ranges, sidecars, per_prefix = _listed_mix_requests(run, 2, [local, remote])
+    assert (got.ranges, got.sidecars, dict(got.by_prefix)) == (ranges, sidecars, per_prefix) and list(per_prefix) == ["s3://b/web"]
+    (_, a), (_, b) = got.parts
+    assert a.local and a.gets == 0 and a.bytes > 0 and not b.local and b.gets == got.gets
+    assert got.bytes == a.bytes + b.bytes and got.remote_bytes == b.bytes  # the local bytes take reading time too
+    summary = with_requests(plan, [local, remote]).summary()
+    last = summary.splitlines()[-1]
+    assert last.startswith(f"  requests: {got.gets:,} GETs per epoch") and "by source: s0 local (no requests), s1 " in last
+    assert f"s1 {got.gets:,} GETs ({got.per_second():,.0f} GET/s)" in last
+    assert with_requests(plan, [local, _manifest(counts[1], base="file:///data/web")]) is plan  # all local: no line
+    assert "requests" not in plan.summary()
+    single = np.asarray(counts[1])  # a single dataset's plan and manifest as before
+    from shardstream.plan.epoch import plan_epoch
+
+    one = plan_epoch(single, world_size=2, num_workers=2, batch_size=4)
+    assert "requests: " in with_requests(one, remote).summary() and with_requests(one, [remote]).summary() == with_requests(one, remote).summary()
+
+
+def test_a_mix_warns_for_the_busiest_prefix_over_all_its_sources():
+    """Two sources, each under S3's rate alone: in one prefix their GETs add up past it; in two, not."""
+    from shardstream.plan.mix import Ask
+    from shardstream.storage.requests import S3_GETS_PER_PREFIX, count_mix_requests
+
+    counts = [[10] * 500, [10] * 500]  # 1,000 shards of ~11 KB: a GET per 11 KB
+    plan = _mix_run(counts, [Ask(weight=1), Ask(weight=1)], world=8, batch=10).plan_epoch(0, 4)
+    shared = count_mix_requests(plan, [_manifest(c, base="s3://b/train") for c in counts])
+    apart = count_mix_requests(plan, [_manifest(counts[0], base="s3://b/web"), _manifest(counts[1], base="s3://b/code")])
+    (_, web), (_, code) = apart.parts
+    assert shared.gets == apart.gets == web.gets + code.gets and web.gets == code.gets  # the same reads, one prefix or two
+    assert len(shared.by_prefix) == 1 and len(apart.by_prefix) == 2
+    rate = 1.5 * S3_GETS_PER_PREFIX * shared.bytes / (shared.gets * 8)  # bytes per second per rank for 1.5 x S3's rate
+    assert shared.per_second(rate) == pytest.approx(1.5 * S3_GETS_PER_PREFIX)
+    assert shared.busiest(rate) == ("s3://b/train", pytest.approx(1.5 * S3_GETS_PER_PREFIX))
+    assert "WARNING: s3://b/train would get 8,250 GET/s" in shared.describe(rate)
+    assert apart.busiest(rate)[1] == pytest.approx(0.75 * S3_GETS_PER_PREFIX) and apart.warning(rate) is None
+    assert f"by source: s0 {web.gets:,} GETs (4,125 GET/s), s1 {code.gets:,} GETs (4,125 GET/s)" in apart.describe(rate)
+
+
+def test_a_billion_sample_mix_is_counted_without_listing_its_samples():
+    """Two sources of 600M and 400M samples (20,000 shards): the count agrees with the ranges listed
+    per worker (a range is a Python value there, a sample never is)."""
+    import time
+
+    from shardstream.plan.mix import Ask
+    from shardstream.storage.requests import count_mix_requests
+
+    counts = [[50_000] * 12_000, [50_000] * 8_000]
+    manifests = [_manifest(counts[0], prefixes=16, base="s3://b/web"), _manifest(counts[1], prefixes=16, base="s3://b/code")]
+    run = _mix_run(counts, [Ask(weight=3), Ask(repeat=1.5)], world=16, batch=256)
+    plan = run.plan_epoch(0, 4)
+    assert plan.total_samples > 10**9
+    t = time.perf_counter()
+    got = count_mix_requests(plan, manifests)
+    took = time.perf_counter() - t
+    ranges, sidecars, per_prefix = _listed_mix_requests(run, 4, manifests)
+    assert (got.ranges, got.sidecars, dict(got.by_prefix)) == (ranges, sidecars, per_prefix)
+    assert len(got.by_prefix) == 32 and took < 5
+
+
+@pytest.mark.parametrize("world,workers", [(3, 0), (2, 2)])
+def test_a_mix_read_from_s3_makes_the_gets_its_plan_counts(s3, world, workers):
+    """A mix of two S3 datasets read by every rank (each DataLoader worker a process with its own
+    sidecar cache) through a proxy that logs each GET: shard GETs and sidecar GETs as counted."""
+    from shardstream import Source
+    from shardstream.storage.requests import count_mix_requests
+
+    bucket, options, _ = s3
+    web = write_dataset(f"s3://{bucket}/web", 80, max_count=20, size=1500, storage_options=options)
+    code = write_dataset(f"s3://{bucket}/code", 45, max_count=15, size=1500, storage_options=options)
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        store = Store(options={"endpoint_url": proxy.url})
+        sources = [Source(web, weight=2, name="web"), Source(code, repeat=1.5, name="code")]
+
+        def stream(rank):
+            return ShardStream(sources, batch_size=5, seed=3, world=World(rank, world), store=store)
+
+        plan = stream(0).plan(num_workers=max(1, workers))
+        proxy.log.clear()
+        for rank in range(world):
+            OFFSET_CACHE.clear()  # every rank is a process of its own
+            ds = stream(rank)
+            batches = list(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None) if workers else ds)
+            assert len(batches) == len(ds)
+        gets = _shard_gets(proxy, bucket)
+    count = count_mix_requests(plan, ds.sources.manifests)
+    assert count.ranges == sum(n for (key, _), n in gets.items() if key.endswith(".tar"))
+    assert count.sidecars == sum(n for (key, _), n in gets.items() if key.endswith(".tar.idx")) > 0
+    per_prefix: Counter = Counter()
+    for (key, _), n in gets.items():
+        if ".tar" in key:
+            per_prefix[f"s3://{bucket}/{key.split('/')[0]}"] += n
+    assert dict(count.by_prefix) == dict(per_prefix)
+    summary = plan.summary()
+    assert f"requests: {count.gets:,} GETs per epoch" in summary and "by source: web " in summary and ", code " in summary
+
+
+def test_ls_counts_a_mix_files_requests_as_the_stream_plans_them(s3, tmp_path, capsys):
+    import json
+
+    from shardstream.cli.main import main
+
+    bucket, options, _ = s3
+    web = write_dataset(f"s3://{bucket}/web", 60, max_count=10, size=500, storage_options=options)
+    local = write_dataset(tmp_path / "curated", 30, max_count=10, size=500)
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"url": web, "weight": 2, "name": "web"}, {"url": local, "weight": 1, "name": "curated"}]}))
+    endpoint = ["--endpoint-url", options["endpoint_url"]]
+    capsys.readouterr()
+    assert main(["ls", str(mix), "--world", "2", "--workers", "2", "--json", *endpoint]) == 0
+    listed = json.loads(capsys.readouterr().out)["requests"]
+    assert listed["by_source"]["curated"] == {"local": True, "gets_per_epoch": 0, "gets_per_second": 0.0}
+    assert listed["by_source"]["web"]["gets_per_epoch"] == listed["gets_per_epoch"] > 0 and listed["prefixes"] == 1
+    ds = ShardStream(str(mix), batch_size=1, world=World(0, 2), store=Store(options=options))
+    assert f"requests: {listed['gets_per_epoch']:,} GETs per epoch" in ds.plan(num_workers=2).summary()  # the stream's own count
+    assert main(["ls", str(mix), "--world", "2", *endpoint]) == 0
+    out = capsys.readouterr().out
+    assert "mix of 2 sources" in out and "by source: web " in out and "curated local (no requests)" in out

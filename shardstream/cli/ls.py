@@ -18,7 +18,8 @@ EPILOG = """examples:
 
 --world/--workers: the GET requests an epoch makes on that many ranks with that many DataLoader
 workers each (one per shard range, plus offset sidecars), per second when every rank reads --rate
-bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per prefix.
+bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per prefix. For a mix
+file: every remote source's GETs and their sum, over all its sources' prefixes.
 """
 
 
@@ -63,21 +64,7 @@ def run(args: argparse.Namespace) -> int:
     }
     accounting = requests_of(args, manifest)
     if accounting is not None:
-        count, rate = accounting
-        prefix, busiest = count.busiest(rate)
-        summary["requests"] = {
-            "world_size": args.world or 1,
-            "workers": args.workers or 1,
-            "rate": rate,
-            "gets_per_epoch": count.gets,
-            "ranges": count.ranges,
-            "sidecars": count.sidecars,
-            "gets_per_second": round(count.per_second(rate), 1),
-            "busiest_prefix": prefix,
-            "busiest_prefix_gets_per_second": round(busiest, 1),
-            "prefixes": len(count.by_prefix),
-            "warning": count.warning(rate),
-        }
+        summary["requests"] = requests_json(args, *accounting)
     if args.json:
         if args.shards:
             summary["shard_list"] = [{"path": s.path, "samples": s.samples, "bytes": s.bytes} for s in manifest.shards]
@@ -98,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  skipped while packing: {summary['skipped']}")
     print(f"  written {manifest.created or '?'} by shardstream {manifest.shardstream_version or '?'}")
     if accounting is not None:
-        count, rate = accounting
-        print(f"  {args.world or 1} ranks x {args.workers or 1} workers, {count.describe(rate)}")
-        warning = count.warning(rate)
-        if warning:
-            print(f"shardstream ls: warning: {warning}", file=sys.stderr)
+        print_requests(args, *accounting)
     if args.shards:
         for s in manifest.shards:
             print(f"  {s.path}  {s.samples} samples  {human_bytes(s.bytes)}")
@@ -120,6 +103,50 @@ def requests_of(args: argparse.Namespace, manifest):
     return count_requests(plan, manifest), float(args.rate or DEFAULT_RATE)
 
 
+def mix_requests_of(args: argparse.Namespace, mix):
+    """``requests_of`` for a mix: epoch 0 of the mix as ShardStream plans it by default (spread per
+    batch, drop), each source counted on its own manifest (a local one makes no requests)."""
+    if args.world is None and args.workers is None and args.rate is None:
+        return None
+    from shardstream.storage.requests import DEFAULT_RATE, count_mix_requests
+
+    plan = mix.plan(
+        world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size, seed=0, epoch=0, shuffle=True, per_batch="spread"
+    )
+    return count_mix_requests(plan, mix.manifests), float(args.rate or DEFAULT_RATE)
+
+
+def requests_json(args: argparse.Namespace, count, rate: float) -> dict:
+    prefix, busiest = count.busiest(rate)
+    out = {
+        "world_size": args.world or 1,
+        "workers": args.workers or 1,
+        "rate": rate,
+        "gets_per_epoch": count.gets,
+        "ranges": count.ranges,
+        "sidecars": count.sidecars,
+        "gets_per_second": round(count.per_second(rate), 1),
+        "busiest_prefix": prefix,
+        "busiest_prefix_gets_per_second": round(busiest, 1),
+        "prefixes": len(count.by_prefix),
+        "warning": count.warning(rate),
+    }
+    if count.parts:  # a mix: each source's GETs, over the same epoch
+        seconds = count.seconds(rate)
+        out["by_source"] = {
+            name: {"local": part.local, "gets_per_epoch": part.gets, "gets_per_second": round(part.gets / seconds, 1) if seconds else 0.0}
+            for name, part in count.parts
+        }
+    return out
+
+
+def print_requests(args: argparse.Namespace, count, rate: float) -> None:
+    print(f"  {args.world or 1} ranks x {args.workers or 1} workers, {count.describe(rate)}")
+    warning = count.warning(rate)
+    if warning:
+        print(f"shardstream ls: warning: {warning}", file=sys.stderr)
+
+
 def show_mix(args: argparse.Namespace, mix) -> int:
     """Each source of a mix: its name, what it asks, and its manifest's size."""
     sources = [
@@ -134,6 +161,9 @@ def show_mix(args: argparse.Namespace, mix) -> int:
         for name, source, m in zip(mix.names, mix.sources, mix.manifests)
     ]
     summary = {"mix": args.url, "sources": sources, "samples": sum(s["samples"] for s in sources), "bytes": sum(s["bytes"] for s in sources)}
+    accounting = mix_requests_of(args, mix)
+    if accounting is not None:
+        summary["requests"] = requests_json(args, *accounting)
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -143,4 +173,6 @@ def show_mix(args: argparse.Namespace, mix) -> int:
             f"  {s['name']}  ({s['ask']})  {s['shards']} shards, {s['samples']} samples, {human_bytes(s['bytes'])}"
             + (f"  {s['url']}" if s["url"] != s["name"] else "")
         )
+    if accounting is not None:
+        print_requests(args, *accounting)
     return 0

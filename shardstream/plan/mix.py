@@ -266,6 +266,7 @@ class MixPlan(RankSlices):
     batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
     mode: str = "drop"
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state
+    requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (storage/requests.py)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -370,7 +371,7 @@ class MixPlan(RankSlices):
             f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
             f"{self.batch_size} ({extra}), {self.num_workers} workers per rank" + (f"; {self.resumed}" if self.resumed else "")
         )
-        return "\n".join([head, *(f"  {s}" for s in self.shares())])
+        return "\n".join([head, *(f"  {s}" for s in self.shares()), *([f"  {self.requests}"] if self.requests else [])])
 
 
 def plan_mix(

@@ -9,18 +9,28 @@ process (each worker is one; sidecars are cached per process). So per epoch:
     sidecar GETs        = (process, shard) pairs with a range that starts or ends inside the shard
                           (at most: persistent workers keep their sidecars from an epoch before)
 
+A mix (plan/mix.py) is counted source by source, each on its own manifest (a local source makes
+no requests), and the counts add up (``RequestCount.combine``; a prefix two sources share adds
+up). A source's epoch sequence is drawn pass by pass, each pass its shards in a fresh order on a
+circle entered at an offset, and every (rank, worker) reads a run of it (more in pad mode, where
+the mixed sequence wraps around). Its ranges break at shard starts, pass boundaries, the end of
+the sequence and every worker slice's first sample; a range starts or ends inside a shard where a
+slice cuts one, and where a pass is entered (or left) at an offset inside a shard.
+
 S3 serves about 5,500 GET (and HEAD) requests per second per prefix (its documented rate; above it
 answers 503 SlowDown) and bills every request. The GETs of an epoch spread over its reading time:
 at ``rate`` bytes per second per rank, an epoch of B bytes lasts B / (rate x ranks) seconds, and
 each prefix (the directory part of a shard's URL, where ``shardstream pack --prefixes N`` spreads
 them) takes its share. ``RequestCount.describe`` says it in one line, with a warning when the
-busiest prefix would go past S3's rate.
+busiest prefix would go past S3's rate. A mix's epoch lasts as long as all its sources' bytes take
+(a local source's too), and each source's GETs spread over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,21 +56,51 @@ def shard_prefixes(manifest: Any) -> tuple[list[str], np.ndarray]:
 
 @dataclass(frozen=True)
 class RequestCount:
-    """The requests of one epoch over all ranks (``count_requests``)."""
+    """The requests of one epoch over all ranks (``count_requests``; a mix's, ``count_mix_requests``)."""
 
     ranges: int  # GETs of shard bytes: one per planned range
     sidecars: int  # GETs of offset sidecars, at most
-    bytes: int  # bytes the epoch reads, about
+    bytes: int  # bytes the epoch reads, about (a mix: all its sources', a local one's too)
     world_size: int
     by_prefix: tuple[tuple[str, int], ...]  # (prefix, GETs), the busiest first
+    parts: tuple[tuple[str, RequestCount], ...] = ()  # a mix: each source's count, by name
+    local: bool = False  # a source on local disk: its bytes take reading time, it makes no requests
 
     @property
     def gets(self) -> int:
         return self.ranges + self.sidecars
 
+    @property
+    def remote_bytes(self) -> int:
+        """Bytes read with requests (a mix's local sources left out)."""
+        if self.parts:
+            return sum(p.remote_bytes for _, p in self.parts)
+        return 0 if self.local else self.bytes
+
+    @classmethod
+    def combine(cls, parts: Sequence[tuple[str, RequestCount]]) -> RequestCount:
+        """One count for a mix from each source's (name, count): requests and bytes add up, and so
+        do the GETs of a prefix two sources share."""
+        by_prefix: dict[str, int] = {}
+        for _, part in parts:
+            for name, gets in part.by_prefix:
+                by_prefix[name] = by_prefix.get(name, 0) + gets
+        return cls(
+            ranges=sum(p.ranges for _, p in parts),
+            sidecars=sum(p.sidecars for _, p in parts),
+            bytes=sum(p.bytes for _, p in parts),
+            world_size=max((p.world_size for _, p in parts), default=1),
+            by_prefix=_ranked(by_prefix.items()),
+            parts=tuple(parts),
+        )
+
+    def seconds(self, rate: float = DEFAULT_RATE) -> float:
+        """How long the epoch reads when every rank reads ``rate`` bytes per second."""
+        return self.bytes / (rate * self.world_size) if self.bytes else 0.0
+
     def per_second(self, rate: float = DEFAULT_RATE) -> float:
         """GETs per second over the whole job when every rank reads ``rate`` bytes per second."""
-        seconds = self.bytes / (rate * self.world_size) if self.bytes else 0.0
+        seconds = self.seconds(rate)
         return self.gets / seconds if seconds > 0 else 0.0
 
     def busiest(self, rate: float = DEFAULT_RATE) -> tuple[str, float]:
@@ -83,12 +123,23 @@ class RequestCount:
         name, busiest = self.busiest(rate)
         prefixes = f"{len(self.by_prefix)} prefixes" if len(self.by_prefix) != 1 else "1 prefix"
         text = (
-            f"requests: {self.gets:,} GETs per epoch ({self.ranges:,} ranges of {_human(self.bytes / max(1, self.ranges))} "
+            f"requests: {self.gets:,} GETs per epoch ({self.ranges:,} ranges of {_human(self.remote_bytes / max(1, self.ranges))} "
             f"on average, one GET each, + at most {self.sidecars:,} offset sidecars); at {_human(rate)}/s per rank x "
             f"{self.world_size} ranks: {self.per_second(rate):,.0f} GET/s, {busiest:,.0f} on the busiest of {prefixes} ({name})"
         )
+        if self.parts:  # a mix: each source's share of them, over the same epoch
+            seconds = self.seconds(rate)
+            text += "; by source: " + ", ".join(
+                f"{label} local (no requests)" if part.local else f"{label} {part.gets:,} GETs ({part.gets / seconds if seconds else 0.0:,.0f} GET/s)"
+                for label, part in self.parts
+            )
         warning = self.warning(rate)
         return text + (f"; WARNING: {warning}" if warning else "")
+
+
+def _ranked(gets: Any) -> tuple[tuple[str, int], ...]:
+    """(prefix, GETs) pairs with GETs, the busiest first."""
+    return tuple(sorted(((name, int(n)) for name, n in gets if n), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _human(n: float) -> str:
@@ -104,16 +155,12 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
     worker at once (see the module docstring), in a few vectorised steps: no range is listed."""
     order = np.asarray(plan.shard_order, dtype=np.int64)
     starts = np.asarray(plan.starts, dtype=np.int64)
-    n, world, workers = plan.total_samples, plan.world_size, plan.num_workers
+    n, world = plan.total_samples, plan.world_size
     covered = world * plan.samples_per_rank  # positions [0, covered) of the laid-out (maybe wrapped) sequence
     laps, rest = divmod(covered, n)
     pieces = np.full(len(order), laps, dtype=np.int64)  # GETs per entry of the order
     pieces[starts < rest] += 1
-    # every worker slice's first position, in (rank, worker) order: the slices tile [0, covered)
-    base, extra = divmod(plan.batches_per_rank, workers)
-    w = np.arange(workers, dtype=np.int64)
-    before = w * base + np.minimum(w, extra)
-    begins = (np.arange(world, dtype=np.int64)[:, None] * plan.samples_per_rank + before[None, :] * plan.batch_size).ravel()
+    begins = _slice_begins(plan)
     slice_of = np.arange(len(begins), dtype=np.int64)
     cuts, cut_slices = begins[1:], slice_of[1:]  # boundaries inside the sequence, and the slice each starts
     entry = np.searchsorted(starts, cuts % n, side="right") - 1
@@ -130,7 +177,7 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
     sidecars_per_entry = np.bincount(sidecar_pairs % len(order), minlength=len(order)) if len(order) else pieces * 0
     names, ids = shard_prefixes(manifest)
     per_prefix = np.bincount(ids[order], weights=pieces + sidecars_per_entry, minlength=len(names))
-    ranked = sorted(((names[i], int(g)) for i, g in enumerate(per_prefix) if g), key=lambda kv: (-kv[1], kv[0]))
+    ranked = _ranked(zip(names, per_prefix))
     total_bytes = int(np.asarray(manifest.sizes, dtype=np.int64)[order].sum()) if len(order) else 0
     return RequestCount(
         ranges=int(pieces.sum()),
@@ -141,10 +188,169 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
     )
 
 
-def with_requests(plan: Any, manifest: Any) -> Any:
-    """``plan`` with its summary's request line (``EpochPlan.requests``) when its dataset is on a
-    remote store; local datasets and mixes are returned as they are."""
+def _slice_begins(plan: Any) -> np.ndarray:
+    """Every worker slice's first position, in (rank, worker) order: the slices tile [0, covered)
+    of the laid-out (maybe wrapped) sequence (``RankSlices.worker_slice``, for all at once)."""
+    base, extra = divmod(plan.batches_per_rank, plan.num_workers)
+    w = np.arange(plan.num_workers, dtype=np.int64)
+    before = w * base + np.minimum(w, extra)
+    return (np.arange(plan.world_size, dtype=np.int64)[:, None] * plan.samples_per_rank + before[None, :] * plan.batch_size).ravel()
+
+
+class _Sequence:
+    """One source's epoch sequence as a mix draws it (``MixPlan.passes``): pass p is the source's
+    N samples, its shards in ``order`` laid on a circle (``starts``), entered at ``offset``; its
+    j-th sample is sample (offset + j - pN) mod N of the circle. Positions are numpy arrays."""
+
+    def __init__(self, passes: Sequence[Any], counts: Sequence[int]):
+        self.size = n = int(sum(counts))
+        self.offsets = np.array([p.offset for p in passes], dtype=np.int64)
+        self.which = np.repeat(np.arange(len(passes), dtype=np.int64), [len(p.order) for p in passes])  # the pass of each entry
+        # pass p's shard starts as keys p*N + c: sorted over all passes at once
+        self.keys = np.concatenate([np.asarray(p.starts, dtype=np.int64) for p in passes]) + self.which * n
+        self.order = np.concatenate([np.asarray(p.order, dtype=np.int64) for p in passes])
+
+    def _key(self, j: np.ndarray) -> np.ndarray:
+        p = j // self.size
+        return p * self.size + (self.offsets[p] + j - p * self.size) % self.size
+
+    def shard(self, j: np.ndarray) -> np.ndarray:
+        return self.order[np.searchsorted(self.keys, self._key(j), side="right") - 1]
+
+    def _is_start(self, keys: np.ndarray) -> np.ndarray:
+        return _member(keys, self.keys)
+
+    def first_of_shard(self, j: np.ndarray) -> np.ndarray:
+        """Whether sample j is its shard's first (a range from it needs no sidecar)."""
+        return self._is_start(self._key(j))
+
+    def last_of_shard(self, j: np.ndarray) -> np.ndarray:
+        """Whether sample j is its shard's last (a range up to it needs no sidecar)."""
+        after = self._key(j) + 1
+        return (after % self.size == 0) | self._is_start(after)
+
+    def cuts(self, quota: int) -> np.ndarray:
+        """Where the sequence's ranges break, in (0, quota), sorted: its shards' starts in every
+        pass, and the pass boundaries (where a pass stops at its offset and the next begins)."""
+        n = self.size
+        inside = self.which * n + (self.keys - self.which * n - self.offsets[self.which]) % n
+        bounds = np.arange(1, len(self.offsets), dtype=np.int64) * n
+        found = _distinct(np.concatenate([inside, bounds]))
+        return found[(found > 0) & (found < quota)]
+
+
+def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Whether each value is in ``sorted_set`` (sorted): np.isin for a set sorted already."""
+    if not len(sorted_set):
+        return np.zeros(len(values), dtype=bool)
+    return sorted_set[np.minimum(np.searchsorted(sorted_set, values), len(sorted_set) - 1)] == values
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values (np.unique, without its hashing: sorting is faster here)."""
+    values = np.sort(values)
+    return values[np.concatenate([[True], values[1:] != values[:-1]])] if len(values) else values
+
+
+def _unrolled(plan: Any, positions: np.ndarray) -> np.ndarray:
+    """How far into each source's sequence each position of the laid-out mixed sequence is, its
+    laps counted (pad mode wraps: lap k of source i starts at k * quota_i). Shape (positions, sources)."""
+    quotas = np.asarray(plan.quotas, dtype=np.int64)
+    out = np.empty((len(positions), len(quotas)), dtype=np.int64)
+    used: dict[int, tuple[int, ...]] = {}
+    for k, p in enumerate(positions.tolist()):
+        laps, rest = divmod(p, plan.total_samples)
+        if rest not in used:
+            used[rest] = plan.used_before(rest)
+        out[k] = laps * quotas + np.asarray(used[rest], dtype=np.int64)
+    return out
+
+
+def _bytes_read(manifest: Any, samples: int) -> int:
+    """About the bytes of ``samples`` samples of the dataset (its mean sample, tar headers included)."""
+    total = int(manifest.total_samples)
+    return int(int(np.asarray(manifest.sizes, dtype=np.int64).sum()) * samples / total) if total else 0
+
+
+def _source_count(plan: Any, source: int, manifest: Any, where: np.ndarray) -> RequestCount:
+    """The requests of source ``source`` of ``plan`` (a ``MixPlan``) over ``manifest``'s shards, for
+    every rank and worker at once (the module docstring): the ranges of its sequence, lap by lap,
+    plus one per worker slice that cuts a range. ``where``: each slice's first position in the
+    source's sequence, then the epoch's end (``_unrolled``)."""
+    quota = int(plan.quotas[source])
+    seq = _Sequence(plan.passes[source], plan.counts[source])
+    starts, total = where[:-1], int(where[-1])  # each slice's first sample of the source; samples read
+    names, ids = shard_prefixes(manifest)
+    shards = len(ids)
+    if total == 0:
+        return RequestCount(ranges=0, sidecars=0, bytes=0, world_size=plan.world_size, by_prefix=())
+    laps, rest = divmod(total, quota)
+    cuts = seq.cuts(quota)
+    firsts = np.concatenate([[0], cuts])  # where the ranges of a lap start
+    ranges = laps * np.bincount(seq.shard(firsts), minlength=shards)
+    if rest:
+        ranges = ranges + np.bincount(seq.shard(firsts[firsts < rest]), minlength=shards)
+    # a slice boundary that falls inside a range cuts it in two
+    at = _distinct(starts[1:])
+    at = at[(at > 0) & (at < total)]
+    j = at % quota
+    inside = (j != 0) & ~_member(j, cuts)  # not at a lap's start nor where a range breaks anyway
+    ranges = ranges + np.bincount(seq.shard(j[inside]), minlength=shards)
+    # sidecars: (slice, shard) pairs with a range starting or ending inside the shard. Only where a
+    # range begins or ends off a shard boundary: at a slice boundary, a pass or lap boundary, the end
+    passes = np.arange(len(seq.offsets), dtype=np.int64) * seq.size
+    edges = (np.arange(laps + 1, dtype=np.int64)[:, None] * quota + passes[None, :]).ravel()
+    edges = _distinct(np.concatenate([edges, at, [total]]))
+    edges = edges[edges <= total]
+    after = edges[edges < total]  # the first sample of the range that starts here
+    after = after[~seq.first_of_shard(after % quota)]
+    before = edges[edges > 0] - 1  # the last sample of the range that ends here
+    before = before[~seq.last_of_shard(before % quota)]
+    partial = np.concatenate([after, before])
+    slice_of = np.searchsorted(starts, partial, side="right") - 1
+    pairs = _distinct(slice_of * shards + seq.shard(partial % quota))
+    sidecars = np.bincount(pairs % shards, minlength=shards)
+    per_prefix = np.bincount(ids, weights=ranges + sidecars, minlength=len(names))
+    return RequestCount(
+        ranges=int(ranges.sum()),
+        sidecars=int(len(pairs)),
+        bytes=_bytes_read(manifest, total),
+        world_size=plan.world_size,
+        by_prefix=_ranked(zip(names, per_prefix)),
+    )
+
+
+def is_remote(manifest: Any) -> bool:
+    """Whether a dataset's shards are read with requests (any URL but a local path or file://)."""
     base = getattr(manifest, "base_url", "") or ""
-    if not hasattr(plan, "requests") or not hasattr(plan, "shard_order") or "://" not in base or base.startswith("file://"):
+    return "://" in base and not base.startswith("file://")
+
+
+def count_mix_requests(plan: Any, manifests: Sequence[Any]) -> RequestCount:
+    """The requests of ``plan`` (a ``MixPlan``) over its sources' manifests, one count per source
+    (``parts``; a local source makes none, its bytes still take reading time) and their sum."""
+    begins = _slice_begins(plan)
+    where = _unrolled(plan, np.append(begins, plan.world_size * plan.samples_per_rank))
+    parts = []
+    for i, (name, manifest) in enumerate(zip(plan.names, manifests)):
+        if is_remote(manifest):
+            part = _source_count(plan, i, manifest, where[:, i])
+        else:
+            part = RequestCount(0, 0, _bytes_read(manifest, int(where[-1, i])), plan.world_size, (), local=True)
+        parts.append((name, part))
+    return RequestCount.combine(parts)
+
+
+def with_requests(plan: Any, manifests: Any) -> Any:
+    """``plan`` with its summary's request line (``EpochPlan.requests``, ``MixPlan.requests``) when
+    a dataset it reads is on a remote store: ``manifests``, one per source (a single dataset's
+    manifest alone will do). Plans of local data are returned as they are."""
+    if not isinstance(manifests, (list, tuple)):
+        manifests = [manifests]
+    if not hasattr(plan, "requests") or not any(is_remote(m) for m in manifests):
         return plan
-    return dataclasses.replace(plan, requests=count_requests(plan, manifest).describe())
+    if hasattr(plan, "passes"):  # a mix
+        return dataclasses.replace(plan, requests=count_mix_requests(plan, manifests).describe())
+    if not hasattr(plan, "shard_order"):
+        return plan
+    return dataclasses.replace(plan, requests=count_requests(plan, manifests[0]).describe())
