@@ -16,6 +16,7 @@ from shardstream.version import __version__
 _EXPORTS = {
     "ShardWriter": "write.writer",
     "pack": "write.pack",
+    "PackResult": "write.pack",
     "Manifest": "format.manifest",
     "load_manifest": "format.manifest",
     "ShardStream": "dataset",
@@ -75,6 +76,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "NoCredentials",
     "OnError",
     "pack",
+    "PackResult",
     "plan_epoch",
     "plan_mix",
     "RandomResizedCrop",
@@ -134,7 +136,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.plan.topology import World
     from shardstream.sources import Source
     from shardstream.storage.config import StorageConfig
-    from shardstream.write.pack import pack
+    from shardstream.write.pack import PackResult, pack
     from shardstream.write.writer import ShardWriter
 
 

@@ -9,6 +9,7 @@ import gc
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import threading
 import time
@@ -213,4 +214,32 @@ def rank_results(prefix: str, world: int) -> list:
     for r in range(world):
         with open(f"{prefix}.{r}") as f:
             out.append(json.load(f))
+    return out
+
+
+def launch_phase(target, world: int, work: str, phase: str, args: tuple) -> list[list]:
+    """One phase of a preemption test: ``target(rank, world, store, *args, work, phase, ready)`` on
+    ``world`` spawned ranks (``store``: this phase's gloo file store under ``work``). In phase
+    ``"crash"`` each rank puts its rank on ``ready`` at its checkpoint and waits there; once all
+    have, every rank is killed with SIGKILL. Any other phase runs to the end; every rank must exit
+    0. Returns, per rank, the JSON lines it wrote to ``{work}/{phase}.keys.{rank}``."""
+    ready = multiprocessing.get_context("spawn").Queue()
+    store = os.path.join(work, f"{phase}.store")
+    with spawned_ranks(target, world, (world, store, *args, work, phase, ready)) as procs:
+        if phase == "crash":
+            for _ in range(world):
+                ready.get(timeout=120)
+            for p in procs:
+                os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join(timeout=30)
+            assert all(p.exitcode == -signal.SIGKILL for p in procs)
+        else:
+            for p in procs:
+                p.join(timeout=180)
+            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    out = []
+    for r in range(world):
+        with open(os.path.join(work, f"{phase}.keys.{r}")) as f:
+            out.append([json.loads(line) for line in f])
     return out

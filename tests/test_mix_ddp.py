@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
-import signal
 
 import pytest
-from conftest import make_samples, rank_results, run_ranks, spawned_ranks
+from conftest import launch_phase, make_samples, rank_results, run_ranks
 
 from shardstream import Schedule, ShardStream, ShardWriter, Source, World
 from shardstream.options import Shuffle
@@ -139,25 +137,7 @@ def _preempted_rank(rank: int, world: int, store: str, local: str, work: str, ph
 
 def _launch(world: int, local: str, work: str, phase: str) -> list[list[tuple[int, list[str]]]]:
     """Run ``phase`` on ``world`` ranks; per rank, its batches as (loader epoch, keys)."""
-    ready = multiprocessing.get_context("spawn").Queue()
-    with spawned_ranks(_preempted_rank, world, (world, os.path.join(work, f"{phase}.store"), local, work, phase, ready)) as procs:
-        if phase == "crash":
-            for _ in range(world):
-                ready.get(timeout=120)
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
-                p.join(timeout=30)
-            assert all(p.exitcode == -signal.SIGKILL for p in procs)
-        else:
-            for p in procs:
-                p.join(timeout=180)
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    out = []
-    for r in range(world):
-        with open(os.path.join(work, f"{phase}.keys.{r}")) as f:
-            out.append([tuple(json.loads(line)) for line in f])
-    return out
+    return [[tuple(line) for line in lines] for lines in launch_phase(_preempted_rank, world, work, phase, (local,))]
 
 
 @pytest.mark.slow

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
-import signal
 
 import pytest
-from conftest import make_samples, spawned_ranks
+from conftest import launch_phase, make_samples
 
 from shardstream import ShardStream, ShardWriter, Store, make_loader
 from shardstream.options import Shuffle
@@ -68,28 +66,10 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, wo
 
 def launch(world: int, source: str, options: dict, work: str, phase: str) -> dict[int, dict[int, list]]:
     """Run ``phase`` on ``world`` ranks; returns rank -> epoch -> keys per batch."""
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    store = os.path.join(work, f"{phase}.store")
-    with spawned_ranks(_rank_main, world, (world, store, source, options, work, phase, ready)) as procs:
-        if phase == "crash":
-            for _ in range(world):
-                ready.get(timeout=120)
-            for p in procs:
-                os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
-                p.join(timeout=30)
-            assert all(p.exitcode == -signal.SIGKILL for p in procs)
-        else:
-            for p in procs:
-                p.join(timeout=180)
-            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     result: dict[int, dict[int, list]] = {}
-    for r in range(world):
-        with open(os.path.join(work, f"{phase}.keys.{r}")) as f:
-            for line in f:
-                epoch, keys = json.loads(line)
-                result.setdefault(r, {}).setdefault(epoch, []).append(keys)
+    for r, lines in enumerate(launch_phase(_rank_main, world, work, phase, (source, options))):
+        for epoch, keys in lines:
+            result.setdefault(r, {}).setdefault(epoch, []).append(keys)
     return result
 
 

@@ -90,7 +90,33 @@ class ShardTable(Sequence[ShardInfo]):
 
 
 class Manifest:
-    """A dataset's shards as compact columns plus its dataset-level fields."""
+    """A packed dataset's table of contents (its ``index.json``): every shard with its sample
+    count, size and sha256, plus the dataset-level fields. Planning needs nothing else.
+
+    Get one with ``load_manifest(root)`` (a dataset root or the URL of its ``index.json``; the
+    manifest is checked as it loads), or take the one at hand: ``ShardStream(...).manifest`` (a
+    mix's first source's), ``pack(...).manifest``, ``ShardWriter.manifest`` after ``close()``. A
+    Manifest can be passed to ``ShardStream`` or ``Source`` in place of a URL.
+
+    Shards, as columns in shard order (shard ``i`` at position ``i``): ``paths`` (list of str,
+    relative to ``base_url`` unless absolute), ``counts`` (int64 array of samples per shard),
+    ``sizes`` (int64 array of bytes per shard), ``spans`` (int64 array of shape (shards, 2): the
+    byte where the first sample's header starts and the byte where the last sample's data ends),
+    ``compressed`` (bool array: a ``.tar.gz``/``.tar.zst``/... shard, known by its suffix).
+    ``shards`` is the same as one ``ShardInfo`` per shard, ``len(manifest.shards)`` the number of
+    shards; ``sha256(i)`` is a shard's digest, ``shard_url(i)`` the URL to open it by;
+    ``total_samples`` and ``total_bytes`` sum the columns.
+
+    Dataset fields: ``base_url`` (the manifest's directory, set by ``load_manifest`` and by the
+    writers; empty in one built with ``Manifest(...)``), ``storage_options`` (those it was loaded with, used to read offset
+    sidecars), ``extensions`` (extension -> number of samples carrying it), ``label_map`` (class
+    name -> ``cls`` value when labels came from folder names, else None), ``label_counts`` (class
+    name -> samples, with ``label_map``), ``skipped`` (``{"count": n, "items": [...]}``: samples
+    left out under ``on_error="skip"``, the first 100 listed with their ``source`` and ``error``),
+    ``created`` (UTC time of writing) and ``shardstream_version`` (the version that wrote it),
+    both as read from ``index.json``, and ``version`` (the format version it was read from, 1 or
+    2; 2 when built in memory). The file format: docs/manifest.md.
+    """
 
     def __init__(
         self,
@@ -163,6 +189,9 @@ class Manifest:
 
     @property
     def shards(self) -> ShardTable:
+        """A read-only sequence of one ``ShardInfo`` per shard (``path``, ``samples``, ``bytes``,
+        ``sha256``, ``index``: its sidecar path, ``span``), built on access from the columns.
+        Its ``offsets`` are None: ask ``offsets(i)``."""
         return ShardTable(self)
 
     @shards.setter
@@ -170,18 +199,22 @@ class Manifest:
         self._set_columns(list(shards))
 
     def sha256(self, i: int) -> str | None:
+        """Shard ``i``'s sha256 as 64 hex digits, or None when the manifest has none for it."""
         return bytes(self._sha[i]).hex() if self._has_sha[i] else None
 
     def sidecar_path(self, i: int) -> str:
+        """Where shard ``i``'s offset sidecar is, relative like its path (by default the path + ``.idx``)."""
         custom = self._sidecars[i] if self._sidecars is not None else None
         return custom if custom is not None else default_sidecar(self.paths[i])
 
     @property
     def total_samples(self) -> int:
+        """Samples in the whole dataset (the sum of ``counts``)."""
         return int(self.counts.sum())
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all the shards (the sum of ``sizes``; sidecars and the manifest not counted)."""
         return int(self.sizes.sum())
 
     def _resolve(self, path: str) -> str:
@@ -190,9 +223,11 @@ class Manifest:
         return storage.join(self.base_url, path)
 
     def shard_url(self, index: int) -> str:
+        """The URL or path to open shard ``index`` by: its path joined to ``base_url`` (an absolute one as is)."""
         return self._resolve(self.paths[index])
 
     def sidecar_url(self, index: int) -> str:
+        """The URL or path of shard ``index``'s offset sidecar, resolved like ``shard_url``."""
         return self._resolve(self.sidecar_path(index))
 
     # -- offsets ---------------------------------------------------------------------------------
@@ -231,6 +266,7 @@ class Manifest:
 
     # -- writing ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
+        """The manifest as a version-2 JSON document (a dict), as ``index.json`` holds it."""
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -254,6 +290,7 @@ class Manifest:
         }
 
     def dumps(self) -> bytes:
+        """``to_json()`` as the UTF-8 bytes of ``index.json``."""
         # One line per field and per column: readable at the top, compact below.
         doc = self.to_json()
         columns = doc.pop("shards")
@@ -264,6 +301,8 @@ class Manifest:
     # -- reading ---------------------------------------------------------------------------------
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Manifest:
+        """Check and read a parsed ``index.json`` (version 1 or 2); ManifestError names ``where`` and
+        what is wrong. Sets no ``base_url``: ``load_manifest`` does, and also confines the paths."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f'{where}: not a shardstream manifest (no "format": "{FORMAT_NAME}")')
         version = doc.get("version")
@@ -457,8 +496,12 @@ def check_dataset_root(url: str, what: str = "destination") -> None:
 
 
 def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
-    """Read and validate a manifest; shard paths resolve against its directory and may not leave
-    it (see ``confine``). The read follows ``config``: timeouts, retries, resume mid-body."""
+    """Read and check a dataset's manifest. ``source``: the dataset root (``index.json`` is read
+    there) or the manifest's own URL (ending in ``.json``), a local path or any fsspec URL;
+    ``storage_options``: fsspec's options for it. Shard paths resolve against the manifest's
+    directory and may not leave it (``StorageConfig(allow_roots=...)`` names further trusted
+    prefixes). The read follows ``config``: timeouts, retries, resume mid-body. A manifest missing,
+    unreadable or invalid raises ManifestError."""
     if "::" in source:  # the writers' rule (dataset_root_problem), on the reader's side too
         raise ConfigError(f"{source!r} cannot be a dataset root: {dataset_root_problem(source)}")
     url = manifest_url(source)

@@ -430,9 +430,19 @@ class ShardLoader(webdataset.WebLoader):
             self.channels.forget(set(self.channels.mapped))
 
     def stats(self) -> dict[str, int]:
+        """This rank's stream counters, summed over its workers since the dataset was built (the
+        dataset's ``stats()``): counter name -> count, such as ``bytes_read``, ``requests``,
+        ``retries``, ``samples_skipped``, ``cache_hits`` (all of them: ``shardstream.stats.COUNTERS``).
+        Workers add to them as they read, so they can be read during an epoch."""
         return self.dataset.stats()
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next pass over the loader follow epoch ``epoch`` (its shard order and shuffle;
+        the same on every rank); later passes go on from it (``epoch + 1``, ...). Without it, every
+        new pass advances the epoch by one by itself. It reaches workers already started
+        (``persistent_workers``) too. After ``load_state_dict``, ``set_epoch`` with the state's epoch
+        (``dataset.epoch`` once loaded) keeps the loaded state: that epoch's pass delivers the rest
+        of it."""
         self.dataset.set_epoch(epoch)
 
 

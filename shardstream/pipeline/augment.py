@@ -22,7 +22,15 @@ import random
 
 
 class RandomResizedCrop:
-    """Image bytes -> uint8 CHW tensor of ``size x size`` (torchvision's RandomResizedCrop sampling)."""
+    """Image bytes -> uint8 CHW tensor of ``size x size``: a random resized crop decoded together
+    with the image, as the decoder of an image extension (``decode={"jpg": RandomResizedCrop(224)}``).
+
+    The crop is sampled as torchvision's RandomResizedCrop does: ``scale``, the range of the crop's
+    area as a fraction of the image's; ``ratio``, the range of its aspect ratio (width / height).
+    ``seed`` makes the crops reproducible (see ``bind`` and ``bind_sample``). A JPEG is decoded at
+    1/2, 1/4 or 1/8 scale when the crop still covers ``size`` at that scale (``reduced_decode``),
+    with libjpeg-turbo's fast DCT and upsampling unless ``fast=False``; other images go through PIL.
+    """
 
     def __init__(
         self,
@@ -44,14 +52,23 @@ class RandomResizedCrop:
         self.epoch = 0
 
     def bind(self, epoch: int, rank: int, worker: int) -> None:
+        """Called by ShardStream at the start of every worker's pass (in that worker): records the
+        pass's ``epoch`` for ``bind_sample`` and seeds the crop RNG from (``seed``, epoch, rank,
+        worker), so crops drawn without ``bind_sample`` are reproducible per (epoch, rank, worker)."""
         self.epoch = epoch
         self.rng = random.Random(f"crop:{self.seed}:{epoch}:{rank}:{worker}")
 
     def bind_sample(self, name: str) -> None:
+        """Called by ShardStream before each sample with its name (shard file name and key): seeds
+        the crop RNG from (``seed``, epoch, name) alone, so a sample gets the same crop whichever rank
+        or worker reads it and whatever came before, after a resume (exact or elastic) too."""
         # One string-seeded RNG per sample (a SHA-512 of a short string: microseconds, next to a decode).
         self.rng = random.Random(f"crop:{self.seed}:{self.epoch}:{name}")
 
     def crop_box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """A crop ``(x, y, w, h)`` of a ``width x height`` image drawn from the RNG: up to 10 tries
+        of an area in ``scale`` and a log-uniform aspect ratio in ``ratio``, else a central crop at the
+        aspect ratio clamped to ``ratio``."""
         area = width * height
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
         for _ in range(10):

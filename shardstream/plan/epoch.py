@@ -72,6 +72,19 @@ class RankSlices:
 
 @dataclass(frozen=True)
 class EpochPlan(RankSlices):
+    """The exact plan of one epoch of one dataset, from ``plan_epoch`` or ``ShardStream.plan()``:
+    plain values, the same on every rank (the module docstring says how it is made).
+
+    The settings it was made for: ``epoch``, ``seed``, ``shuffle``, ``world_size``,
+    ``num_workers`` (at least 1), ``batch_size``, ``mode`` (``"drop"`` or ``"pad"``),
+    ``compressed_shards`` (how many shards are compressed: a range starting inside one reads it
+    from its start). What it decides: ``total_samples`` (N), ``batches_per_rank`` (R, the same on
+    every rank), ``shard_order`` (shard indices in this epoch's order, empty shards left out) and
+    ``starts`` (where each of them begins in the sequence of N samples laid end to end);
+    ``samples_per_rank`` is R x ``batch_size``. ``ranges(rank, worker, counts)`` lists the shard ranges a worker reads,
+    ``summary()`` says it all in one line.
+    """
+
     epoch: int
     seed: int
     shuffle: bool
@@ -89,10 +102,12 @@ class EpochPlan(RankSlices):
 
     @property
     def dropped(self) -> int:
+        """Samples no rank reads this epoch (``mode="drop"``: the tail that cannot fill equal batches)."""
         return max(0, self.total_samples - self.world_size * self.samples_per_rank)
 
     @property
     def repeated(self) -> int:
+        """Samples read a second time this epoch (``mode="pad"``: the sequence wraps to fill the last batches)."""
         return max(0, self.world_size * self.samples_per_rank - self.total_samples)
 
     def ranges(self, rank: int, worker: int, counts: Counts) -> list[Range]:
@@ -115,6 +130,8 @@ class EpochPlan(RankSlices):
         return out
 
     def summary(self) -> str:
+        """The plan in one line: samples over shards, ranks x batches, what is dropped or repeated,
+        workers per rank (and the notes ``resumed`` and ``requests`` when set)."""
         extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.repeated} repeated"
         return (
             f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "

@@ -247,6 +247,20 @@ def exact_pattern(per_batch_counts: Sequence[int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class MixPlan(RankSlices):
+    """The exact plan of one epoch of a mix, from ``plan_mix`` or ``ShardStream.plan()`` on
+    several ``Source`` values: plain values, the same on every rank (the module docstring says how
+    it is made).
+
+    The settings it was made for: ``epoch``, ``seed``, ``shuffle``, ``world_size``,
+    ``num_workers`` (at least 1), ``batch_size``, ``per_batch`` (``"spread"`` or ``"exact"``),
+    ``mode``, and per source (in the order given) its name (``names``), what it asks (``asks``)
+    and its samples per shard (``counts``). What it decides: ``quotas`` (each source's samples
+    this epoch; ``targets`` are the real-valued amounts asked), ``batches_per_rank`` (the same on
+    every rank), each source's passes and the interleaving. ``shares()`` reports each source's
+    samples used, repeated, dropped and unseen, ``ranges(rank, worker)`` lists a worker's shard
+    ranges per source, ``summary()`` says it all.
+    """
+
     epoch: int
     seed: int
     shuffle: bool
@@ -271,6 +285,7 @@ class MixPlan(RankSlices):
     # -- sizes ----------------------------------------------------------------------------------
     @property
     def sizes(self) -> tuple[int, ...]:
+        """Samples in each source."""
         return tuple(sum(c) for c in self.counts)
 
     @property
@@ -285,10 +300,12 @@ class MixPlan(RankSlices):
 
     @property
     def dropped(self) -> int:
+        """Positions of the mixed sequence no rank reads (``mode="drop"``: the tail that cannot fill equal batches)."""
         return max(0, self.total_samples - self.used_samples)
 
     @property
     def repeated(self) -> int:
+        """Reads of a sample beyond its first this epoch, over all sources."""
         used = self.used_in(self.used_samples)
         return sum(max(0, u - n) for u, n in zip(used, self.sizes))
 
@@ -343,6 +360,8 @@ class MixPlan(RankSlices):
 
     # -- report ----------------------------------------------------------------------------------
     def shares(self) -> list[SourceShare]:
+        """Per source, its line of the report: samples, quota, used, repeated, dropped, unseen, and
+        the share asked against the share read."""
         used = self.used_in(self.used_samples)
         total_used = max(1, sum(used))
         total_target = sum(self.targets)
@@ -365,6 +384,7 @@ class MixPlan(RankSlices):
         return out
 
     def summary(self) -> str:
+        """The plan in a few lines: the mix as a whole, then one line per source (``shares()``)."""
         extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.used_samples - self.total_samples} repeated"
         head = (
             f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "

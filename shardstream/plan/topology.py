@@ -14,6 +14,21 @@ from shardstream.errors import ConfigError
 
 @dataclass(frozen=True)
 class World:
+    """Which rank this process is (``rank``, from 0) of how many (``world_size``): it decides
+    which share of every epoch this process reads. A rank outside ``[0, world_size)`` is a
+    ConfigError.
+
+    ``ShardStream(world=None)`` (the default) takes ``World.detect()`` once, when the stream is
+    built: the default process group's rank and size if ``torch.distributed`` is initialized by
+    then, else the ``RANK`` and ``WORLD_SIZE`` environment variables (set by torchrun), else rank
+    0 of 1. Pass ``world=World(rank, world_size)`` when that would be wrong: a stream built before
+    ``init_process_group`` by a launcher that sets no ``RANK``/``WORLD_SIZE`` (for instance
+    ``torch.multiprocessing.spawn``), ranks that should split the data over another group than
+    the default one (the data-parallel group when model parallelism makes several ranks share a
+    batch: they pass the same data-parallel rank), or one rank's view of a run built in a single
+    process (tests, planning).
+    """
+
     rank: int = 0
     world_size: int = 1
 
@@ -23,7 +38,8 @@ class World:
 
     @classmethod
     def detect(cls, rank: int | None = None, world_size: int | None = None) -> World:
-        """Explicit values, else an initialized torch.distributed, else torchrun's RANK/WORLD_SIZE, else (0, 1)."""
+        """Explicit values (both or neither), else an initialized torch.distributed (the default
+        group's rank and size), else torchrun's RANK/WORLD_SIZE, else (0, 1)."""
         if rank is not None or world_size is not None:
             if rank is None or world_size is None:
                 raise ConfigError("give both rank and world_size, or neither")

@@ -38,6 +38,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PackResult:
+    """What ``pack`` (``pack_source``, ``pack_fn``) returns once the manifest is written.
+
+    ``manifest``: the dataset's ``Manifest``, as written; ``manifest_url``: where (the
+    destination's ``index.json``); ``samples``: samples written; ``shards``: shards written;
+    ``bytes``: their total size (shards only, not sidecars or the manifest); ``seconds``: wall time
+    of the whole pack, listing included; ``skipped``: samples left out under ``on_error="skip"``,
+    the first 100 as ``{"source": ..., "error": ...}``; ``skipped_count``: all of them.
+    """
+
     manifest: Manifest
     manifest_url: str
     samples: int
