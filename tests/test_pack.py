@@ -19,6 +19,7 @@ import torch
 import webdataset as wds
 from conftest import make_samples
 
+import shardstream
 from shardstream import ShardWriter, load_manifest
 from shardstream.cli.main import main
 from shardstream.errors import DestinationError, SourceError
@@ -338,6 +339,9 @@ def test_pack_returns_the_manifest_it_wrote_with_its_location(tmp_path):
     written = load_manifest(str(tmp_path / "out"))
     assert result.manifest.shard_url(0) == written.shard_url(0) == str(tmp_path / "out" / "shard-000000.tar")
     assert result.manifest.dumps() == written.dumps()
+    # its creation time and writer version are the written ones (they were empty in memory)
+    assert result.manifest.created == written.created and written.created.endswith("Z")
+    assert result.manifest.shardstream_version == written.shardstream_version == shardstream.__version__
 
 
 def test_shard_writer_refusal_speaks_python(tmp_path):

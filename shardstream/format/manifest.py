@@ -585,4 +585,7 @@ def write_manifest(manifest: Manifest, url: str, storage_options: Mapping[str, A
         if storage.is_local(side_fs):
             os.makedirs(os.path.dirname(os.path.abspath(side_path)), exist_ok=True)
         storage.write_bytes_atomic(side_fs, side_path, encode_offsets(offsets))
+    # what index.json will say, the object written says too (``pack(...).manifest.created``)
+    manifest.shardstream_version = manifest.shardstream_version or __version__
+    manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     storage.write_bytes_atomic(fs, path, manifest.dumps())
