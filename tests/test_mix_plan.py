@@ -205,3 +205,22 @@ def test_no_sample_twice_when_every_repeat_at_most_one_across_epochs_of_ranks():
         plan, got = check_mix(counts, [Ask(repeat=1.0), Ask(weight=1.0)], 3, 2, 5, per_batch=per_batch, epoch=e)
         flat = [x for ids in got.values() for x in ids]
         assert len(flat) == len(set(flat))
+
+
+def test_pad_mode_ranges_of_a_slice_that_wraps_past_the_end_of_the_mix():
+    """In pad mode the last slices run past the mixed sequence, which starts again: ``ranges`` reads
+    each lap as positions of the sequence (it raised ValueError there)."""
+    plan = plan_mix([[7, 5, 3], [4, 4]], [Ask(weight=0.6), Ask(weight=0.4)], world_size=3, num_workers=3, batch_size=3, mode="pad")
+    size = plan.total_samples
+    assert plan.used_samples > size
+    wrapped = 0
+    for rank in range(3):
+        for worker in range(3):
+            begin, end = plan.worker_slice(rank, worker)
+            wrapped += end > size
+            expected: Counter = Counter()
+            for p in range(begin, end):
+                expected.update(expand(plan, p % size, p % size + 1))
+            got = Counter((i, r.shard, k) for i, rs in enumerate(plan.ranges(rank, worker)) for r in rs for k in range(r.start, r.stop))
+            assert got == expected
+    assert wrapped

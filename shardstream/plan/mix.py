@@ -355,8 +355,19 @@ class MixPlan(RankSlices):
         return ranges, self.pattern(begin, end)
 
     def ranges(self, rank: int, worker: int) -> list[list[Range]]:
-        """Per source, the shard ranges worker ``worker`` of rank ``rank`` reads this epoch."""
-        return self.reads(*self.worker_slice(rank, worker))[0]
+        """Per source, the shard ranges worker ``worker`` of rank ``rank`` reads this epoch. In pad
+        mode a slice can run past the end of the mixed sequence, which then starts again: each lap
+        of it is read as positions of the sequence."""
+        begin, end = self.worker_slice(rank, worker)
+        size = self.total_samples
+        out: list[list[Range]] = [[] for _ in self.quotas]
+        while begin < end:
+            lap = begin // size
+            stop = min(end, (lap + 1) * size)
+            for mine, found in zip(out, self.reads(begin - lap * size, stop - lap * size)[0]):
+                mine.extend(found)
+            begin = stop
+        return out
 
     # -- report ----------------------------------------------------------------------------------
     def shares(self) -> list[SourceShare]:
