@@ -291,7 +291,19 @@ def _in_process(dataset: Any, collate: Callable[[Any], Any], pin: bool, pin_devi
 
 
 class ShardLoader(webdataset.WebLoader):
-    """A WebLoader that knows its length (batches per rank per epoch) and forwards set_epoch."""
+    """The loader ``make_loader`` returns: a ``webdataset.WebLoader`` (a DataLoader with
+    ``.map(...)`` and the other fluid stages) around a ``ShardStream``; build it with
+    ``make_loader``, which sets its defaults.
+
+    - ``len(loader)``: the batches each rank gets this epoch, the same on every rank.
+    - ``set_epoch(n)``, ``stats()``: the dataset's, reached from here.
+    - ``state_dict()`` / ``load_state_dict(state)``: the data position, counted in batches this
+      loop received (``to_device`` subtracts the one it holds copied ahead); see Resume.
+    - Each pass starts its workers safely (``start_method``), checks they can be sent the dataset,
+      bounds every wait for a batch (``timeout``, ``first_batch_timeout``: ``WorkerTimeout``), and
+      unpacks the workers' hand-off (small tensors inline, large ones on reused shared memory).
+    - With ``num_workers=0`` the dataset is iterated in the loop's own process.
+    """
 
     def __init__(
         self,
