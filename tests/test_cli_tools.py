@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from conftest import make_samples, write_image_folder
+from conftest import make_samples, write_dataset, write_image_folder
 from PIL import Image
 
 from shardstream import ShardStream, ShardWriter, World
@@ -143,6 +143,36 @@ def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
     capsys.readouterr()
     assert main(["index", str(tmp_path / "w-*.tar"), str(tmp_path)]) == 1
     assert "exists; pass --overwrite" in capsys.readouterr().err
+
+
+def test_allow_root_reaches_every_command_that_reads_a_manifest(tmp_path, capsys):
+    # A dataset whose manifest lists its shards outside its root (../elsewhere/) is refused unless
+    # --allow-root names that place: pack's source side, merge's parts, index --upgrade and bench
+    # read it as ls does.
+    elsewhere = tmp_path / "elsewhere"
+    write_dataset(elsewhere, n=30, max_count=10)
+    doc = json.loads((elsewhere / "index.json").read_text())
+    doc["shards"]["path"] = [f"../elsewhere/{p}" for p in doc["shards"]["path"]]
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(doc))
+    ds = str(tmp_path / "ds")
+    commands = [
+        ["ls", ds],
+        ["pack", ds, str(tmp_path / "packed"), "--no-progress"],
+        ["merge", str(tmp_path / "merged"), ds],
+        ["index", "--upgrade", ds],
+        ["bench", ds, "--workers", "0", "--batch-size", "10", "--seconds", "0.2"],
+    ]
+    for argv in commands:
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert "shard #0 '../elsewhere/shard-000000.tar' points outside the dataset's root" in err and "--allow-root" in err, err
+        assert main([*argv, "--allow-root", str(elsewhere)]) == 0, argv
+        capsys.readouterr()
+    keys = [s["__key__"] for s in make_samples(30)]
+    for packed in ("packed", "merged"):
+        ds2 = ShardStream(str(tmp_path / packed), batch_size=10, shuffle=False, world=World(0, 1))
+        assert [k for b in ds2 for k in b["__key__"]] == keys, packed
 
 
 def test_bench_reports_and_plots(packed, tmp_path, capsys):

@@ -5,6 +5,8 @@ CLI's rule: shardstream's errors become one line, anything else shows its traceb
 
 from __future__ import annotations
 
+import contextlib
+import json
 import pickle
 import re
 import socket
@@ -57,7 +59,9 @@ def test_not_found_and_missing_bucket(s3):
     assert isinstance(err, E.StorageNotFound) and "the bucket does not exist" in str(err)
 
 
-def test_refused_dns_and_stall_are_transient_with_their_cause(dead_port):
+def test_refused_dns_and_stall_are_transient_with_their_cause(dead_port, monkeypatch):
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)  # its own credentials: signing comes before connecting (not left by an earlier test)
     port = dead_port.getsockname()[1]
     exc = raised(lambda: fresh_fs(f"http://127.0.0.1:{port}").cat_file("bkt/x"))
     assert classify(exc) is Kind.UNAVAILABLE
@@ -246,6 +250,69 @@ def test_pack_tasks_carry_the_storage_config_to_the_processes_that_write(image_f
     with ThreadPoolExecutor(2) as executor:
         result = pack(str(root), str(tmp_path / "out"), max_count=2, executor=executor, config=config)
     assert result.samples == len(keys) and len(seen) == result.shards > 1 and set(seen) == {config}
+
+
+def _dead_endpoint(dead_port, monkeypatch) -> str:
+    """The URL of an endpoint that refuses every connection, with credentials in the environment
+    (a refused connection is then the one failure: transient, retried under the policy)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return f"http://127.0.0.1:{dead_port.getsockname()[1]}"
+
+
+# What each command reads or lists first on a dead S3 endpoint (DEST on local disk unless on s3://).
+DEAD_SOURCE_COMMANDS = {
+    "bench": ["bench", "s3://bkt/ds", "--workers", "0", "--seconds", "1"],  # the stream's manifest
+    "index a glob": ["index", "s3://bkt/ds/*.tar", "{tmp}/indexed"],  # the glob's listing
+    "index a folder": ["index", "s3://bkt/ds", "{tmp}/indexed"],  # the folder's listing
+    "merge": ["merge", "{tmp}/merged", "s3://bkt/ds"],  # a part's manifest
+    "merge onto s3": ["merge", "s3://bkt/merged", "s3://bkt/ds"],  # the probe of DEST's manifest
+    "pack a dataset": ["pack", "s3://bkt/ds", "{tmp}/packed", "--no-progress"],  # the source's kind (its index.json)
+    "pack a glob": ["pack", "s3://bkt/ds/*.tar", "{tmp}/packed", "--no-progress"],  # the glob's listing
+    "pack a jsonl": ["pack", "s3://bkt/items.jsonl", "{tmp}/packed", "--no-progress"],  # the JSONL file
+}
+
+
+@pytest.mark.parametrize("name", list(DEAD_SOURCE_COMMANDS))
+def test_every_command_gives_up_on_a_dead_endpoint_within_its_deadline(name, dead_port, monkeypatch, tmp_path, capsys):
+    # --deadline reaches what bench, index, merge and pack's source side read and list: a refused
+    # connection is retried under it (was: the default 60 s and 8 tries, or botocore's ~50 s of
+    # its own retries ending in a traceback), and the one-line error says the tries and the time.
+    endpoint = _dead_endpoint(dead_port, monkeypatch)
+    argv = [a.format(tmp=tmp_path) for a in DEAD_SOURCE_COMMANDS[name]]
+    began = time.monotonic()
+    assert main([*argv, "--endpoint-url", endpoint, "--deadline", "2"]) == 1
+    elapsed = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "s3://bkt/" in err and "connection refused" in err, err
+    tries, seconds = _tries(err)
+    assert 1 < tries and seconds <= 2 + 0.1 and seconds <= elapsed + 0.05, err  # (seconds: rounded to 0.1)
+    assert elapsed < 30, elapsed  # generous: a loaded machine
+
+
+@pytest.mark.parametrize("engine", ["inline", "worker processes", "executor"])
+def test_pack_reads_the_sources_items_under_its_storage_config(engine, dead_port, monkeypatch, tmp_path):
+    # A source that lists (a local JSONL file) but whose items live on a dead endpoint: the items
+    # are read under pack's config wherever they are read: in pack's own process, in its worker
+    # processes (spawned: the config goes with the storage options), and in the shard tasks an
+    # executor runs (the config rides the task).
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardstream.write.pack import pack
+
+    options = {"endpoint_url": _dead_endpoint(dead_port, monkeypatch)}
+    src = tmp_path / "items.jsonl"
+    src.write_text("".join(json.dumps({"__key__": f"k{i}", "bin": {"$file": f"s3://bkt/{i}.bin"}}) + "\n" for i in range(3)))
+    config = StorageConfig(deadline=1, max_attempts=50)
+    with contextlib.ExitStack() as stack:
+        how: dict = {"workers": 2} if engine == "worker processes" else {}
+        if engine == "executor":
+            how = {"executor": stack.enter_context(ThreadPoolExecutor(2)), "max_count": 2}
+        with pytest.raises(E.StorageUnavailable, match=r"s3://bkt/\d\.bin: cannot reach storage: connection refused") as info:
+            pack(str(src), str(tmp_path / "out"), storage_options=options, config=config, **how)
+    tries, seconds = _tries(str(info.value))
+    assert 1 < tries < 50 and seconds <= 1 + 0.1, str(info.value)  # the deadline ended it, not the tries
 
 
 def test_bad_options_are_config_errors(tmp_path):

@@ -13,7 +13,9 @@ import resource
 import sys
 import time
 
-from .options import add_storage_arguments, storage_options_from
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+
+from .options import add_storage_arguments, storage_config_from, storage_options_from
 
 NAME = "bench"
 HELP = "measure loader throughput: samples/s, MB/s, time to first batch, peak memory, consumer wait"
@@ -60,8 +62,10 @@ def measure(
     live: bool = False,
     step_ms: float = 0.0,
     step_wait: bool = False,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> dict:
-    """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures."""
+    """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures.
+    ``config``: the storage policy of every read (the manifest's and the workers')."""
     from shardstream.dataset import ShardStream
     from shardstream.loader import make_loader
     from shardstream.options import Shuffle, Store
@@ -69,7 +73,12 @@ def measure(
 
     started = time.perf_counter()
     dataset = ShardStream(
-        url, batch_size=batch_size, decode=decode, shuffle=Shuffle(shuffle_buffer), world=World(0, 1), store=Store(options=storage_options)
+        url,
+        batch_size=batch_size,
+        decode=decode,
+        shuffle=Shuffle(shuffle_buffer),
+        world=World(0, 1),
+        store=Store(options=storage_options, config=config),
     )
     manifests = dataset.sources.manifests
     bytes_per_sample = sum(m.total_bytes for m in manifests) / max(1, sum(m.total_samples for m in manifests))
@@ -180,6 +189,7 @@ def draw_plot(results: list[dict], path: str, title: str = "") -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = storage_options_from(args)
+    config = storage_config_from(args)
     live = sys.stderr.isatty()
     counts = list(range(0, args.workers + 1)) if args.plot else [args.workers]
     results = [
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             live=live,
             step_ms=args.step_ms,
             step_wait=args.step_wait,
+            config=config,
         )
         for w in counts
     ]

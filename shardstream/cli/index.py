@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_storage_arguments, storage_options_from
+from .options import add_storage_arguments, storage_config_from, storage_options_from, writer_deadline_help
 
 NAME = "index"
 HELP = "write a shardstream manifest for existing tar shards without rewriting them"
@@ -34,17 +34,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest (the one input) as version 2")
     p.add_argument("--threads", type=int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing manifest at DEST")
-    add_storage_arguments(p)
+    add_storage_arguments(p, deadline_help=writer_deadline_help("a listing or read (the inputs, each shard, the manifest, the check of DEST)"))
 
 
 def run(args: argparse.Namespace) -> int:
     from shardstream.tools.index import upgrade_manifest, write_index
 
     options = storage_options_from(args)
+    config = storage_config_from(args)
     if args.upgrade:
         if len(args.shards) + (args.dest is not None) != 1:
             raise ValueError("index --upgrade takes one dataset root or index.json")
-        manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options)
+        manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options, config=config)
         state = "upgraded to version 2" if upgraded else "already version 2, left as it is"
         print(f"{url}: {state} ({len(manifest.paths)} shards, {manifest.total_samples} samples)")
         return 0
@@ -52,6 +53,6 @@ def run(args: argparse.Namespace) -> int:
         if len(args.shards) < 2:
             raise ValueError("index needs SHARDS... DEST")
         args.dest = args.shards.pop()
-    manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite)
+    manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config)
     print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
     return 0

@@ -39,6 +39,17 @@ def parse_size(text: str) -> int:
 DEADLINE_HELP = "give up on a storage request after this long across its retries (default 60)"
 
 
+def writer_deadline_help(reads: str) -> str:
+    """``--deadline``'s help for a command that also writes: ``reads``, what it bounds; uploads are
+    retried by botocore (``StorageConfig``'s tries and timeouts), which the deadline does not bound."""
+    from shardstream.storage.config import DEFAULT_STORAGE
+
+    return (
+        f"give up on {reads} after this long across its retries (default {DEFAULT_STORAGE.deadline:g}); "
+        f"each upload is retried by botocore, up to {DEFAULT_STORAGE.max_attempts} tries"
+    )
+
+
 def add_storage_arguments(parser: argparse.ArgumentParser, *, deadline_help: str = DEADLINE_HELP) -> None:
     """The storage flags; ``deadline_help``: what ``--deadline`` bounds, where a command differs."""
     group = parser.add_argument_group("storage (S3 and other fsspec URLs)")

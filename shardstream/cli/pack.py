@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardstream.storage.config import DEFAULT_STORAGE
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
 
-from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from
+from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from, writer_deadline_help
 
 NAME = "pack"
 HELP = "pack a folder, a JSONL file or existing shards into tar shards with a manifest"
@@ -56,10 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_storage_arguments(
-        p,
-        deadline_help="give up on the destination check (one listing of the bucket, retried on transient failures) "
-        f"after this long (default {DEFAULT_STORAGE.deadline:g}); each upload request is retried by botocore, "
-        f"up to {DEFAULT_STORAGE.max_attempts} tries",
+        p, deadline_help=writer_deadline_help("a listing or read of the source (each item too) or the check of the destination (one listing)")
     )
 
 

@@ -18,9 +18,10 @@ import os
 import posixpath
 import sys
 import threading
+import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -30,6 +31,8 @@ from shardstream.errors import BucketNotFound, ConfigError, DestinationError, St
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import call
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -276,3 +279,28 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
         call(url, lambda: probe.ls(probe_path, refresh=True), config=config)
     except Exception as exc:
         raise destination_error(url, exc) from exc
+
+
+def storage_call(
+    url: str, fn: Callable[[Any, str], T], storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE
+) -> T:
+    """``fn(fs, path)`` for ``url`` under ``config``. On remote storage ``fs`` makes one try per
+    call (botocore's retries off, ``config``'s timeouts: ``StorageConfig.fs_options``) and the call
+    runs under shardstream's retry policy (``retry.call``): a transient failure (refused, timeout,
+    5xx, throttling) is retried with backoff while ``config.max_attempts`` and ``config.deadline``
+    allow, a permanent one fails at once, and either becomes a StorageError naming ``url``, the
+    cause, and the tries and time it took (a missing object: ``StorageNotFound``, a
+    FileNotFoundError). Local paths: ``fn`` runs once, its errors as they are."""
+    began = time.monotonic()
+    fs, path = get_fs(url, config.fs_options(storage_options, fsspec.utils.get_protocol(url)), config)
+    if is_local(fs):
+        return fn(fs, path)
+    return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began)
+
+
+def expand_retried(pattern: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[str]:
+    """``expand_urls`` under ``config``'s retry policy (a glob lists storage: ``storage_call``)."""
+    one_try = config.fs_options(storage_options, fsspec.utils.get_protocol(pattern))
+    from shardstream.storage.urls import expand_urls
+
+    return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config)

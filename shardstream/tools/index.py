@@ -10,6 +10,10 @@ Each shard's offsets go to a sidecar written before the manifest: ``SHARD.idx`` 
 under DEST, ``offsets/NNNNNN.idx`` under DEST for shards elsewhere (nothing is written beside
 shards shardstream does not own). ``upgrade_manifest`` turns a version-1 manifest (offsets
 inline) into version 2 the same way, without reading a shard.
+
+Both take ``config`` (a ``StorageConfig``): every listing, read and manifest load follows its
+retry policy and deadline (``upgrade_manifest``'s manifest also its ``allow_roots``), and the
+sidecars and the manifest are uploaded with its timeouts and tries.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from shardstream.format.compression import is_shard_name
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.scan import scan_shards
-from shardstream.storage.urls import PATTERN_CHARS, expand_urls
+from shardstream.storage.urls import PATTERN_CHARS
 
 
 def _canonical(url: str) -> str:
@@ -36,20 +42,34 @@ def _canonical(url: str) -> str:
     return os.path.abspath(url)
 
 
-def shard_urls(inputs: str | Sequence[str], storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Every shard URL the inputs name, in order, without repeats (see the module docstring)."""
+def _look(fs, path: str) -> tuple[str, Any]:
+    """What ``path`` is, with what it holds: ("dir", its files), ("file", its bytes) or ("none", None)."""
+    if fs.isdir(path):
+        return "dir", sorted(fs.find(path))
+    try:
+        return "file", fs.cat_file(path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return "none", None
+
+
+def shard_urls(
+    inputs: str | Sequence[str], storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE
+) -> list[str]:
+    """Every shard URL the inputs name, in order, without repeats (see the module docstring).
+    Listings and reads follow ``config`` (retries, deadline)."""
     urls: list[str] = []
     for source in [inputs] if isinstance(inputs, str) else inputs:
         if any(c in source for c in PATTERN_CHARS) or is_shard_name(source):
-            found = expand_urls(source, storage_options)
+            found = expand_retried(source, storage_options, config)
         else:
-            fs, path = storage.get_fs(source, storage_options)
-            if fs.isdir(path):
-                found = [storage.full_url(fs, p) for p in sorted(fs.find(path)) if is_shard_name(p)]
-            elif fs.isfile(path):  # a list of shard URLs or patterns
-                text = fs.cat_file(path).decode("utf-8")
+            what, held = storage_call(source, _look, storage_options, config)
+            if what == "dir":
+                fs, _ = storage.get_fs(source, storage_options, config)  # (names the files: no request)
+                found = [storage.full_url(fs, p) for p in held if is_shard_name(p)]
+            elif what == "file":  # a list of shard URLs or patterns
+                text = held.decode("utf-8")
                 lines = [line.strip() for line in text.splitlines()]
-                found = shard_urls([line for line in lines if line and not line.startswith("#")], storage_options)
+                found = shard_urls([line for line in lines if line and not line.startswith("#")], storage_options, config=config)
             else:
                 raise SourceError(source, "not found (expected shards, a pattern, a directory or a file listing shard URLs)")
         if not found:
@@ -59,37 +79,46 @@ def shard_urls(inputs: str | Sequence[str], storage_options: Mapping[str, Any] |
 
 
 def write_index(
-    pattern: str | Sequence[str], dest: str, *, storage_options: Mapping[str, Any] | None = None, threads: int = 8, overwrite: bool = False
+    pattern: str | Sequence[str],
+    dest: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    threads: int = 8,
+    overwrite: bool = False,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> tuple[Manifest, str]:
     """Index the shards that ``pattern`` names (one input or several) and write their manifest at
-    ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL."""
+    ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL.
+    ``config``: the storage policy of every listing, read and upload (see the module docstring)."""
     check_dataset_root(dest)
-    urls = shard_urls(pattern, storage_options)
+    urls = shard_urls(pattern, storage_options, config=config)
     url = dest if dest.endswith(".json") else storage.join(dest, MANIFEST_NAME)
-    fs, path = storage.get_fs(url, storage_options)
-    if fs.exists(path) and not overwrite:
+    if storage_call(url, lambda fs, path: fs.exists(path), storage_options, config) and not overwrite:
         raise DestinationError(f"{url} exists; pass --overwrite to replace it")
-    manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads)
+    manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads, config=config)
     canonical = _canonical(url)
     base = canonical.rsplit("/", 1)[0] + "/"
     manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]
     _place_sidecars(manifest)
-    write_manifest(manifest, url, storage_options)  # sidecars first, the manifest last
+    write_manifest(manifest, url, storage.bound_options(url, storage_options, config))  # sidecars first, the manifest last
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
     manifest.storage_options = dict(storage_options or {})
     return manifest, url
 
 
-def upgrade_manifest(source: str, *, storage_options: Mapping[str, Any] | None = None) -> tuple[Manifest, str, bool]:
+def upgrade_manifest(
+    source: str, *, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE
+) -> tuple[Manifest, str, bool]:
     """Rewrite a version-1 manifest as version 2 in place: sidecars from its inline offsets
     first, then the manifest (atomically). Returns ``(manifest, url, upgraded)``; a version-2
-    manifest is left alone (``upgraded`` False)."""
+    manifest is left alone (``upgraded`` False). ``config``: the storage policy (the manifest's
+    read, its ``allow_roots``, the uploads)."""
     url = manifest_url(source)
-    manifest = load_manifest(url, storage_options)
+    manifest = load_manifest(url, storage_options, config=config)
     if manifest.version >= 2:
         return manifest, url, False
     _place_sidecars(manifest)
-    write_manifest(manifest, url, storage_options)
+    write_manifest(manifest, url, storage.bound_options(url, storage_options, config))
     return manifest, url, True
 
 

@@ -5,6 +5,10 @@ order, by a path relative to DEST where the part lies under DEST (``DEST/day-01/
 its full URL. A shard listed twice (the same part given twice, overlapping parts) is refused.
 Version-1 parts get their sidecars written next to their shards first. The merged manifest is
 written last and atomically, like any other: DEST's dataset changes in one step.
+
+``config`` (a ``StorageConfig``): the parts' manifests are read under its retry policy and
+deadline and confined to their roots and its ``allow_roots``, DEST's probe is retried under it,
+and the manifest is uploaded with its timeouts and tries.
 """
 
 from __future__ import annotations
@@ -15,16 +19,24 @@ from typing import Any
 from shardstream.errors import DestinationError, ManifestError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.fs import storage_call
 from shardstream.write.writer import MAX_SKIPPED_LISTED
 
 
 def merge_datasets(
-    dest: str, parts: Sequence[str], *, storage_options: Mapping[str, Any] | None = None, overwrite: bool = False
+    dest: str,
+    parts: Sequence[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> tuple[Manifest, str]:
     """Write DEST's manifest listing the shards of ``parts`` in order; returns it and its URL.
 
     DEST may be one of the parts (its current shards come where it is listed): that is how a
-    dataset grows. Otherwise an existing manifest at DEST needs ``overwrite``.
+    dataset grows. Otherwise an existing manifest at DEST needs ``overwrite``. ``config``: the
+    storage policy (see the module docstring).
     """
     if not parts:
         raise ValueError("merge needs at least one part")
@@ -32,8 +44,7 @@ def merge_datasets(
     url = manifest_url(dest)
     base = url.rsplit("/", 1)[0]
     part_urls = [manifest_url(p) for p in parts]
-    fs, path = storage.get_fs(url, storage_options)
-    if fs.exists(path) and url not in part_urls and not overwrite:
+    if url not in part_urls and not overwrite and storage_call(url, lambda fs, path: fs.exists(path), storage_options, config):
         raise DestinationError(f"{url} already holds a dataset; list it as a part to grow it, or pass --overwrite")
     shards: list[ShardInfo] = []
     where: dict[str, str] = {}
@@ -42,7 +53,7 @@ def merge_datasets(
     label_counts: dict[str, int] | None = None
     skipped: dict[str, Any] = {"count": 0, "items": []}
     for n, part_url in enumerate(part_urls):
-        part = load_manifest(part_url, storage_options)
+        part = load_manifest(part_url, storage_options, config=config)
         if n == 0:
             label_map = part.label_map
             label_counts = dict(part.label_counts) if part.label_counts is not None else None
@@ -76,7 +87,7 @@ def merge_datasets(
                 )
             )
     manifest = Manifest(shards=shards, extensions=extensions, label_map=label_map, label_counts=label_counts, skipped=skipped)
-    write_manifest(manifest, url, storage_options)
+    write_manifest(manifest, url, storage.bound_options(url, storage_options, config))
     manifest.base_url = base
     manifest.storage_options = dict(storage_options or {})
     return manifest, url

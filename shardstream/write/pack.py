@@ -68,7 +68,8 @@ def _load_safe(item: Item):
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
     """``pack(src, dest, ...)`` packs a directory tree, JSONL file or shards (``pack_source``);
     ``pack(fn, inputs, dest, ...)`` packs what ``fn(input)`` returns or yields (``pack_fn``).
-    Both take ``config`` (a ``StorageConfig``) for the destination: see ``ShardWriter``."""
+    Both take ``config`` (a ``StorageConfig``): the storage policy of the destination (see
+    ``ShardWriter``) and, for ``pack_source``, of the source too."""
     if callable(source):
         if len(args) != 2:
             raise TypeError("pack(fn, inputs, dest, ...) takes the inputs and the destination")
@@ -107,15 +108,17 @@ def pack_source(
     (the reader's ``ErrorPolicy``: ``error_tolerance`` consecutive bad samples, None = no limit,
     raise TooManyErrors).
     ``progress(samples, bytes)`` is called after each written sample.
-    ``config`` is the storage policy of the destination (``ShardWriter``; under an ``executor`` it
-    goes with every shard task to the process that writes the shard).
+    ``config`` is the storage policy of both sides: the source's listing and every read of its
+    items (retries and ``deadline``; a shards source's manifest may list shards under
+    ``allow_roots``) and the destination (``ShardWriter``). It goes with the storage options to
+    every process that loads items (``workers``) or writes shards (under an ``executor``).
     """
     policy = ErrorPolicy(on_error, error_tolerance, log=False)  # raises ConfigError on a bad on_error
     check_dataset_root(dest)  # before the source is listed or anything is written
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
-    listing = list_source(src, kind, label_from_dir=label_from_dir, storage_options=storage_options)
+    listing = list_source(src, kind, label_from_dir=label_from_dir, storage_options=storage_options, config=config)
     if listing.errors and policy.on_error == "raise":
         where, what = listing.errors[0]
         more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
@@ -159,7 +162,7 @@ def pack_source(
     ) as writer:
         for where, what in listing.errors:
             writer.skip(where, what)
-        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options)):
+        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options, config)):
             try:
                 if not ok:
                     raise SourceError(a, b)
@@ -189,11 +192,11 @@ def pack_source(
     )
 
 
-def _init_worker(storage_options) -> None:
+def _init_worker(storage_options, config: StorageConfig = DEFAULT_STORAGE) -> None:
     """Pool workers leave Ctrl-C to the main process, which stops the pool and says what was
     committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_worker_storage_options(storage_options)
+    set_worker_storage_options(storage_options, config)
 
 
 def pack_fn(
@@ -342,9 +345,10 @@ def _pack_tasks(
     )
 
 
-def _load_all(items: list[Item], workers: int, storage_options):
-    """Yield load results in item order; with workers > 1 a process pool loads a bounded window."""
-    set_worker_storage_options(storage_options)
+def _load_all(items: list[Item], workers: int, storage_options, config: StorageConfig = DEFAULT_STORAGE):
+    """Yield load results in item order; with workers > 1 a process pool loads a bounded window.
+    Items are read with ``storage_options`` under ``config``, here and in every worker."""
+    set_worker_storage_options(storage_options, config)
     if workers == 1:
         for item in items:
             yield _load_safe(item)
@@ -357,7 +361,7 @@ def _load_all(items: list[Item], workers: int, storage_options):
     if main:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}),))
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}), config))
     finally:
         if main:  # a handler installed outside Python reads as None: the default stands in for it
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)

@@ -12,6 +12,12 @@ it) is fixed before any bytes are read; loading runs in worker processes. Kinds:
 
 An item is ``(where, payload)``; ``load_item`` turns it into ``(key, {ext: bytes})`` or raises
 SourceError naming ``where``.
+
+Listing and loading follow a ``StorageConfig`` (``list_source(config=)``, and in the processes that
+load, ``set_worker_storage_options(options, config)``): every listing, probe and read of remote
+storage is one try per call under shardstream's retry policy (``storage_call``, ``expand_retried``;
+shard ranges through ``storage.ranges``), so an unreachable source fails within ``config.deadline`` with the tries and
+time it took, and a shards source's manifest may list shards under ``config.allow_roots``.
 """
 
 from __future__ import annotations
@@ -27,20 +33,31 @@ from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import load_manifest
 from shardstream.format.tar import iter_samples, split_name
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.fs import expand_retried, storage_call
+from shardstream.storage.ranges import open_object, open_range
 from shardstream.storage.scan import scan_shard
-from shardstream.storage.urls import expand_urls, is_shard_pattern
+from shardstream.storage.urls import is_shard_pattern
 from shardstream.write.encode import check_key, encode_value
 
 Item = tuple[str, tuple]
 
 
-def detect_kind(src: str, storage_options: Mapping[str, Any] | None = None) -> str:
+def _is_file(fs, path: str) -> bool:
+    if storage.is_local(fs):
+        return fs.isfile(path)
+    try:  # not fs.isfile, which answers False for any failure (an unreachable endpoint too)
+        return fs.info(path)["type"] == "file"
+    except FileNotFoundError:
+        return False
+
+
+def detect_kind(src: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> str:
     if src.endswith(".jsonl") or src.endswith(".jsonl.gz"):
         return "jsonl"
     if is_shard_pattern(src):
         return "shards"
-    fs, path = storage.get_fs(src, storage_options)
-    if fs.isfile(storage.join(path, "index.json")):
+    if storage_call(storage.join(src, "index.json"), _is_file, storage_options, config):
         return "shards"
     return "dir"
 
@@ -55,27 +72,37 @@ class Listing:
         self.temp: Any = None  # a TemporaryDirectory holding decompressed copies of compressed shards (removed with the listing)
 
 
-def list_source(src: str, kind: str = "auto", *, label_from_dir: bool = False, storage_options: Mapping[str, Any] | None = None) -> Listing:
+def list_source(
+    src: str,
+    kind: str = "auto",
+    *,
+    label_from_dir: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    config: StorageConfig = DEFAULT_STORAGE,
+) -> Listing:
+    """The items of ``src`` (see the module docstring), listed under ``config``: its retry policy
+    and deadline for every listing and read, its ``allow_roots`` for a shards source's manifest."""
     if kind == "auto":
-        kind = detect_kind(src, storage_options)
+        kind = detect_kind(src, storage_options, config)
     if label_from_dir and kind != "dir":
         raise SourceError(src, "--label-from-dir needs a directory tree source")
     if kind == "dir":
-        return _list_dir(src, label_from_dir, storage_options)
+        return _list_dir(src, label_from_dir, storage_options, config)
     if kind == "jsonl":
-        return _list_jsonl(src, storage_options)
+        return _list_jsonl(src, storage_options, config)
     if kind == "shards":
-        return _list_shards(src, storage_options)
+        return _list_shards(src, storage_options, config)
     raise SourceError(src, f"unknown source kind {kind!r}")
 
 
 # -- directory trees ---------------------------------------------------------------------------
-def _list_dir(src: str, label_from_dir: bool, storage_options) -> Listing:
-    fs, root = storage.get_fs(src, storage_options)
-    if not fs.isdir(root):
+def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageConfig) -> Listing:
+    fs, root = storage.get_fs(src, storage_options, config)  # (names the files: no request)
+    found = storage_call(src, lambda fs, path: sorted(fs.find(path.rstrip("/"))) if fs.isdir(path) else None, storage_options, config)
+    if found is None:
         raise SourceError(src, "source is not a directory, a .jsonl file or tar shards")
     root = root.rstrip("/")
-    files = sorted(fs.find(root))
+    files: list[str] = found
     groups: dict[str, dict[str, str]] = {}
     errors: list[tuple[str, str]] = []
     bad: set[str] = set()
@@ -115,12 +142,15 @@ def _list_dir(src: str, label_from_dir: bool, storage_options) -> Listing:
 
 
 # -- JSONL ------------------------------------------------------------------------------------
-def _list_jsonl(src: str, storage_options) -> Listing:
-    fs, path = storage.get_fs(src, storage_options)
+def _list_jsonl(src: str, storage_options, config: StorageConfig) -> Listing:
     compression = "gzip" if src.endswith(".gz") else None
-    try:
+
+    def read(fs, path: str) -> list[str]:
         with fs.open(path, "rt", encoding="utf-8", compression=compression) as f:
-            lines = f.read().splitlines()
+            return f.read().splitlines()
+
+    try:
+        lines = storage_call(src, read, storage_options, config)
     except (FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
         raise SourceError(src, f"cannot read: {exc}") from exc
     base = src.rsplit("/", 1)[0] if "/" in src else "."
@@ -152,31 +182,32 @@ def _list_jsonl(src: str, storage_options) -> Listing:
 
 
 # -- existing shards ---------------------------------------------------------------------------
-def _list_shards(src: str, storage_options) -> Listing:
+def _list_shards(src: str, storage_options, config: StorageConfig) -> Listing:
     """Items of existing shards: one (url, start, end) byte range per sample. A compressed shard
     cannot be read by byte range, so it is decompressed once into a local temporary plain tar
-    that the items point to (removed when the listing is dropped)."""
+    that the items point to (removed when the listing is dropped). A dataset root's manifest is
+    confined to its root and ``config.allow_roots`` (``load_manifest``)."""
     items: list[Item] = []
     listing = Listing(items)
 
     def add(url: str, offsets: list[int] | None = None) -> None:
         source = url
         if shard_compression(url):
-            source = _decompressed_copy(url, storage_options, listing)
+            source = _decompressed_copy(url, storage_options, listing, config)
             offsets = None  # offsets of the copy are those of the decompressed stream: scanned below
         if offsets is None:
-            offsets = list(scan_shard(source, storage_options if source == url else None).offsets or ())
+            offsets = list(scan_shard(source, storage_options if source == url else None, config=config).offsets or ())
         for j in range(len(offsets) - 1):
             items.append((f"{url} sample #{j}", ("tar", source, offsets[j], offsets[j + 1])))
 
     if not is_shard_pattern(src):
-        manifest = load_manifest(src, storage_options)
+        manifest = load_manifest(src, storage_options, config=config)
         for i in range(len(manifest.paths)):
             url = manifest.shard_url(i)
             add(url, None if shard_compression(url) else manifest.offsets(i).tolist())
         listing.label_map = manifest.label_map
         return listing
-    urls = expand_urls(src, storage_options)
+    urls = expand_retried(src, storage_options, config)
     if not urls:
         raise SourceError(src, "no shards match")
     for url in urls:
@@ -184,28 +215,34 @@ def _list_shards(src: str, storage_options) -> Listing:
     return listing
 
 
-def _decompressed_copy(url: str, storage_options, listing: Listing) -> str:
+def _decompressed_copy(url: str, storage_options, listing: Listing, config: StorageConfig) -> str:
     if listing.temp is None:
         listing.temp = tempfile.TemporaryDirectory(prefix="shardstream-unpacked-")
     target = os.path.join(listing.temp.name, f"{len(os.listdir(listing.temp.name)):06d}.tar")
-    fs, path = storage.get_fs(url, storage_options)
     try:
-        with fs.open(path, "rb") as raw, open(target, "wb") as out:
-            read = decompressing(raw.read, url, shard_compression(url) or "")
-            while chunk := read(8 << 20):
-                out.write(chunk)
+        _, raw, close = open_object(url, storage_options, config=config)  # retried and resumed under config
     except FileNotFoundError:
         raise SourceError(url, "shard not found") from None
+    try:
+        with open(target, "wb") as out:
+            read = decompressing(raw, url, shard_compression(url) or "")
+            while chunk := read(8 << 20):
+                out.write(chunk)
+    finally:
+        close()
     return target
 
 
 # -- loading (runs in worker processes) ---------------------------------------------------------
 _STORAGE_OPTIONS: dict[str, Any] = {}
+_STORAGE_CONFIG: list[StorageConfig] = [DEFAULT_STORAGE]
 
 
-def set_worker_storage_options(options: Mapping[str, Any] | None) -> None:
+def set_worker_storage_options(options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> None:
+    """The storage options and policy ``load_item`` reads with, in this process."""
     _STORAGE_OPTIONS.clear()
     _STORAGE_OPTIONS.update(options or {})
+    _STORAGE_CONFIG[0] = config
 
 
 def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
@@ -225,16 +262,19 @@ def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
     raise SourceError(where, f"unknown item kind {kind!r}")
 
 
+def _cat(fs, path: str) -> bytes:
+    if storage.is_local(fs):
+        with open(path, "rb") as f:
+            return f.read()
+    return fs.cat_file(path)
+
+
 def _read_file(url: str, where: str, fs=None) -> bytes:
-    if fs is None:
-        fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
-    else:
-        path = url
+    """A whole file's bytes; ``fs``: a local filesystem ``url`` is a path on (no URL to resolve)."""
     try:
-        if storage.is_local(fs):
-            with open(path, "rb") as f:
-                return f.read()
-        return fs.cat_file(path)
+        if fs is not None and storage.is_local(fs):
+            return _cat(fs, url)
+        return storage_call(url, _cat, _STORAGE_OPTIONS, _STORAGE_CONFIG[0])
     except FileNotFoundError:
         raise SourceError(where, f"file not found: {url}") from None
     except PermissionError:
@@ -245,8 +285,8 @@ def _read_file(url: str, where: str, fs=None) -> bytes:
 
 def _load_dir(payload) -> tuple[str, dict[str, bytes]]:
     _, src, key, files, label = payload
-    fs, _ = storage.get_fs(src, _STORAGE_OPTIONS)
-    fields = {ext: _read_file(path, storage.full_url(fs, path), fs) for ext, path in files}
+    fs, _ = storage.get_fs(src, _STORAGE_OPTIONS, _STORAGE_CONFIG[0])  # (names the files: no request)
+    fields = {ext: _read_file(storage.full_url(fs, path), storage.full_url(fs, path), fs) for ext, path in files}
     if label is not None:
         fields["cls"] = str(label).encode("ascii")
     return key, fields
@@ -277,8 +317,16 @@ def _load_jsonl(where: str, payload) -> tuple[str, dict[str, bytes]]:
 
 def _load_tar(payload) -> tuple[str, dict[str, bytes]]:
     _, url, start, end = payload
-    fs, path = storage.get_fs(url, _STORAGE_OPTIONS)
-    data = storage.read_bytes(fs, path, start, end)
+    read_range, close = open_range(url, start, end, _STORAGE_OPTIONS, config=_STORAGE_CONFIG[0], hint="")  # retried and resumed under config
+    parts = []
+    left = end - start
+    try:
+        while left > 0 and (chunk := read_range(left)):  # (a local file's reader runs on to its end: ask for no more)
+            parts.append(bytes(chunk))
+            left -= len(chunk)
+    finally:
+        close()
+    data = b"".join(parts)
     pos = 0
 
     def read(n: int) -> bytes:

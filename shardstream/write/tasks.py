@@ -55,7 +55,7 @@ class ShardTask:
     fn: Callable[[Any], Any] | None = None  # None: units are listed source items
     on_error: str = "raise"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-    config: StorageConfig = DEFAULT_STORAGE  # the destination's storage policy (timeouts, upload tries)
+    config: StorageConfig = DEFAULT_STORAGE  # the storage policy: the destination's uploads, and the reads of listed items
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _short(value: Any) -> str:
 
 def write_shard(task: ShardTask) -> ShardResult:
     """Run one task (in a worker process, a Dask worker, or inline): build, publish, describe."""
-    set_worker_storage_options(task.storage_options)
+    set_worker_storage_options(task.storage_options, task.config)  # listed items are read under the task's policy
     fs, root = storage.get_fs(task.dest, task.storage_options, task.config)
     local = storage.is_local(fs)
     folder, _, base = task.name.rpartition("/")  # (a prefix directory: ``writer.shard_name``)
