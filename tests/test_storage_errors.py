@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import pickle
 import re
 import socket
@@ -154,8 +155,12 @@ def test_missing_local_shard_is_a_file_not_found_error_also_through_workers(tmp_
     with pytest.raises(FileNotFoundError, match=r"shard-000002.tar: not found \(it is listed in the manifest") as info:
         list(ds)
     assert isinstance(info.value, E.StorageNotFound) and info.value.url.endswith("shard-000002.tar")
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(E.StorageNotFound, match="shard-000002.tar: not found"):
         list(make_loader(ds, num_workers=2, pin_memory=False))
+    # The failed pass's workers are stopped as the error reaches the loop, not when its traceback is
+    # collected (then DataLoader's stop never reached them: 5 s per worker before it killed them).
+    assert {p.pid for p in multiprocessing.active_children()} <= before
 
 
 def test_cli_one_line_for_our_errors_traceback_for_bugs(tmp_path, capsys, monkeypatch):

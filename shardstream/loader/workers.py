@@ -285,17 +285,29 @@ def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first
                 return
             except RuntimeError as exc:
                 if not str(exc).startswith("DataLoader timed out"):
+                    _shut_down(batches)
                     raise
                 if left is not None and left <= STATUS_CHECK_S:
                     message = _late_worker(batches, stats, rank, bound or 0, time.monotonic() - started)
-                    if hasattr(batches, "_shutdown_workers"):
-                        batches._shutdown_workers()  # stopped now (terminated if they do not answer), not when collected
+                    _shut_down(batches)
                     raise WorkerTimeout(message) from None
+            except BaseException:  # a worker's exception, re-raised here; Ctrl-C
+                _shut_down(batches)
+                raise
         bound = timeout
         if semaphores is not None and all(_has_started(stats, i, w) for i, w in enumerate(workers)):
             unlink_semaphores(semaphores)
             semaphores = None
         yield batch
+
+
+def _shut_down(batches: Any) -> None:
+    """Stop a failed pass's workers now, while its queues are alive. Left to the iterator's
+    ``__del__``, they are stopped when the exception's traceback is collected, a reference cycle
+    in which the index queues are finalized first: the "stop" each worker is sent never reaches it,
+    and DataLoader waits 5 s for each one before killing it (10 s per failed pass with 2 workers)."""
+    if hasattr(batches, "_shutdown_workers"):
+        batches._shutdown_workers()
 
 
 def _has_started(stats: Any, index: int, proc: Any) -> bool:
