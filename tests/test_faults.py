@@ -5,6 +5,7 @@ order; permanent errors fail fast with what to check. Every test is bounded in t
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 from conftest import make_samples, write_dataset
@@ -123,3 +124,26 @@ def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, direct_get, cut):
     assert got == {s["__key__"]: s["bin"] for s in samples}  # every byte, none lost, none repeated
     assert proxy.counts["resets"] > 0 and stats["resumes"] > 0
     assert stats["bytes_read"] == int(ds.manifest.sizes.sum())  # each shard's bytes exactly once
+
+
+@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
+def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, direct_get):
+    """The sidecar a range inside a shard needs is read with the stream's StorageConfig (its tries,
+    deadline and timeouts), like the shard's bytes: here 2 tries of a store that throttles every
+    GET, where the default policy would make 8."""
+    from shardstream import StorageConfig
+    from shardstream.format.offsets import OFFSET_CACHE
+
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/sidecar-policy", 80, max_count=20, size=2000, storage_options=options)
+    OFFSET_CACHE.clear()
+    config = StorageConfig(direct_get=direct_get, max_attempts=2, backoff_base=0.001, backoff_cap=0.01)
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        # 3 ranks of 25 samples: rank 1 starts inside shard 1 (samples 5-20): its sidecar first
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(1, 3), store=Store(options={"endpoint_url": proxy.url}, config=config))
+        proxy.slowdown_every = 1  # from here every GET is answered 503 SlowDown
+        with pytest.raises(StorageError, match=r"shard-000001\.tar\.idx: .*offset sidecar.*after 2 tries"):
+            list(ds)
+    # each read of a sidecar (the range's opener and the parser may each try one) made 2 tries, not 8
+    sidecar_gets = Counter(p.split("?")[0] for method, p, _ in proxy.log if method == "GET" and p.split("?")[0].endswith(".idx"))
+    assert sidecar_gets and all(n % 2 == 0 and n < StorageConfig().max_attempts for n in sidecar_gets.values()), sidecar_gets

@@ -231,8 +231,11 @@ class Manifest:
         return self._resolve(self.sidecar_path(index))
 
     # -- offsets ---------------------------------------------------------------------------------
-    def offsets(self, i: int, storage_options: Mapping[str, Any] | None = None) -> np.ndarray:
-        """Shard ``i``'s ``samples + 1`` byte offsets (int64): inline, cached, or one sidecar read."""
+    def offsets(
+        self, i: int, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None
+    ) -> np.ndarray:
+        """Shard ``i``'s ``samples + 1`` byte offsets (int64): inline, cached, or one sidecar read
+        (under ``config``'s timeouts, retries and deadline, counted in ``counters``)."""
         inline = self._inline.get(i)
         if inline is not None:
             return inline
@@ -247,7 +250,7 @@ class Manifest:
                 # A range of one byte more than expected: one GET and no HEAD first, under the
                 # retry policy (in a DataLoader worker, through the same direct GETs as the shards'
                 # bytes), and a sidecar too long still shows.
-                data = read_head(url, sidecar_size(samples) + 1, options)
+                data = read_head(url, sidecar_size(samples) + 1, options, config=config, counters=counters)
             except StorageError as exc:
                 raise StorageError(
                     f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); run `shardstream verify` on the dataset"
@@ -257,11 +260,21 @@ class Manifest:
         sha = self.sha256(i) or f"{size}"
         return OFFSET_CACHE.get(f"{url}#{sha}", load)
 
-    def byte_range(self, i: int, start: int, stop: int, storage_options: Mapping[str, Any] | None = None) -> tuple[int, int]:
-        """Bytes ``[a, b)`` of shard ``i`` holding samples ``[start, stop)``; the whole shard needs no sidecar."""
+    def byte_range(
+        self,
+        i: int,
+        start: int,
+        stop: int,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        config: StorageConfig = DEFAULT_STORAGE,
+        counters: Any = None,
+    ) -> tuple[int, int]:
+        """Bytes ``[a, b)`` of shard ``i`` holding samples ``[start, stop)``; the whole shard needs no
+        sidecar, a range inside it reads the sidecar (``offsets``) under ``config``."""
         if start == 0 and stop == int(self.counts[i]):
             return int(self.spans[i, 0]), int(self.spans[i, 1])
-        offsets = self.offsets(i, storage_options)
+        offsets = self.offsets(i, storage_options, config=config, counters=counters)
         return int(offsets[start]), int(offsets[stop])
 
     # -- writing ---------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ class RangeSource:
             if self.verifies(rng):  # every byte of the object, so the hash covers the file
                 start, end = 0, size
             else:
-                start, end = m.byte_range(rng.shard, rng.start, rng.stop, self.storage_options)
+                start, end = m.byte_range(rng.shard, rng.start, rng.stop, self.storage_options, config=self.config, counters=self.counters)
             return open_range(url, start, end, self.storage_options, self.counters, config=self.config, cache=self.cache, shard_size=size, sha256=sha)
 
         return open_it
@@ -156,6 +156,7 @@ def read_range(
     verify: bool = False,
     keep_buffers: Container[str] = (),
     buffers: BufferPool | None = None,
+    config: StorageConfig = DEFAULT_STORAGE,
 ) -> Iterator[list[dict[str, Any]]]:
     """Yield the samples of one planned range, a list per read block; the count is checked
     against the manifest. ``read`` supplies the range's bytes (read-ahead); else it is opened.
@@ -168,19 +169,22 @@ def read_range(
 
     Large members (``format.tar.LARGE_MEMBER``) are read into buffers of their own (from
     ``buffers``, a pass's pool, when given); those of the extensions in ``keep_buffers`` stay
-    writable memoryviews for decoders that view them in place, all others are ``bytes``."""
+    writable memoryviews for decoders that view them in place, all others are ``bytes``. Storage
+    (the offset sidecar a range inside a shard needs; the range, if ``read`` is not given) is read
+    under ``config``."""
     shard = manifest.shards[rng.shard]
     url = manifest.shard_url(rng.shard)
     if rng.stop > shard.samples or rng.start < 0 or rng.start >= rng.stop:
         raise ValueError(f"range {rng} outside shard {url} of {shard.samples} samples")
-    start, end = manifest.byte_range(rng.shard, rng.start, rng.stop, storage_options)
+    start, end = manifest.byte_range(rng.shard, rng.start, rng.stop, storage_options, config=config, counters=counters)
     if verify and shard_compression(url):
         raise ValueError(f"verify while streaming does not cover compressed shards ({url}): use `shardstream verify`")
     if verify and not (rng.start == 0 and rng.stop == shard.samples and shard.sha256):
         raise ValueError(f"verify needs a whole-shard range with a sha256 in the manifest, got {rng} of {url}")
     close = None
     if read is None:
-        read, close = open_range(url, 0 if verify else start, shard.bytes if verify else end, storage_options, counters, shard_size=shard.bytes)
+        first, last = (0, shard.bytes) if verify else (start, end)
+        read, close = open_range(url, first, last, storage_options, counters, config=config, shard_size=shard.bytes)
     local = isinstance(read, FileReader)
     if local:
         read_size = min(read_size, LOCAL_READ)
@@ -275,6 +279,7 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                         counters=source.counters,
                         keep_buffers=source.keep_buffers,
                         buffers=source.buffers,
+                        config=source.config,
                     ):
                         delivered += len(chunk)
                         yield chunk
