@@ -106,11 +106,11 @@ def main() -> None:
         loader.load_state_dict(json.loads(saved["loader"]))  # one state for every rank, any world size
         start_epoch = loader.dataset.epoch
         if rank == 0:  # exactly or elastically, as the loader's workers will run it
-            print(f"resumed from {path}: {dataset.resume_plan(loader.num_workers).summary()}", flush=True)
+            say(f"resumed from {path}: {dataset.resume_plan(loader.num_workers).summary()}")
     if rank == 0:
         # The plan for the loader's workers. Without num_workers, plan() plans for the main process
         # (1 worker) and, with a state loaded, adds how that process would resume: elastically.
-        print(dataset.plan(num_workers=loader.num_workers).summary(), flush=True)
+        say(dataset.plan(num_workers=loader.num_workers).summary())
 
     step = 0
     for epoch in range(start_epoch, args.epochs):
@@ -144,16 +144,21 @@ def main() -> None:
         counts = torch.tensor([batches], dtype=torch.int64)
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
-        print(
+        say(
             f"[rank {rank}] epoch {epoch}: {batches} batches, {samples} samples, {samples / elapsed:.0f} samples/s, "
             f"waited {wait:.2f}s for data ({100 * wait / elapsed:.0f}%), loss {float(loss_sum) / max(batches, 1):.3f}, "
-            f"acc {correct / max(samples, 1):.2f}",
-            flush=True,
+            f"acc {correct / max(samples, 1):.2f}"
         )
         if rank == 0:
             per_rank = [int(g) for g in gathered]
-            print(f"epoch {epoch}: batches per rank {per_rank} ({'equal' if len(set(per_rank)) == 1 else 'UNEQUAL'})", flush=True)
+            say(f"epoch {epoch}: batches per rank {per_rank} ({'equal' if len(set(per_rank)) == 1 else 'UNEQUAL'})")
     dist.destroy_process_group()
+
+
+def say(line: str) -> None:
+    """One line in one write: ranks share the terminal, and with unbuffered output (PYTHONUNBUFFERED)
+    print writes the text and its newline apart, so two ranks' lines could run together."""
+    print(line + "\n", end="", flush=True)
 
 
 if __name__ == "__main__":
