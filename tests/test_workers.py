@@ -241,6 +241,34 @@ STARTED_SCRIPT = textwrap.dedent("""
 """)
 
 
+WARM_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from multiprocessing import forkserver
+    from shardstream import ShardStream, make_loader
+
+    if __name__ == "__main__":
+        ds = ShardStream(sys.argv[1], batch_size=10)
+        loader = make_loader(ds, num_workers=2, start_method="forkserver")
+        deadline = time.monotonic() + 120
+        while forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # nothing iterates the loader meanwhile
+        up = forkserver._forkserver._forkserver_pid is not None
+        print(up, len([k for b in loader for k in b["__key__"]]), flush=True)
+""")
+
+
+def test_make_loader_starts_the_forkserver_before_the_first_pass(tmp_path, dataset):
+    """Its start (a new interpreter importing torch) overlaps the script's own set-up instead of
+    the first batch; the pass then uses it. In a process of its own: none is running there yet."""
+    script = tmp_path / "warm.py"
+    script.write_text(WARM_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), dataset], capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "120"], (out.stdout, out.stderr)
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_workers_die_with_their_rank_after_kill_9_and_leave_no_semaphore(tmp_path, dataset, method):
     script = tmp_path / "rank.py"

@@ -124,6 +124,30 @@ def context(method: str) -> Any:
     return multiprocessing.get_context(method)
 
 
+def warm_forkserver() -> threading.Thread | None:
+    """Start the forkserver's server now, in a background thread, if it is not running: it takes
+    1.4-2.1 s (a new interpreter importing torch and shardstream), which ``make_loader`` then
+    overlaps with what the script does before its first pass (building the model, wrapping it in
+    DDP, loading a checkpoint) instead of adding it to the first batch. The first pass waits for
+    it if it is not up yet; a failure here is left to that pass, which starts the server again and
+    raises what it raises. Returns the thread (None: already running)."""
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return None
+    context("forkserver")  # its preload list, before the server starts
+
+    def start() -> None:
+        try:
+            forkserver.ensure_running()
+        except Exception:  # noqa: BLE001 - the pass starts it again and reports
+            logger.debug("shardstream: the forkserver did not start ahead of the first pass", exc_info=True)
+
+    thread = threading.Thread(target=start, name="shardstream-forkserver-start", daemon=True)
+    thread.start()
+    return thread
+
+
 def check_picklable(method: str, why: str, **parts: Any) -> None:
     """Workers that are not forked receive the dataset and the loader's functions pickled: say which
     part cannot be, and what to do, before any worker starts."""
