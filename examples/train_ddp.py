@@ -57,7 +57,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         tmp = f"{path}.tmp"
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "loader": json.dumps(loader_state)}, tmp)
         os.replace(tmp, path)
-    dist.barrier()  # nobody runs ahead of a checkpoint that is not yet written
+    # nobody runs ahead of a checkpoint that is not yet written (nccl: on this rank's GPU)
+    if torch.cuda.is_available():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
 
 
 def main() -> None:
@@ -141,7 +145,7 @@ def main() -> None:
         # counts/gathered stay referenced until main() returns, after destroy_process_group: with
         # gloo, a worker thread that drops the last reference to a collective's Python tensors
         # while the interpreter exits aborts the process (torch 2.13).
-        counts = torch.tensor([batches], dtype=torch.int64)
+        counts = torch.tensor([batches], dtype=torch.int64, device=device)  # nccl gathers device tensors only
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
         say(
