@@ -147,3 +147,25 @@ def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, direct_g
     # each read of a sidecar (the range's opener and the parser may each try one) made 2 tries, not 8
     sidecar_gets = Counter(p.split("?")[0] for method, p, _ in proxy.log if method == "GET" and p.split("?")[0].endswith(".idx"))
     assert sidecar_gets and all(n % 2 == 0 and n < StorageConfig().max_attempts for n in sidecar_gets.values()), sidecar_gets
+
+
+def test_show_reads_its_samples_under_its_storage_config(s3):
+    """``shardstream show`` (tools.preview) reads samples, and looks for a key, with the command's
+    StorageConfig: 2 tries of a store that throttles every GET, not the default 8."""
+    from shardstream import StorageConfig
+    from shardstream.format.manifest import load_manifest
+    from shardstream.format.offsets import OFFSET_CACHE
+    from shardstream.tools.preview import find_key, iter_dataset_samples
+
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/show-policy", 20, max_count=10, size=500, storage_options=options)
+    OFFSET_CACHE.clear()
+    config = StorageConfig(max_attempts=2, backoff_base=0.001, backoff_cap=0.01)
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        proxied = {"endpoint_url": proxy.url}
+        manifest = load_manifest(url, proxied, config=config)
+        proxy.slowdown_every = 1  # from here every GET is answered 503 SlowDown
+        with pytest.raises(StorageError, match="after 2 tries"):
+            next(iter_dataset_samples(manifest, proxied, config=config))
+        with pytest.raises(StorageError, match="after 2 tries"):
+            find_key(manifest, "no-such-key", proxied, config=config)

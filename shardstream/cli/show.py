@@ -29,14 +29,15 @@ def run(args: argparse.Namespace) -> int:
     from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
-    manifest = load_manifest(args.url, options, config=storage_config_from(args))
+    config = storage_config_from(args)
+    manifest = load_manifest(args.url, options, config=config)
     if args.key is not None:
-        sample = find_key(manifest, args.key, options)
+        sample = find_key(manifest, args.key, options, config=config)
         if sample is None:
             raise ShardstreamError(f"no sample with key {args.key!r} in {args.url}")
         samples = [sample]
     else:
-        samples = list(itertools.islice(iter_dataset_samples(manifest, options), max(0, args.n)))
+        samples = list(itertools.islice(iter_dataset_samples(manifest, options, config=config), max(0, args.n)))
     for sample in samples:
         print(f"{sample['__key__']}  ({sample['__url__']})")
         for ext, data in sample.items():

@@ -20,15 +20,18 @@ from shardstream.format.tar import BLOCK
 from shardstream.pipeline.read import read_range
 from shardstream.plan.epoch import Range
 from shardstream.storage import fs as storage
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 PROBE_BYTES = 3 * BLOCK  # a pax or long-name header, then the member's own header
 
 
-def iter_dataset_samples(manifest: Manifest, storage_options: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+def iter_dataset_samples(
+    manifest: Manifest, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE
+) -> Iterator[dict[str, Any]]:
     """Every sample in manifest order, undecoded."""
     for i, shard in enumerate(manifest.shards):
         if shard.samples:
-            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options):
+            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options, config=config):
                 yield from chunk
 
 
@@ -63,26 +66,28 @@ def _first_name(data: bytes) -> str | None:
     return None
 
 
-def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-    """The sample with ``key``, reading only each sample's first header block(s) until found."""
+def find_key(
+    manifest: Manifest, key: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE
+) -> dict[str, Any] | None:
+    """The sample with ``key``, reading only each sample's first header block(s) until found
+    (every read under ``config``'s retry policy and deadline)."""
     from shardstream.format.tar import split_name
 
     for i, shard in enumerate(manifest.shards):
         url = manifest.shard_url(i)
         if shard_compression(url):  # no ranged reads into a compressed stream: read it through
-            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options) if shard.samples else ():
+            for chunk in read_range(manifest, Range(i, 0, shard.samples), storage_options=storage_options, config=config) if shard.samples else ():
                 for sample in chunk:
                     if sample["__key__"] == key:
                         return sample
             continue
-        fs, path = storage.get_fs(url, storage_options)
-        offsets = manifest.offsets(i, storage_options).tolist() if shard.samples else [0]
+        offsets = manifest.offsets(i, storage_options, config=config).tolist() if shard.samples else [0]
         starts = offsets[:-1]
         ends = [min(a + PROBE_BYTES, b) for a, b in zip(offsets[:-1], offsets[1:])]
         for batch_start in range(0, len(starts), 1000):
             s, e = starts[batch_start : batch_start + 1000], ends[batch_start : batch_start + 1000]
             try:
-                heads = fs.cat_ranges([path] * len(s), s, e)
+                heads = storage.storage_call(url, _heads(s, e), storage_options, config)
             except FileNotFoundError as exc:
                 raise ShardstreamError(f"{url}: shard not found (listed in the manifest)") from exc
             for j, head in enumerate(heads):
@@ -90,10 +95,19 @@ def find_key(manifest: Manifest, key: str, storage_options: Mapping[str, Any] | 
                 k = split_name(name)[0] if name else None
                 if k == key or name is None:
                     index = batch_start + j
-                    ((sample,),) = list(read_range(manifest, Range(i, index, index + 1), storage_options=storage_options))
+                    ((sample,),) = list(read_range(manifest, Range(i, index, index + 1), storage_options=storage_options, config=config))
                     if sample["__key__"] == key:
                         return sample
     return None
+
+
+def _heads(starts: list[int], ends: list[int]) -> Any:
+    """``fn(fs, path)`` reading bytes [starts[k], ends[k]) of one object, all in one call."""
+
+    def read(fs: Any, path: str) -> list[Any]:
+        return fs.cat_ranges([path] * len(starts), starts, ends)
+
+    return read
 
 
 def describe_field(ext: str, data: bytes, width: int = 60) -> str:
