@@ -169,16 +169,16 @@ def _relative_to(base: str, path: str) -> str:
     return f"{protocol}://{posixpath.normpath(posixpath.join(rest, path))}"
 
 
-def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None) -> list[Source] | None:
-    fs, path = storage.get_fs(url, storage_options)
+def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[Source] | None:
+    """The sources a mix file lists (None: the file is not a mix), read under ``config``."""
     try:
-        raw = storage.read_bytes(fs, path)
+        raw = storage.storage_call(url, lambda fs, path: fs.cat_file(path), storage_options, config)
     except StorageError as exc:
         raise ConfigError(f"{url}: cannot read the mix file ({exc})") from exc
     return parse_mix(raw, url)
 
 
-def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: Any) -> Mix | None:
+def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: Any, config: StorageConfig = DEFAULT_STORAGE) -> Mix | None:
     """A Mix when ``source`` is a Source, a list of Sources or a mix file URL; None otherwise.
 
     ``resolve(url, storage_options)`` turns one source's URL into its manifest (the stream's own
@@ -191,7 +191,7 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: An
     elif isinstance(source, Sequence) and not isinstance(source, str) and any(isinstance(s, Source) for s in source):
         raise ConfigError("a mix is a list of Source values only; wrap every dataset in Source(...)")
     elif isinstance(source, str) and is_mix_url(source):
-        found = read_mix_file(source, storage_options)
+        found = read_mix_file(source, storage_options, config)
         if found is None:
             return None
         sources = found
@@ -246,7 +246,7 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
 
 def open_sources(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Mix:
     """Every stream's sources as a Mix: a mix as given, or a single dataset as a mix of one."""
-    mix = open_mix(source, storage_options, lambda src, options: resolve_manifest(src, options, config))
+    mix = open_mix(source, storage_options, lambda src, options: resolve_manifest(src, options, config), config)
     if mix is not None:
         return mix
     manifest = load_source(source, storage_options, config)

@@ -276,6 +276,8 @@ DEAD_SOURCE_COMMANDS = {
     "pack a dataset": ["pack", "s3://bkt/ds", "{tmp}/packed", "--no-progress"],  # the source's kind (its index.json)
     "pack a glob": ["pack", "s3://bkt/ds/*.tar", "{tmp}/packed", "--no-progress"],  # the glob's listing
     "pack a jsonl": ["pack", "s3://bkt/items.jsonl", "{tmp}/packed", "--no-progress"],  # the JSONL file
+    "ls a mix file": ["ls", "s3://bkt/mix.yaml"],  # the mix file
+    "bench a mix file": ["bench", "s3://bkt/mix.yaml", "--workers", "0", "--seconds", "1"],  # the mix file
 }
 
 

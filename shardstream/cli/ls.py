@@ -45,11 +45,12 @@ def run(args: argparse.Namespace) -> int:
     from shardstream.format.manifest import load_manifest, manifest_url
     from shardstream.sources import is_mix_url, open_mix
 
+    config = storage_config_from(args)
     if is_mix_url(args.url):
-        mix = open_mix(args.url, storage_options_from(args), load_manifest)
+        mix = open_mix(args.url, storage_options_from(args), lambda url, options: load_manifest(url, options, config=config), config)
         if mix is not None:
             return show_mix(args, mix)
-    manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
+    manifest = load_manifest(args.url, storage_options_from(args), config=config)
     summary = {
         "manifest": manifest_url(args.url),
         "shards": len(manifest.shards),
