@@ -18,8 +18,10 @@ EPILOG = """examples:
 
 --world/--workers: the GET requests an epoch makes on that many ranks with that many DataLoader
 workers each (one per shard range, plus offset sidecars), per second when every rank reads --rate
-bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per prefix. For a mix
-file: every remote source's GETs and their sum, over all its sources' prefixes.
+bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per prefix. A dataset
+on local disk is counted as if its shards were on S3 (what it would make once uploaded). For a mix
+file: every remote source's GETs and their sum, over all its sources' prefixes (as the stream
+reads it: local sources make none).
 """
 
 
