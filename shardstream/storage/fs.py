@@ -261,8 +261,8 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
 
     ``fs`` is the destination's filesystem (``get_fs``) and ``storage_options`` the options it was
     made with. The check is one listing of the bucket under shardstream's retry policy
-    (``retry.call``), on a filesystem of the same options that makes one try per call (botocore's
-    retries off, as for reads: ``StorageConfig.fs_options``): a permanent failure (no such bucket,
+    (``storage_call``: a filesystem of the same options that makes one try per call, as for
+    reads, and ``retry.call`` around it): a permanent failure (no such bucket,
     denied, no credentials) fails at once, a transient one (refused, timeout, 5xx, throttling) is
     retried with backoff while ``config.max_attempts`` and ``config.deadline`` allow, and the error
     says how many tries were made in how long."""
@@ -274,9 +274,7 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
     bucket = path.split("/", 1)[0]
     url = full_url(fs, bucket)
     try:
-        # One try per call: its own filesystem instance (fsspec keys instances by their options).
-        probe, probe_path = get_fs(url, config.fs_options(storage_options, fsspec.utils.get_protocol(url)), config)
-        call(url, lambda: probe.ls(probe_path, refresh=True), config=config)
+        storage_call(url, lambda probe, bucket_path: probe.ls(bucket_path, refresh=True), storage_options, config)
     except Exception as exc:
         raise destination_error(url, exc) from exc
 
