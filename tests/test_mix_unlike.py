@@ -207,6 +207,36 @@ def test_per_source_transforms_give_unlike_sources_one_shape(sets, workers):
             assert (txt, has, chars) == (f"CAPTION {n}", True, len(f"caption {n}"))
 
 
+class SeededTag:
+    """A seeded per-source transform: it records what ShardStream binds (epoch, then each sample's name)."""
+
+    def __init__(self, tag):
+        self.tag, self.epoch, self.name = tag, None, None
+
+    def bind(self, epoch, rank, worker):
+        self.epoch = epoch
+
+    def bind_sample(self, name):
+        self.name = name
+
+    def __call__(self, sample):
+        sample["seeded"] = f"{self.tag}:{self.epoch}:{self.name}"
+        return {name: value for name, value in sample.items() if name in ("__key__", "__url__", "cls", "seeded")}
+
+
+def test_per_source_transforms_are_bound_per_epoch_and_sample_in_workers(sets):
+    img, cap = sets
+    ds = ShardStream(
+        [Source(img, name="img", transform=SeededTag("i")), Source(cap, name="cap", transform=SeededTag("c"))], batch_size=4, world=World(0, 1)
+    )
+    ds.set_epoch(3)
+    batches = list(make_loader(ds, num_workers=2, log_interval=None, pin_memory=False))
+    for b in batches:
+        for source, key, url, seeded in zip(b["__source__"], b["__key__"], b["__url__"], b["seeded"]):
+            assert seeded == f"{source[0]}:3:{url.rsplit('/', 1)[-1]}/{key}"  # its own source's function, bound to (epoch, sample)
+    assert sum(len(b["__key__"]) for b in batches) == 24
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_mix_files_name_per_source_transforms(sets, tmp_path, suffix):
     img, cap = sets
