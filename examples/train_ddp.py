@@ -19,6 +19,12 @@ instead of one dataset, and ``--steps N`` makes every loader epoch N steps on ev
 from data epochs back to back; ``--epochs`` then counts those. A restart on another world size
 yields the rest of the interrupted epoch's N steps on every rank, finishing the interrupted data
 epoch first.
+
+Unlike datasets: images may be .jpg, .png or .webp, read as one field (``Decode(alias={"image":
+"jpg;png;webp"})``), so an ImageFolder of mixed files and a mix of a .jpg set and a .png set both
+train. The sources of a mix may have other fields besides (a caption set's json and txt): their
+batches hold the union of the fields, which this loop ignores. A mix file may map a source's
+samples with ``transform: module:function`` (importable on every rank: PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ def main() -> None:
         batch_size=args.batch_size,
         seed=0,
         shuffle=shardstream.Shuffle(500),
+        decode=shardstream.Decode(alias={"image": "jpg;png;webp"}),  # one field, whichever a sample has
         store=shardstream.Store(options=options),
         schedule=shardstream.Schedule(steps=args.steps),
     )
@@ -126,7 +133,7 @@ def main() -> None:
         batches_in = shardstream.to_device(loader, device)
         for batch in batches_in:
             wait += time.perf_counter() - tick
-            images = batch["png"].float().div_(255) if "png" in batch else batch["jpg"].float().div_(255)
+            images = batch["image"].float().div_(255)
             labels = batch["cls"]
             logits = model(images)
             loss = F.cross_entropy(logits, labels)

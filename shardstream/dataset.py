@@ -36,7 +36,7 @@ from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
-from shardstream.sources import Mix, Source, open_sources, plan_sources
+from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.requests import with_requests
@@ -100,6 +100,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shuffler: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.shuffle = self.shuffler is not None
         self.transform, self.collate = transform, collate or default_collate
+        self._transform = source_transforms(self.sources, transform)  # a mix's per-source transforms, then this one
         self.on_error = OnError.of(on_error)
         manifests = self.sources.manifests
         # The documented default (options.Read): read-ahead where any shard is on remote storage.
@@ -109,7 +110,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decode = Decode.of(decode)
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
-        self.decoder = Decoder(decoders, self.decode.required)
+        self.decoder = Decoder(decoders, self.decode.required, self.decode.alias)
         self._run = RunPlan(
             plan_sources(self.sources),
             RunSettings(  # settings that cannot work fail here
@@ -211,7 +212,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         part = plan.worker(rank, worker)
         if worker == 0 and rank == 0:
             logger.info("%s", plan.summary())
-        for fn in (*self.decoder.decoders.values(), self.transform):
+        for fn in (*self.decoder.decoders.values(), self._transform):
             if fn is not None and hasattr(fn, "bind"):  # seeded augmentation: reproducible per (epoch, rank, worker)
                 fn.bind(epoch, rank, worker)
         counters = self._stats.counters(worker)
@@ -225,7 +226,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             lambda i, ranges: read_ranges(sources[i], ranges, policy=policy),
             lambda i, ranges: read_scattered(sources[i], ranges, policy=policy),
         )
-        decoder, transform = bind_per_sample(self.decoder, self.transform)
+        decoder, transform = bind_per_sample(self.decoder, self._transform)
         samples = decode_samples(samples, decoder, policy)
         filtered = [0]
         if transform is not None:

@@ -4,7 +4,7 @@ The common call stays one line, ``ShardStream(root, batch_size=64)``; a group of
 travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
 
     Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
-    Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True)
+    Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True, alias=None)
     OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
     Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
     Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False, readahead_threads=1)
@@ -16,7 +16,7 @@ Every value checks itself when built, so a bad option is a ConfigError at the ca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +67,11 @@ class Decode:
     ``image``: ``"tensor"`` (uint8 CHW), ``"numpy"`` (HWC) or ``"pil"``. ``draft_size``: ``(w, h)``,
     decode JPEGs at the smallest 1/2..1/8 scale still covering it. ``required``: extensions every
     sample must have; a sample without one is a SampleError (raised, or skipped and counted under
-    ``OnError("skip")``).
+    ``OnError("skip")``). ``alias``: ``{name: "jpg;png;webp"}`` (or a list of extensions), one
+    field ``name`` for whichever of them a sample has: once decoded, the first of them present (in
+    the order given) is renamed ``name`` and the others present are dropped, as webdataset's
+    ``rename(image="jpg;png")``; an ImageFolder of .jpg and .png files then batches as one field.
+    ``required`` may name an alias (any of its extensions meets it).
     """
 
     decoders: Mapping[str, Callable[[bytes], Any]] | None = None
@@ -75,6 +79,7 @@ class Decode:
     draft_size: tuple[int, int] | None = None
     required: tuple[str, ...] = ()
     defaults: bool = True
+    alias: Mapping[str, str | Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
         if self.image not in IMAGE_MODES:
@@ -87,6 +92,8 @@ class Decode:
             if not isinstance(self.decoders, Mapping):
                 raise ConfigError(f"Decode(decoders=...) must map extensions to functions, got {type(self.decoders).__name__}")
             object.__setattr__(self, "decoders", dict(self.decoders))
+        if self.alias is not None:
+            object.__setattr__(self, "alias", _check_alias(self.alias))
 
     @classmethod
     def of(cls, value: bool | Mapping[str, Callable[[bytes], Any]] | Decode) -> Decode:
@@ -98,6 +105,26 @@ class Decode:
         if isinstance(value, Mapping):
             return cls(decoders=value)
         raise ConfigError(f"decode must be True, False, a dict {{ext: fn}} or a Decode(...), got {type(value).__name__}")
+
+
+def _check_alias(alias: Any) -> dict[str, tuple[str, ...]]:
+    """``{name: "jpg;png"}`` or ``{name: ["jpg", "png"]}`` -> ``{name: ("jpg", "png")}``, checked."""
+    if not isinstance(alias, Mapping):
+        raise ConfigError(f'Decode(alias=...) maps a field name to its alternatives, e.g. {{"image": "jpg;png"}}, got {type(alias).__name__}')
+    out: dict[str, tuple[str, ...]] = {}
+    owner: dict[str, str] = {}
+    for name, alts in alias.items():
+        if not isinstance(name, str) or not name or name.startswith("__"):
+            raise ConfigError(f"Decode(alias=...): {name!r} is not a field name (a non-empty string not starting with '__')")
+        parts = alts.split(";") if isinstance(alts, str) else list(alts) if isinstance(alts, Sequence) else None
+        if not parts or not all(isinstance(p, str) and p and p.strip() == p and not p.startswith("__") for p in parts):
+            raise ConfigError(f'Decode(alias={{{name!r}: ...}}) lists the extensions it stands for, e.g. "jpg;png;webp", got {alts!r}')
+        for ext in parts:
+            if ext in owner and owner[ext] != name:
+                raise ConfigError(f"Decode(alias=...): extension {ext!r} is an alternative of both {owner[ext]!r} and {name!r}")
+            owner[ext] = name
+        out[name] = tuple(dict.fromkeys(parts))
+    return out
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,15 @@ A mix file::
         storage_options: {endpoint_url: "http://127.0.0.1:9000"}
       - url: ../curated                  # relative to the mix file's directory
         weight: 0.3
+        transform: mypackage.data:to_common   # this source's samples, mapped before the stream's transform
 
 A plain list of such entries is accepted too. A ``.yaml``/``.yml`` URL, or a ``.json`` URL other
 than ``index.json`` whose document has ``sources``, is read as a mix file wherever a dataset URL
 is accepted.
+
+A source's ``transform`` (a function, or ``"module:function"`` imported when the stream is built)
+maps that source's decoded samples to the mix's common shape before the stream's own transform:
+``source_transforms`` wraps them, by ``__source__``, in one picklable callable.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import importlib
 import json
 import logging
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,14 +45,22 @@ from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)
 
-MIX_KEYS = ("url", "weight", "repeat", "samples", "name", "storage_options")
+MIX_KEYS = ("url", "weight", "repeat", "samples", "name", "storage_options", "transform")
 
 
 @dataclass(frozen=True, eq=False)
 class Source:
     """One dataset of a mix and what it asks of every epoch: ``weight`` (share among the weighted
     sources), ``repeat`` (passes per epoch, fractional allowed) or ``samples`` (per epoch); with
-    none of them, ``repeat=1``. ``storage_options`` default to the stream's."""
+    none of them, ``repeat=1``. ``storage_options`` default to the stream's.
+
+    ``transform``: a function of one decoded sample of this source (a dict with ``__source__``),
+    applied before the stream's ``transform``, to give unlike sources one shape (rename fields,
+    fill in missing ones); None drops the sample, as the stream's transform does. A dict it returns
+    keeps ``__source__``. Given as ``"module:function"`` (what a mix file writes) it is imported
+    when the stream is built. It must pickle for DataLoader workers: a module-level function or a
+    class instance, not a lambda.
+    """
 
     url: str | Sequence[str] | Manifest
     weight: float | None = None
@@ -55,6 +68,11 @@ class Source:
     samples: int | None = None
     storage_options: Mapping[str, Any] | None = None
     name: str | None = None
+    transform: Callable[[dict[str, Any]], Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.transform is not None and not callable(self.transform) and not _is_spec(self.transform):
+            raise ConfigError(f"Source(transform=...) is a function or a 'module:function' string, got {self.transform!r}")
 
     def ask(self) -> Ask:
         if self.weight is None and self.repeat is None and self.samples is None:
@@ -70,6 +88,83 @@ class Source:
         if isinstance(self.url, Manifest):
             return self.url.base_url or "manifest"
         return ",".join(self.url)
+
+
+def _is_spec(value: Any) -> bool:
+    return isinstance(value, str) and value.count(":") == 1 and all(part.strip() for part in value.split(":"))
+
+
+def import_transform(spec: str) -> Callable[[Any], Any]:
+    """The function ``"module:function"`` names (``function`` may be dotted: ``"pkg.mod:Class.method"``)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"transform {spec!r}: cannot import {module_name!r} ({exc}); is it on the Python path (PYTHONPATH)?") from exc
+    for part in attr.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            raise ConfigError(f"transform {spec!r}: module {module_name!r} has no {attr!r}") from None
+    if not callable(found):
+        raise ConfigError(f"transform {spec!r} names a {type(found).__name__}, not a function")
+    return found
+
+
+class SourceTransforms:
+    """Each sample through its source's transform (by ``__source__``), then the stream's.
+
+    A class, not a closure, so it pickles for spawned and forkserver workers (with the functions it
+    holds). ``bind`` reaches every function that has one (seeded augmentation)."""
+
+    def __init__(self, by_source: Mapping[str, Callable[[Any], Any]], then: Callable[[Any], Any] | None = None):
+        self.by_source = dict(by_source)
+        self.then = then
+
+    def __call__(self, sample: Any) -> Any:
+        fn = self.by_source.get(sample.get("__source__"))
+        if fn is not None:
+            source = sample["__source__"]
+            sample = fn(sample)
+            if sample is None:
+                return None
+            if isinstance(sample, dict) and "__source__" not in sample:
+                sample["__source__"] = source
+        return sample if self.then is None else self.then(sample)
+
+    def _functions(self) -> list[Any]:
+        return [*self.by_source.values(), *([self.then] if self.then is not None else [])]
+
+    def bind(self, epoch: int, rank: int, worker: int) -> None:
+        for fn in self._functions():
+            if hasattr(fn, "bind"):
+                fn.bind(epoch, rank, worker)
+
+
+class KeyedSourceTransforms(SourceTransforms):
+    """SourceTransforms of which some function takes ``bind_sample`` (per-sample seeding)."""
+
+    def bind_sample(self, name: str) -> None:
+        for fn in self._functions():
+            if hasattr(fn, "bind_sample"):
+                fn.bind_sample(name)
+
+
+def source_transforms(mix: Mix, then: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """The transform a stream applies to each decoded sample: ``then`` (the stream's) alone when no
+    source has its own, else a SourceTransforms (``"module:function"`` specs imported here)."""
+    by_source = {}
+    for name, s in zip(mix.names, mix.sources):
+        if s.transform is None:
+            continue
+        try:
+            by_source[name] = import_transform(s.transform) if isinstance(s.transform, str) else s.transform
+        except ConfigError as exc:
+            raise ConfigError(f"mix source {name!r}: {exc}") from exc
+    if not by_source:
+        return then
+    keyed = any(hasattr(fn, "bind_sample") for fn in [*by_source.values(), then])
+    return (KeyedSourceTransforms if keyed else SourceTransforms)(by_source, then)
 
 
 @dataclass
@@ -142,6 +237,9 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
         options = entry.get("storage_options")
         if options is not None and not isinstance(options, dict):
             raise ConfigError(f"{where}: storage_options must be a mapping, got {options!r}")
+        transform = entry.get("transform")
+        if transform is not None and not _is_spec(transform):
+            raise ConfigError(f"{where}: transform names a function as 'module:function', got {transform!r}")
         source_url = entry["url"]
         if "://" not in source_url and not source_url.startswith("/"):
             source_url = _relative_to(base, source_url)
@@ -153,6 +251,7 @@ def parse_mix(text: str | bytes, url: str) -> list[Source] | None:
                 samples=entry.get("samples"),
                 storage_options=options,
                 name=entry.get("name"),
+                transform=transform,
             )
             source.ask()
         except ConfigError as exc:

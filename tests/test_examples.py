@@ -94,6 +94,45 @@ def test_train_ddp_runs_a_mix_by_steps_and_resumes_it(tmp_path):
     assert "epoch 0:" not in again.replace("data epoch", "")
 
 
+MARK_TRANSFORM = """
+import os
+
+
+def only_b(sample):
+    # named by the mix file for source b: it must see b's samples only, in every worker
+    assert sample["__source__"] == "b", sample["__source__"]
+    open(os.path.join(os.environ["MIX_MARKS"], str(os.getpid())), "a").write(sample["__key__"] + "\\n")
+    return sample
+"""
+
+
+def test_train_ddp_trains_a_mix_of_unlike_sets_with_a_per_source_transform(tmp_path, monkeypatch):
+    """``--mix`` over a .jpg image set, a .png caption set (with json and txt) and a third set whose
+    mix entry names ``transform: module:function``: images read as one field whatever their
+    format, the caption set's extra fields batched as the union, the transform run in 2 DataLoader
+    workers (forkserver: imported there by name) on its own source's samples only."""
+    write_image_folder(tmp_path / "a", classes=3, per_class=6, size=8, fmt="jpg", with_json=False)
+    write_image_folder(tmp_path / "c", classes=2, per_class=5, size=8, fmt="png", seed=1)
+    for i, path in enumerate(sorted((tmp_path / "c").rglob("*.png"))):
+        path.with_suffix(".txt").write_text(f"caption {i}")
+    write_image_folder(tmp_path / "b", classes=2, per_class=4, size=8, fmt="jpg", seed=2, with_json=False)
+    for name in "abc":
+        pack(str(tmp_path / name), str(tmp_path / f"ds-{name}"), label_from_dir=True, max_count=5)
+    (tmp_path / "mixfns").mkdir()
+    (tmp_path / "mixfns" / "mixfns.py").write_text(MARK_TRANSFORM)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "mixfns"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MIX_MARKS", str(marks))
+    mix = tmp_path / "mix.json"
+    sources = [{"url": "ds-a", "name": "a"}, {"url": "ds-b", "name": "b", "transform": "mixfns:only_b"}, {"url": "ds-c", "name": "c"}]
+    mix.write_text(json.dumps({"sources": sources}))
+    out = _train(None, tmp_path / "ckpt", 2, "--mix", str(mix))
+    assert "mix of 3 sources" in out and "[rank 0] epoch 0: 9 batches, 36 samples" in out  # 18 + 8 + 10 samples, each once
+    seen = [key for f in marks.iterdir() for key in f.read_text().split()]
+    assert len(list(marks.iterdir())) == 2 and sorted(seen) == sorted(f"class_{c}/{i:04d}" for c in range(2) for i in range(4))
+
+
 def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch(tmp_path):
     """The demo's command, run for 120 epochs: 2 gloo ranks under torchrun, 1 DataLoader worker
     each, started anew every epoch, beside gloo's native threads. Forking there once hung the demo

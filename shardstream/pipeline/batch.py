@@ -1,6 +1,14 @@
 """Group samples into batches of exactly ``batch_size``; the default collate batches dicts, tuples and
 lists of tensors, arrays and numbers (nested), like torch's default_collate.
 
+Samples of one batch with different fields (``missing=``, see ``default_collate``): by default
+the samples of a mix's different sources may differ, and their batch holds the union of their
+fields, each marked where it is missing: ``None`` in a list field, a zero of the right shape and
+dtype in a stacked one, and ``batch["__present__"][field]``, a bool tensor (True where the sample
+has it) for every field some sample of the batch lacks; ``present(batch, field)`` answers for any
+field. Samples of one source (or of a single dataset) that differ are a SampleError: inconsistent
+data. A batch whose samples agree pays nothing for this: one key-set comparison per sample, as before.
+
 A worker must yield exactly its planned number of batches (ranks stay in step). If samples were
 skipped under the error policy or dropped by the transform (returning None), the last batches are filled by repeating recent good samples;
 the number repeated is counted and logged.
@@ -15,8 +23,12 @@ from typing import Any
 
 from shardstream.buffers import BufferPool, active_pool, batch_buffers, take_shared
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
+from shardstream.format.extensions import IMAGE
 
 logger = logging.getLogger(__name__)
+
+PRESENT = "__present__"  # a union batch's presence masks: {field: bool tensor, True where the sample has it}
+MISSING = ("by_source", "union", "error")  # what default_collate does with samples whose fields differ
 
 
 class Batch(dict):
@@ -27,7 +39,8 @@ class Batch(dict):
     def __missing__(self, name: Any) -> Any:
         raise KeyError(
             f"{name!r}: this batch has fields {sorted(map(str, self))}; a field missing from every "
-            f"sample of a batch is not in it (is the extension right? `shardstream show` lists samples)"
+            f"sample of a batch is not in it (is the extension right? `shardstream show` lists samples; "
+            f"in a mix, present(batch, {name!r}) answers for batches without the sources that have it)"
         )
 
 
@@ -53,16 +66,105 @@ def _stack(values: list[Any]) -> Any:
     return values
 
 
-def _collate_dict(samples: list[Any]) -> Batch:
+def _collate_dict(samples: list[Any], missing: str = "by_source") -> Batch:
     first = samples[0]
     names = first.keys()
     if not all(s.keys() == names for s in samples):
-        _fields_differ(samples)
+        return _collate_unlike(samples, missing)
     return Batch({name: _stack([s[name] for s in samples]) for name in first})
 
 
+def _collate_unlike(samples: list[Any], missing: str) -> Batch:
+    """Samples whose fields differ: an error (``missing="error"``, or samples of one source under
+    ``"by_source"``), else the union of their fields with what is missing marked."""
+    if missing == "error":
+        _fields_differ(samples)
+    if missing == "by_source":
+        groups: dict[Any, list[Any]] = {}
+        for s in samples:
+            groups.setdefault(s.get("__source__"), []).append(s)
+        for group in groups.values():
+            names = group[0].keys()
+            if not all(s.keys() == names for s in group):
+                _fields_differ(group)
+    every: dict[str, None] = {}
+    for s in samples:
+        every.update(dict.fromkeys(s))
+    out = Batch()
+    masks: dict[str, Any] = {}
+    for name in every:
+        has = [name in s for s in samples]
+        if all(has):
+            out[name] = _stack([s[name] for s in samples])
+        else:
+            out[name] = _stack_missing([s.get(name) for s in samples], has)
+            masks[name] = _mask(has)
+    out[PRESENT] = masks
+    return out
+
+
+def _mask(has: list[bool]) -> Any:
+    import torch
+
+    return torch.tensor(has, dtype=torch.bool)
+
+
+def _stack_missing(values: list[Any], has: list[bool]) -> Any:
+    """A field some samples lack: stacked with a zero of the present values' shape and dtype where
+    one is missing (when the present ones stack), else a list with None where one is missing."""
+    ref = next(v for v, h in zip(values, has) if h)
+    zero = _zero_like(ref)
+    if zero is not None:
+        filled = [v if h else zero for v, h in zip(values, has)]
+        stacked = _stack(filled)
+        if stacked is not filled:
+            return stacked
+    return [v if h else None for v, h in zip(values, has)]
+
+
+def _zero_like(value: Any) -> Any:
+    """A zero of ``value``'s kind (tensor, array, number); None for any other kind."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+        import numpy as np
+
+        return np.zeros_like(value)
+    if isinstance(value, numbers.Number):
+        try:
+            return type(value)()
+        except TypeError:
+            return None
+    return None
+
+
+def present(batch: Any, field: str) -> Any:
+    """Which samples of a (dict) batch have ``field``: a bool tensor, one entry per sample.
+
+    True everywhere for a field every sample has, False everywhere for one none has (a batch of a
+    mix holds only the fields of the sources in it), else the batch's ``__present__`` mask. The
+    same question for every batch of a mix, whatever sources a batch happens to hold.
+    """
+    import torch
+
+    masks = batch.get(PRESENT) or {}
+    if field in masks:
+        return masks[field]
+    size = _batch_len(batch)
+    return torch.full((size,), field in batch, dtype=torch.bool)
+
+
+def _batch_len(batch: Any) -> int:
+    for name, value in batch.items():
+        if name != PRESENT and hasattr(value, "__len__"):
+            return len(value)
+    raise ConfigError("present(): this batch has no field with a length to count its samples by")
+
+
 def _fields_differ(samples: list[Any]) -> None:
-    """Samples of one batch with different fields: which one lacks what, and what to do."""
+    """Samples of one batch (of one source) with different fields: which one lacks what, and what to do."""
     every: dict[str, None] = {}
     for s in samples:
         every.update(dict.fromkeys(s))
@@ -70,49 +172,65 @@ def _fields_differ(samples: list[Any]) -> None:
         for s in samples:
             if name not in s:
                 having = next(x for x in samples if name in x)
+                source = s.get("__source__")
+                where = f", both from source {source!r}" if source is not None else ""
+                images = sorted({name, *(ext for ext in s if ext in IMAGE)}) if name in IMAGE else []
+                advice = f"decode=Decode(alias={{'image': {';'.join(images)!r}}}) to read either as one field 'image', or " if len(images) > 1 else ""
                 raise SampleError(
                     s.get("__url__", "?"),
                     s.get("__key__", "?"),
                     f"has no field {name!r} while sample {having.get('__key__', '?')!r} of the same batch has it "
-                    f"(fields: {sorted(s)}). Samples of a batch must have the same fields: pass "
+                    f"(fields: {sorted(s)}{where}). Samples of one dataset must have the same fields: pass {advice}"
                     f"decode=Decode(required=[{name!r}]) to drop (on_error='skip') or reject samples without it, "
-                    f"or a transform/collate= that fills in or leaves out optional fields",
+                    f"collate=functools.partial(default_collate, missing='union') to batch the union of the fields "
+                    f"(docs/mixing.md), or a transform that fills in or leaves out optional fields",
                 )
 
 
-def _collate_value(values: list[Any]) -> Any:
+def _collate_value(values: list[Any], missing: str = "by_source") -> Any:
     v = values[0]
     if isinstance(v, dict):
-        return _collate_dict(values)
+        return _collate_dict(values, missing)
     if isinstance(v, (tuple, list)):
-        return _collate_sequence(values)
+        return _collate_sequence(values, missing)
     return _stack(values)
 
 
-def _collate_sequence(samples: list[Any]) -> Any:
+def _collate_sequence(samples: list[Any], missing: str = "by_source") -> Any:
     first = samples[0]
     if not all(len(s) == len(first) for s in samples):
         raise ConfigError(
             f"samples of a batch are {type(first).__name__}s of different lengths "
             f"({sorted({len(s) for s in samples})}): return the same structure for every sample, or pass collate="
         )
-    columns = [_collate_value(list(col)) for col in zip(*samples)]
+    columns = [_collate_value(list(col), missing) for col in zip(*samples)]
     if hasattr(first, "_fields"):  # namedtuple
         return type(first)(*columns)
     return tuple(columns) if isinstance(first, tuple) else columns
 
 
-def default_collate(samples: list[Any]) -> Any:
+def default_collate(samples: list[Any], missing: str = "by_source") -> Any:
     """Batch a list of samples of one structure, like torch's default_collate.
 
     A dict sample (what the decoder gives, and what most transforms return) becomes a ``Batch``
     dict: tensors, numpy arrays and numbers are stacked into tensors (when shapes agree), anything
-    else (str, bytes, decoded JSON) comes out as a list, ``__key__`` and ``__url__`` too. Every
-    sample of a batch must have the same fields (else a SampleError says which lacks what).
+    else (str, bytes, decoded JSON) comes out as a list, ``__key__`` and ``__url__`` too.
     Tuples and lists (``(image, label)`` for ``model(x, y)``) are batched position by position by
     the same rules, recursively; a bare tensor or number batch is stacked.
+
+    ``missing``: what dict samples of one batch whose fields differ make.
+    ``"by_source"`` (the default): samples of a mix's different sources (their ``__source__``
+    differs) batch as the union of their fields; samples of one source, or of a single dataset,
+    must have the same fields (else a SampleError says which lacks what). ``"union"``: always the
+    union (a dataset with optional fields). ``"error"``: never. In a union batch a field some
+    samples lack holds ``None`` at their positions (a list field) or a zero of the others' shape
+    and dtype (a stacked one), and ``batch["__present__"][field]`` is a bool tensor, True where the
+    sample has the field; ``present(batch, field)`` gives that mask for any field of any batch.
+    Pass another mode as ``collate=functools.partial(default_collate, missing="union")``.
     """
-    return _collate_value(samples)
+    if missing not in MISSING:
+        raise ConfigError(f"default_collate(missing=...) must be one of {MISSING}, got {missing!r}")
+    return _collate_value(samples, missing)
 
 
 # Batches at least this large are assembled in shared memory when made in a DataLoader worker;

@@ -14,6 +14,11 @@ stored. A multi-part extension such as ``seg.png`` is decoded by its last part.
 ``webdataset_decoders(spec)`` gives webdataset's own types (``.decode(spec)``) for users who want
 identical samples.
 
+Alternatives (``alias``, as webdataset's ``rename(image="jpg;png")``): ``{"image": ("jpg", "png",
+"webp")}`` moves the first of those fields a sample has, once decoded, to ``image`` and drops the
+others it has, so an ImageFolder of .jpg and .png files gives one field. The renames are planned
+once per field set (as the decoders are); without an alias nothing is looked at.
+
 Failures go to the user's ErrorPolicy (``policy.py``): raise, or skip and count.
 """
 
@@ -325,11 +330,15 @@ class _Gunzip:
 class Decoder:
     """Callable that decodes every field of a sample dict by extension."""
 
-    def __init__(self, decoders: Decoders, required: Iterable[str] = ()):
+    def __init__(self, decoders: Decoders, required: Iterable[str] = (), alias: Mapping[str, Iterable[str]] | None = None):
         self.decoders = dict(decoders)
         self.required = tuple(required)
+        self.alias = {name: tuple(alts) for name, alts in (alias or {}).items()}
+        # (field, the alternatives that also satisfy it): a required alias name is met by any of its fields
+        self._required = [(ext, self.alias.get(ext, ())) for ext in self.required]
         self._cache: dict[str, Callable[[bytes], Any] | None] = {}
         self._plans: dict[tuple[str, ...], list[tuple[str, Callable[[bytes], Any]]]] = {}
+        self._renames: dict[tuple[str, ...], list[tuple[str, str, tuple[str, ...]]]] = {}
 
     def _lookup(self, ext: str):
         try:
@@ -355,8 +364,8 @@ class Decoder:
 
     @property
     def passthrough(self) -> bool:
-        """True when it returns every sample as it is (no decoders, no required fields: ``decode=False``)."""
-        return not self.decoders and not self.required
+        """True when it returns every sample as it is (no decoders, no required fields, no alias: ``decode=False``)."""
+        return not self.decoders and not self.required and not self.alias
 
     def viewing_exts(self) -> _ViewingExts:
         """The extensions whose decoder views a writable buffer in place (``in`` works on it)."""
@@ -373,9 +382,10 @@ class Decoder:
         except KeyError:
             plan = self._plans[names] = self._plan(names)
         if self.required:
-            for ext in self.required:
-                if ext not in sample:
-                    raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"), f"missing required field {ext!r}")
+            for ext, alts in self._required:
+                if ext not in sample and not any(a in sample for a in alts):
+                    wanted = f"{ext!r}" + (f" (any of {';'.join(alts)})" if alts else "")
+                    raise SampleError(sample.get("__url__", "?"), sample.get("__key__", "?"), f"missing required field {wanted}")
         for ext, fn in plan:
             try:
                 sample[ext] = fn(sample[ext])
@@ -383,7 +393,26 @@ class Decoder:
                 raise SampleError(
                     sample.get("__url__", "?"), sample.get("__key__", "?"), f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}"
                 ) from exc
+        if self.alias:
+            try:
+                renames = self._renames[names]
+            except KeyError:
+                renames = self._renames[names] = self._rename_plan(names)
+            for name, ext, others in renames:
+                value = sample.pop(ext)
+                for other in others:
+                    del sample[other]
+                sample[name] = value
         return sample
+
+    def _rename_plan(self, names: tuple[str, ...]) -> list[tuple[str, str, tuple[str, ...]]]:
+        """(alias name, the field it takes, the other alternatives present, dropped) for a field set."""
+        plan = []
+        for name, alts in self.alias.items():
+            found = [ext for ext in alts if ext in names]
+            if found:
+                plan.append((name, found[0], tuple(found[1:])))
+        return plan
 
 
 class _ViewingExts:
