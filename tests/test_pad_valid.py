@@ -77,6 +77,24 @@ def test_valid_survives_make_loader_workers_and_a_transform(tmp_path):
     assert sorted(every) == _expected()
 
 
+def test_a_mix_in_pad_mode_marks_its_repeats(tmp_path):
+    """Two evaluation sets as a mix (repeat=1 each) over 3 ranks: every sample of each once."""
+    a = write_dataset(tmp_path / "a", n=29, max_count=10)
+    b = write_dataset(tmp_path / "b", n=17, max_count=10)
+    every: list[tuple[str, str]] = []
+    for rank in range(3):
+        ds = shardstream.ShardStream(
+            [shardstream.Source(a, name="a"), shardstream.Source(b, name="b")],
+            batch_size=4,
+            mode="pad",
+            shuffle=shardstream.Shuffle(8),
+            world=World(rank, 3),
+        )
+        for batch in ds:
+            every += [(s, k) for s, k, v in zip(batch["__source__"], batch["__key__"], batch["__valid__"].tolist()) if v]
+    assert sorted(every) == sorted([("a", f"s{i:06d}") for i in range(29)] + [("b", f"s{i:06d}") for i in range(17)])
+
+
 def test_drop_mode_has_no_mark(tmp_path):
     root = write_dataset(tmp_path / "ds", n=N, max_count=10)
     batch = next(iter(shardstream.ShardStream(root, batch_size=4, world=World(0, 2))))
