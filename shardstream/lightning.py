@@ -93,7 +93,7 @@ class ShardDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.loader_options = dict(loader_options or {})
         self.stream_options = dict(stream_options)
-        self.eval_options = {"shuffle": False, **{k: v for k, v in (eval_options or {}).items()}, "mode": "pad"}
+        self.eval_options = {"shuffle": False, **(eval_options or {}), "mode": "pad"}
         self.eval_options.pop("schedule", None)
         self.streams: dict[str, ShardStream] = {}
 

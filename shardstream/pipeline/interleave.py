@@ -74,7 +74,8 @@ def _marked(chunks: Iterable[list[Any]], valid: int | np.ndarray | None) -> Iter
     k = 0
     for chunk in chunks:
         for sample in chunk:
-            sample["__valid__"] = (k < len(flags) and flags[k]) if flags is not None else k < valid
+            if isinstance(sample, dict):  # (samples as read are dicts; a planner's simulation reads other records)
+                sample["__valid__"] = (k < len(flags) and flags[k]) if flags is not None else k < valid
             k += 1
         yield chunk
 
