@@ -214,3 +214,22 @@ def test_tables_on_s3_by_glob(tmp_path, s3):
     assert result.samples == 11
     keys = [s["__key__"] for s in wds.WebDataset(shard_paths(tmp_path / "out"), shardshuffle=False, empty_check=False)]
     assert keys == [r["id"] for r in rows]
+
+
+def test_dask_packs_a_table_like_one_process(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    from shardstream.cli.main import main
+
+    write_table(tmp_path / "t.parquet", n=30, row_group_size=7)
+    common = ["--max-count", "8", "--key", "id", "--no-progress"]
+    assert main(["pack", str(tmp_path / "t.parquet"), str(tmp_path / "one"), *common]) == 0
+    with (
+        distributed.LocalCluster(n_workers=2, processes=True, threads_per_worker=1, dashboard_address="127.0.0.1:0", host="127.0.0.1") as cluster,
+        distributed.Client(cluster),
+    ):
+        assert main(["pack", str(tmp_path / "t.parquet"), str(tmp_path / "dask"), "--dask", cluster.scheduler_address, *common]) == 0
+    names = sorted(n for n in os.listdir(tmp_path / "one") if n != "index.json")
+    assert len(names) == 8  # 4 shards and their sidecars
+    assert sorted(n for n in os.listdir(tmp_path / "dask") if n != "index.json") == names
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "dask" / name).read_bytes()
