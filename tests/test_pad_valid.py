@@ -103,7 +103,8 @@ def test_drop_mode_has_no_mark(tmp_path):
 
 def test_valid_after_a_resume_counts_the_rest_once(tmp_path):
     """Interrupted after 2 batches, resumed on another topology (elastic): what was delivered
-    before plus the valid samples after are every sample once."""
+    before plus the valid samples after are every sample once. (Here no repeat is delivered before
+    its original: the rest owes samples none of whose copies came, see docs/lightning.md.)"""
     root = write_dataset(tmp_path / "ds", n=N, max_count=10)
     world = 2
     before: list[str] = []
