@@ -10,17 +10,22 @@ from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
 from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from, writer_deadline_help
 
 NAME = "pack"
-HELP = "pack a folder, a JSONL file or existing shards into tar shards with a manifest"
+HELP = "pack a folder, a JSONL file, Parquet tables or existing shards into tar shards with a manifest"
 EPILOG = """sources:
   a directory tree   files group by path without extension: cat/0001.jpg + cat/0001.json -> key cat/0001
   a .jsonl file      one object per line: {"__key__": "a1", "txt": "hi", "jpg": {"$file": "img/a1.jpg"}}
   tar shards         a packed dataset root, a .tar URL, a brace pattern or a glob
+  Parquet tables     a .parquet file, a glob of them or a folder of them (pip install 'shardstream[tables]'):
+                     a row per sample, a column per field by type (image bytes -> .jpg/.png/.webp,
+                     strings -> .txt, integers -> .cls, floats/bools/lists/structs -> .json,
+                     fixed-size numeric lists -> .npy); --columns selects, --key names the key column
 
 examples:
   shardstream pack ./imagenet/train ./shards --label-from-dir --max-size 256MB --workers 4
   shardstream pack captions.jsonl s3://bucket/captions --endpoint-url http://127.0.0.1:9000
   shardstream pack 's3://old/train-{000000..000099}.tar' ./repacked --shuffle --seed 7
   shardstream pack s3://raw/laion.jsonl s3://bucket/laion --dask tcp://scheduler:8786 --max-count 10000
+  shardstream pack 's3://raw/laion/*.parquet' ./laion --columns image,caption --key id --workers 8
   shardstream pack ./train s3://bucket/train --prefixes 16   # shards under 00/ .. 15/: 16 S3 prefixes to read from
 
 --dask ADDRESS runs one task per shard on a Dask cluster (pip install 'shardstream[dask]'); the
@@ -31,9 +36,9 @@ samples are loaded); --max-size then only warns about shards above it.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="directory, .jsonl file, or tar shards (local path or URL)")
+    p.add_argument("src", help="directory, .jsonl file, .parquet file(s), or tar shards (local path or URL)")
     p.add_argument("dest", help="output directory or URL (s3://bucket/prefix)")
-    p.add_argument("--kind", choices=["auto", "dir", "jsonl", "shards"], default="auto", help="source kind (default: detect)")
+    p.add_argument("--kind", choices=["auto", "dir", "jsonl", "parquet", "shards"], default="auto", help="source kind (default: detect)")
     p.add_argument("--max-count", type=int, default=DEFAULT_MAX_COUNT, help=f"samples per shard at most (default {DEFAULT_MAX_COUNT})")
     p.add_argument("--max-size", type=parse_size, default=DEFAULT_MAX_SIZE, help="bytes per shard at most, e.g. 256MB (default 256MB)")
     p.add_argument("--prefix", default="shard", help="shard file name stem (default: shard)")
@@ -45,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="spread shards over N directories (S3 prefixes): shard i goes to DEST/(i mod N)/, zero-padded, "
         "e.g. 03/shard-000003.tar (default 1: all in DEST)",
     )
+    p.add_argument("--columns", type=_column_list, metavar="A,B,C", help="Parquet: the columns to pack, comma-separated (default: all but --key)")
+    p.add_argument("--key", metavar="COLUMN", help="Parquet: the column holding each sample's key (default: file path and row number)")
     p.add_argument("--label-from-dir", action="store_true", help="add 'cls' from the first-level folder name (ImageFolder layout)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
@@ -57,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_storage_arguments(
         p, deadline_help=writer_deadline_help("a listing or read of the source (each item too) or the check of the destination (one listing)")
     )
+
+
+def _column_list(text: str) -> list[str]:
+    columns = [c.strip() for c in text.split(",") if c.strip()]
+    if not columns:
+        raise argparse.ArgumentTypeError("give one or more column names, comma-separated")
+    return columns
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             workers=args.workers,
             label_from_dir=args.label_from_dir,
+            columns=args.columns,
+            key=args.key,
             overwrite=args.overwrite,
             on_error=args.on_error,
             prefix=args.prefix,

@@ -303,6 +303,13 @@ def _finish(chunks: Iterator[list[dict[str, Any]]], left: int) -> None:
         logger.debug("%d samples beyond this worker's planned batches were not used", left)
 
 
+def _repeat(sample: Any) -> Any:
+    """A refill's copy of a sample: in pad mode marked ``__valid__=False`` (a repeat, not data)."""
+    if isinstance(sample, dict) and "__valid__" in sample:
+        return {**sample, "__valid__": False}
+    return sample
+
+
 class BatchStats:
     def __init__(self) -> None:
         self.refilled = 0
@@ -350,7 +357,7 @@ def batch_samples(
         logger.warning("repeating %d samples to keep %d equal batches (samples were skipped or filtered)", missing, num_batches)
         i = 0
         while made < num_batches:
-            pending.append(pool[i % len(pool)])
+            pending.append(_repeat(pool[i % len(pool)]))
             i += 1
             if len(pending) == batch_size:
                 with batch_buffers(buffers):

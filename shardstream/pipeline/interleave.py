@@ -15,6 +15,8 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from shardstream.pipeline.shuffle import continue_samples
 from shardstream.plan.epoch import Range
 from shardstream.plan.run import WorkerPlan
@@ -60,6 +62,24 @@ def merge_sources(
         logger.debug("mix: %d positions found their source short, %d samples left over", short, left)
 
 
+def _marked(chunks: Iterable[list[Any]], valid: int | np.ndarray | None) -> Iterable[list[Any]]:
+    """Pad mode: each sample gets ``"__valid__"``, False for the layout's repeats (positions past
+    the epoch's end), before the shuffle moves them. ``valid``: how many samples, from the first,
+    are originals, or one bool per sample; None (drop mode): samples pass as they are. Marked by
+    position: a sample skipped under ``on_error="skip"`` shifts the marks after it by one."""
+    if valid is None:
+        yield from chunks
+        return
+    flags = valid.tolist() if isinstance(valid, np.ndarray) else None
+    k = 0
+    for chunk in chunks:
+        for sample in chunk:
+            if isinstance(sample, dict):  # (samples as read are dicts; a planner's simulation reads other records)
+                sample["__valid__"] = (k < len(flags) and flags[k]) if flags is not None else k < valid
+            k += 1
+        yield chunk
+
+
 def read_planned(
     part: WorkerPlan,
     read: Callable[[int, list[Range]], Iterable[list[Any]]],
@@ -73,8 +93,8 @@ def read_planned(
     for window in part.windows:
         streams = [
             continue_samples(
-                back(i, s.back) if s.back else iter(()),
-                read(i, s.ranges) if s.ranges else iter(()),
+                _marked(back(i, s.back), s.back_valid) if s.back else iter(()),
+                _marked(read(i, s.ranges), s.valid) if s.ranges else iter(()),
                 s.cut,
                 s.placement,
                 buffer_size=part.shuffle_buffer,

@@ -56,8 +56,12 @@ def transform_samples(
         out = []
         for x in chunk:
             url, key = x.get("__url__", "?"), x.get("__key__", "?")  # before the transform changes the sample
+            valid = x.get("__valid__")  # pad mode's mark: kept on a dict the transform returns without it
             try:
-                out.append(transform(x))
+                y = transform(x)
+                if valid is not None and isinstance(y, dict) and "__valid__" not in y:
+                    y["__valid__"] = valid
+                out.append(y)
             except Exception as exc:  # noqa: BLE001 - the user's transform: its failure goes to the error policy, named
                 error = exc if isinstance(exc, SampleError) else SampleError(url, key, f"transform failed: {type(exc).__name__}: {exc}")
                 if error is not exc:

@@ -234,6 +234,11 @@ class SourceRead:
     placement: np.ndarray | None  # the buffer slot of each read-back sample
     ranges: list[Range]
     cut: StreamCut
+    # Pad mode (``None`` in drop mode): how many of the samples of ``ranges``, from the first, are
+    # originals (the rest are positions past T, the layout's repeats), and whether each read-back
+    # sample is one. Batches carry it as ``__valid__`` (``pipeline.interleave.read_planned``).
+    valid: int | None = None
+    back_valid: np.ndarray | None = None
 
 
 @dataclass
@@ -275,17 +280,26 @@ def window_read(
     runs = layout.runs(p0, p1)
     read = WindowRead(layout, rank, worker, count - consumed, p0 + consumed * layout.batch_size, p1)
     outputs = layout.counts_in(p0, read.begin) if consumed else [0] * layout.num_sources
+    # Pad mode: positions past T repeat the sequence from its start; in each source's stream of this
+    # window they come after every original (positions ascend), so the originals are a prefix.
+    originals = layout.counts_in(p0, max(p0, min(p1, layout.total))) if layout.mode == "pad" else None
     for i, source_runs in enumerate(runs):
         rng = layout.rng(rank, worker, i, lo)
         if not outputs[i]:
-            read.sources.append(SourceRead([], None, layout.ranges_of(i, source_runs), StreamCut.fresh(rng)))
+            read.sources.append(
+                SourceRead([], None, layout.ranges_of(i, source_runs), StreamCut.fresh(rng), None if originals is None else originals[i])
+            )
             continue
         stream = layout.ids_of(i, source_runs)
         cut = cut_stream(len(stream), outputs[i], buffer_size=buffer, initial=initial, rng=rng)
-        held = stream[np.asarray(cut.buffered, dtype=np.int64)]
-        read.sources.append(
-            SourceRead(layout.ids[i].ranges(np.sort(held)), np.argsort(held, kind="stable"), layout.ids[i].ranges(stream[cut.taken :]), cut)
-        )
+        buffered = np.asarray(cut.buffered, dtype=np.int64)
+        held = stream[buffered]
+        order = np.argsort(held, kind="stable")  # read back sorted by sample id: the i-th read sits in slot order[i]
+        source = SourceRead(layout.ids[i].ranges(held[order]), order, layout.ids[i].ranges(stream[cut.taken :]), cut)
+        if originals is not None:
+            source.valid = max(0, originals[i] - cut.taken)
+            source.back_valid = buffered[order] < originals[i]
+        read.sources.append(source)
     return read
 
 

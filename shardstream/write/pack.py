@@ -29,7 +29,7 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.write.sources import Item, list_source, load_item, set_worker_storage_options
+from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
@@ -57,12 +57,8 @@ class PackResult:
     skipped_count: int = 0
 
 
-def _load_safe(item: Item):
-    try:
-        key, fields = load_item(item)
-        return True, key, fields
-    except SourceError as exc:
-        return False, exc.where, exc.what
+def _load_batch(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
+    return list(load_items(items))
 
 
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
@@ -90,6 +86,8 @@ def pack_source(
     seed: int = 0,
     workers: int = 1,
     label_from_dir: bool = False,
+    columns: Sequence[str] | None = None,
+    key: str | None = None,
     overwrite: bool = False,
     on_error: str = "raise",
     error_tolerance: int | None = None,
@@ -107,6 +105,8 @@ def pack_source(
     no manifest); ``"skip"`` leaves bad samples out, counts them and lists them in the manifest
     (the reader's ``ErrorPolicy``: ``error_tolerance`` consecutive bad samples, None = no limit,
     raise TooManyErrors).
+    ``columns`` and ``key``: a Parquet source's columns to pack (default: all) and the column
+    whose value is each sample's key (default: the file's path and the row's number).
     ``progress(samples, bytes)`` is called after each written sample.
     ``config`` is the storage policy of both sides: the source's listing and every read of its
     items (retries and ``deadline``; a shards source's manifest may list shards under
@@ -118,7 +118,11 @@ def pack_source(
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
-    listing = list_source(src, kind, label_from_dir=label_from_dir, storage_options=storage_options, config=config)
+    listing = list_source(src, kind, label_from_dir=label_from_dir, columns=columns, key=key, storage_options=storage_options, config=config)
+    if shuffle and listing.kind == "parquet":
+        raise ConfigError(
+            "--shuffle does not apply to a Parquet source (rows load a row group at a time): shuffle when reading, ShardStream(shuffle=...)"
+        )
     if listing.errors and policy.on_error == "raise":
         where, what = listing.errors[0]
         more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
@@ -350,10 +354,13 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
     Items are read with ``storage_options`` under ``config``, here and in every worker."""
     set_worker_storage_options(storage_options, config)
     if workers == 1:
-        for item in items:
-            yield _load_safe(item)
+        yield from load_items(items)
         return
-    window = workers * 256
+    batches = batches_of(items)
+    # A window of batches in flight: workers * 256 single items (16 a batch), or two groups per
+    # worker (a Parquet row group's span: up to parquet.SPAN_BYTES each).
+    grouped = len(batches) < len(items) / 16
+    window = workers * (2 if grouped else 16)
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
     # Children start with SIGINT ignored (inherited through exec, before they import anything).
     main = threading.current_thread() is threading.main_thread()
@@ -366,8 +373,9 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
         if main:  # a handler installed outside Python reads as None: the default stands in for it
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     try:
-        for start in range(0, len(items), window):
-            yield from pool.imap(_load_safe, items[start : start + window], chunksize=16)
+        for start in range(0, len(batches), window):
+            for results in pool.imap(_load_batch, batches[start : start + window]):
+                yield from results
         pool.close()
     except BaseException:
         _abandon(pool)

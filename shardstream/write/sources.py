@@ -9,6 +9,9 @@ it) is fixed before any bytes are read; loading runs in worker processes. Kinds:
     jsonl   one JSON object per line: ``__key__`` plus fields; a field holding
             ``{"$file": "path"}`` embeds that file (relative to the JSONL file)
     shards  existing tar shards (a packed dataset root, a .tar URL, a brace pattern or a glob)
+    parquet a .parquet file, a glob of them, or a directory of them (detected when every file in it
+            is one): a row per sample, columns as fields by type (``write/parquet.py``); rows of
+            one row group load together (``load_items``)
 
 An item is ``(where, payload)``; ``load_item`` turns it into ``(key, {ext: bytes})`` or raises
 SourceError naming ``where``.
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from shardstream.errors import SourceError
@@ -39,6 +42,7 @@ from shardstream.storage.ranges import open_object, open_range
 from shardstream.storage.scan import scan_shard
 from shardstream.storage.urls import is_shard_pattern
 from shardstream.write.encode import check_key, encode_value
+from shardstream.write.parquet import group_of, is_parquet_source, list_parquet, load_group
 
 Item = tuple[str, tuple]
 
@@ -55,6 +59,8 @@ def _is_file(fs, path: str) -> bool:
 def detect_kind(src: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> str:
     if src.endswith(".jsonl") or src.endswith(".jsonl.gz"):
         return "jsonl"
+    if is_parquet_source(src):
+        return "parquet"
     if is_shard_pattern(src):
         return "shards"
     if storage_call(storage.join(src, "index.json"), _is_file, storage_options, config):
@@ -70,6 +76,7 @@ class Listing:
         self.label_map = label_map
         self.errors = errors or []  # (where, what) found while listing
         self.temp: Any = None  # a TemporaryDirectory holding decompressed copies of compressed shards (removed with the listing)
+        self.kind = ""  # the source kind listed
 
 
 def list_source(
@@ -77,32 +84,53 @@ def list_source(
     kind: str = "auto",
     *,
     label_from_dir: bool = False,
+    columns: Sequence[str] | None = None,
+    key: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     config: StorageConfig = DEFAULT_STORAGE,
 ) -> Listing:
     """The items of ``src`` (see the module docstring), listed under ``config``: its retry policy
-    and deadline for every listing and read, its ``allow_roots`` for a shards source's manifest."""
-    if kind == "auto":
+    and deadline for every listing and read, its ``allow_roots`` for a shards source's manifest.
+    ``columns`` and ``key`` select a Parquet source's columns and name its key column."""
+    auto = kind == "auto"
+    if auto:
         kind = detect_kind(src, storage_options, config)
     if label_from_dir and kind != "dir":
         raise SourceError(src, "--label-from-dir needs a directory tree source")
+    if (columns or key) and kind not in ("parquet", "dir"):
+        raise SourceError(src, "--columns and --key apply to a Parquet source")
+    listing: Listing | None = None
     if kind == "dir":
-        return _list_dir(src, label_from_dir, storage_options, config)
-    if kind == "jsonl":
-        return _list_jsonl(src, storage_options, config)
-    if kind == "shards":
-        return _list_shards(src, storage_options, config)
-    raise SourceError(src, f"unknown source kind {kind!r}")
+        listing = _list_dir(src, label_from_dir, storage_options, config, parquet_ok=auto and not label_from_dir)
+        if listing is None:
+            kind = "parquet"
+        elif columns or key:
+            raise SourceError(src, "--columns and --key apply to a Parquet source")
+    if kind == "parquet":
+        listing = Listing(list_parquet(src, columns=columns, key=key, storage_options=storage_options, config=config))
+    elif kind == "jsonl":
+        listing = _list_jsonl(src, storage_options, config)
+    elif kind == "shards":
+        listing = _list_shards(src, storage_options, config)
+    if listing is None:
+        raise SourceError(src, f"unknown source kind {kind!r}")
+    listing.kind = kind
+    return listing
 
 
 # -- directory trees ---------------------------------------------------------------------------
-def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageConfig) -> Listing:
+def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageConfig, parquet_ok: bool = False) -> Listing | None:
+    """A directory tree's items; None when ``parquet_ok`` and every file in it is a .parquet file
+    (a Parquet source, listed as one)."""
     fs, root = storage.get_fs(src, storage_options, config)  # (names the files: no request)
     found = storage_call(src, lambda fs, path: sorted(fs.find(path.rstrip("/"))) if fs.isdir(path) else None, storage_options, config)
     if found is None:
         raise SourceError(src, "source is not a directory, a .jsonl file or tar shards")
     root = root.rstrip("/")
     files: list[str] = found
+    visible = [p for p in files if not any(part.startswith(".") for part in p[len(root) + 1 :].split("/"))]
+    if parquet_ok and visible and all(p.endswith(".parquet") for p in visible):
+        return None
     groups: dict[str, dict[str, str]] = {}
     errors: list[tuple[str, str]] = []
     bad: set[str] = set()
@@ -245,9 +273,49 @@ def set_worker_storage_options(options: Mapping[str, Any] | None, config: Storag
     _STORAGE_CONFIG[0] = config
 
 
+def load_items(items: Sequence[Item]) -> Iterator[tuple[bool, str, Any]]:
+    """Load items in order: ``(True, key, fields)`` or ``(False, where, what)`` each. Consecutive
+    items of one group (a Parquet row group's span) are loaded together, with one read."""
+    i = 0
+    while i < len(items):
+        group = group_of(items[i][1])
+        if group is None:
+            try:
+                key, fields = load_item(items[i])
+                yield True, key, fields
+            except SourceError as exc:
+                yield False, exc.where, exc.what
+            i += 1
+            continue
+        j = i + 1
+        while j < len(items) and group_of(items[j][1]) == group:
+            j += 1
+        yield from load_group(items[i:j], _STORAGE_OPTIONS, _STORAGE_CONFIG[0])
+        i = j
+
+
+def batches_of(items: Sequence[Item], singles: int = 16) -> list[Sequence[Item]]:
+    """``items`` cut for a pool: a group's items together (one read), other items ``singles`` at a time."""
+    out: list[Sequence[Item]] = []
+    i = 0
+    while i < len(items):
+        group = group_of(items[i][1])
+        j = i + 1
+        while j < len(items) and j - i < (len(items) if group is not None else singles) and group_of(items[j][1]) == group:
+            j += 1
+        out.append(items[i:j])
+        i = j
+    return out
+
+
 def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
     where, payload = item
     kind = payload[0]
+    if kind == "parquet":
+        ((ok, a, b),) = load_group([item], _STORAGE_OPTIONS, _STORAGE_CONFIG[0])
+        if not ok:
+            raise SourceError(a, b)
+        return a, b
     try:
         if kind == "dir":
             return _load_dir(payload)

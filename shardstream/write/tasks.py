@@ -35,7 +35,7 @@ from shardstream.format.tar import END_OF_ARCHIVE
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
-from shardstream.write.sources import Item, load_item, set_worker_storage_options
+from shardstream.write.sources import load_items, set_worker_storage_options
 from shardstream.write.writer import encode_members
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,11 @@ class ShardResult:
 
 def _samples_of(task: ShardTask) -> Iterator[tuple[str, dict[str, bytes]] | tuple[None, tuple[str, str]]]:
     """(key, fields) per sample in order, or (None, (where, what)) for a unit that failed."""
+    if task.fn is None:  # listed source items (a Parquet row group's rows load together)
+        for ok, a, b in load_items(task.units):
+            yield (a, b) if ok else (None, (a, b))
+        return
     for n, unit in enumerate(task.units):
-        if task.fn is None:
-            item: Item = unit
-            try:
-                yield load_item(item)
-            except SourceError as exc:
-                yield None, (exc.where, exc.what)
-            continue
         where = f"input #{task.first + n} ({_short(unit)})"
         try:
             out = task.fn(unit)

@@ -1,0 +1,170 @@
+"""ShardDataModule under a real PyTorch Lightning Trainer (CPU): Lightning leaves the loaders as
+they are, the loader's epoch follows the trainer's, training resumes mid-epoch through Lightning's
+own checkpoint with every sample exactly once over the interrupted and the resumed run (2 DDP ranks,
+gloo, killed with SIGKILL after a checkpoint), and validation weighted by ``__valid__`` equals a
+single-process run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from conftest import free_port, launch_phase, write_dataset
+
+pl = pytest.importorskip("pytorch_lightning")
+
+import torch  # noqa: E402
+
+import shardstream  # noqa: E402
+from shardstream.errors import ConfigError  # noqa: E402
+from shardstream.lightning import ShardDataModule  # noqa: E402
+from shardstream.loader import ShardLoader  # noqa: E402
+
+N_TRAIN = 64  # 2 ranks * 4 per batch * 8 batches: drop mode drops nothing
+N_VAL = 37  # not a multiple of 2 * 4: pad mode repeats 3
+
+
+class Model(pl.LightningModule):
+    """A linear layer on the label; writes the keys it trains on and its masked validation sums."""
+
+    def __init__(self, out: str | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.out = out
+        self.trained: list[list[str]] = []
+        self.val = torch.zeros(2, dtype=torch.float64)
+        self.val_results: list[list[float]] = []
+
+    def _write(self, record: dict) -> None:
+        if self.out is not None:
+            with open(self.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def training_step(self, batch, batch_idx):
+        self.trained.append(list(batch["__key__"]))
+        self._write({"train": list(batch["__key__"]), "epoch": self.current_epoch})
+        return self.layer(batch["cls"].float().unsqueeze(1)).pow(2).mean()
+
+    def on_validation_epoch_start(self):
+        self.val = torch.zeros(2, dtype=torch.float64)
+
+    def validation_step(self, batch, batch_idx):
+        valid = batch["__valid__"]
+        self.val += torch.stack([(batch["cls"].double() * valid).sum(), valid.sum().double()])
+
+    def on_validation_epoch_end(self):
+        total = self.trainer.strategy.reduce(self.val.clone(), reduce_op="sum")
+        self.val_results.append(total.tolist())
+        self._write({"val": total.tolist()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _trainer(**options) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **options,
+    )
+
+
+def _val_expected() -> list[float]:
+    return [float(sum(i % 7 for i in range(N_VAL))), float(N_VAL)]
+
+
+def test_single_process_fit_epochs_and_masked_validation(tmp_path):
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    val = write_dataset(tmp_path / "val", n=N_VAL, max_count=10)
+    dm = ShardDataModule(train, val, batch_size=4, eval_batch_size=5, num_workers=1, shuffle=shardstream.Shuffle(16), seed=3)
+    model = Model()
+    trainer = _trainer(devices=1, max_epochs=2)
+    trainer.fit(model, dm)
+    assert trainer.train_dataloader is not None and isinstance(trainer.train_dataloader, ShardLoader)  # not replaced
+    per_epoch = len(model.trained) // 2
+    assert per_epoch == N_TRAIN // 4
+    epochs = [sorted(k for b in model.trained[e * per_epoch : (e + 1) * per_epoch] for k in b) for e in (0, 1)]
+    assert epochs[0] == epochs[1] == [f"s{i:06d}" for i in range(N_TRAIN)]
+    assert model.trained[:per_epoch] != model.trained[per_epoch:]  # epoch 1 is another shuffle: the trainer's epoch reached the loader
+    assert dm.stream("train").epoch == 1
+    assert model.val_results == [_val_expected(), _val_expected()]
+
+
+def test_options_that_cannot_work_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="mode='pad'"):
+        ShardDataModule("x", batch_size=4, eval_options={"mode": "drop"})
+    with pytest.raises(ConfigError, match="batch_size"):
+        ShardDataModule("x", batch_size=4, world=shardstream.World(0, 1))
+    dm = ShardDataModule(val="x", batch_size=4)
+    with pytest.raises(ConfigError, match="no train data"):
+        dm.train_dataloader()
+
+
+class Crash(pl.Callback):
+    """After ``step`` optimizer steps: a checkpoint through Lightning, then wait to be killed."""
+
+    def __init__(self, step: int, path: str, ready, rank: int):
+        self.step, self.path, self.ready, self.rank = step, path, ready, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)  # every rank calls it; rank 0 writes
+            self.ready.put(self.rank)
+            while True:
+                time.sleep(1)
+
+
+def _rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, work: str, phase: str, ready) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+    out = os.path.join(work, f"{phase}.keys.{rank}")
+    open(out, "w").close()
+    ckpt = os.path.join(work, "step.ckpt")
+    dm = ShardDataModule(train, val, batch_size=4, num_workers=1, shuffle=shardstream.Shuffle(16), seed=11)
+    callbacks = [Crash(3, ckpt, ready, rank)] if phase == "crash" else []
+    trainer = _trainer(devices=world, strategy="ddp", max_epochs=1, callbacks=callbacks)
+    trainer.fit(Model(out), dm, ckpt_path=ckpt if phase == "resume" else None)
+    with open(out, "a") as f:  # under DDP too, Lightning kept our loaders (no DistributedSampler put in)
+        f.write(json.dumps({"loaders": [type(trainer.train_dataloader).__name__, type(trainer.val_dataloaders).__name__]}) + "\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_kill_mid_epoch_resume_from_lightning_checkpoint(tmp_path):
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    val = write_dataset(tmp_path / "val", n=N_VAL, max_count=10)
+    work = str(tmp_path)
+    before = launch_phase(_rank_main, 2, work, "crash", (free_port(), train, val))
+    saved = torch.load(tmp_path / "step.ckpt", weights_only=False)
+    (state,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # the loader's position, saved by Lightning
+    assert state["epoch"] == 0 and state["segments"][-1]["batches"] == 3 and state["segments"][-1]["world_size"] == 2
+    after = launch_phase(_rank_main, 2, work, "resume", (free_port(), train, val))
+    trained = [k for rank in (*before, *after) for rec in rank if "train" in rec for k in rec["train"]]
+    assert [sum(1 for rec in rank if "train" in rec) for rank in before] == [3, 3]  # killed after 3 steps
+    assert [sum(1 for rec in rank if "train" in rec) for rank in after] == [5, 5]  # the rest of the epoch
+    assert sorted(trained) == [f"s{i:06d}" for i in range(N_TRAIN)]  # every sample exactly once
+    assert [rec["loaders"] for rank in after for rec in rank if "loaders" in rec] == [["ShardLoader", "ShardLoader"]] * 2
+    vals = [rec["val"] for rank in after for rec in rank if "val" in rec]
+    single = _single_process_validation(val)
+    assert vals == [single, single] and single == _val_expected()
+
+
+def _single_process_validation(val: str) -> list[float]:
+    model = Model()
+    _trainer(devices=1).validate(model, ShardDataModule(val=val, batch_size=4, num_workers=0), verbose=False)
+    (result,) = model.val_results
+    return result
