@@ -233,3 +233,73 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
     done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
     assert done.stdout == f"{tmp_path / 'ds' / 'index.json'}\n"
     assert done.stderr == "" and done.returncode == 141
+
+
+def test_show_previews_an_npy_field_as_verify_deep_reads_it(tmp_path, capsys):
+    import numpy as np
+
+    samples = [{"__key__": f"a{i}", "npy": np.arange(12, dtype=np.float32).reshape(3, 4) + i, "cls": i} for i in range(3)]
+    write_dataset(tmp_path / "d", samples=samples)
+    assert main(["verify", str(tmp_path / "d"), "--deep"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "d"), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("array shape=(3, 4) dtype=float32") == 2 and "unreadable" not in out
+
+
+def _stream_keys(url, **kwargs):
+    ds = ShardStream(str(url), batch_size=5, shuffle=False, world=World(0, 1), **kwargs)
+    return [k for b in ds for k in b["__key__"]]
+
+
+def test_merge_lists_shard_paths_that_exist_however_the_parts_are_spelled(tmp_path, monkeypatch, capsys):
+    # docs/cli.md's `shardstream merge ./all ./day-01 ./day-02`: siblings of DEST, spelled with ./
+    # from the working directory (the manifest listed ./all/./day-01/...: nothing streamed).
+    monkeypatch.chdir(tmp_path)
+    days = [make_samples(25, seed=d) for d in range(3)]
+    for d, samples in enumerate(days):
+        for s in samples:
+            s["__key__"] = f"d{d}-{s['__key__']}"
+    write_dataset(tmp_path / "day-01", samples=days[0], max_count=10)
+    write_dataset(tmp_path / "day-02", samples=days[1], max_count=10)
+    write_dataset(tmp_path / "all" / "day-03", samples=days[2], max_count=10)
+    every = [s["__key__"] for samples in days for s in samples]
+    assert main(["merge", "./all", "./day-01", "./day-02"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "all" / "index.json").read_text())
+    assert all(Path(p).is_absolute() and Path(p).exists() for p in doc["shards"]["path"]), doc["shards"]["path"]
+    assert _stream_keys("./all") == every[:50]
+    # Every spelling of a part under DEST (./, ../, file://, absolute) is stored relative to DEST; a
+    # sibling by its absolute path; DEST named as a part (growing it) in another spelling still counts.
+    assert main(["merge", "all", f"file://{tmp_path}/all", "./all/../all/day-03/"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "all" / "index.json").read_text())
+    assert doc["shards"]["path"][-3:] == ["day-03/shard-000000.tar", "day-03/shard-000001.tar", "day-03/shard-000002.tar"]
+    assert _stream_keys(tmp_path / "all") == every
+    # The merged dataset moves as a whole where its parts are under it; a merged DEST elsewhere
+    # (not a parent of the parts) reads them all by absolute path.
+    assert main(["merge", str(tmp_path / "elsewhere" / "m"), "./all/day-03", "day-02"]) == 0
+    capsys.readouterr()
+    assert _stream_keys(tmp_path / "elsewhere" / "m") == every[50:] + every[25:50]
+    assert main(["merge", "./all2", "./all", "./day-01"]) == 1
+    assert "is listed by both" in capsys.readouterr().err  # the same shard, spelled two ways, is one shard
+
+
+def test_merge_on_s3_normalises_part_urls_and_refuses_local_shards(s3, tmp_path, capsys):
+    bucket, options, _ = s3
+    endpoint = ["--endpoint-url", options["endpoint_url"]]
+    samples = make_samples(30)
+    write_dataset(f"s3://{bucket}/all/a", samples=samples[:15], max_count=10, storage_options=options)
+    write_dataset(f"s3://{bucket}/all/b", samples=samples[15:], max_count=10, storage_options=options)
+    assert main(["merge", f"s3://{bucket}/all/./", f"s3://{bucket}/all/./a", f"s3://{bucket}/all/x/../b/", *endpoint]) == 0
+    capsys.readouterr()
+    from shardstream.format.manifest import load_manifest
+    from shardstream.options import Store
+
+    manifest = load_manifest(f"s3://{bucket}/all", options)
+    assert list(manifest.paths) == ["a/shard-000000.tar", "a/shard-000001.tar", "b/shard-000000.tar", "b/shard-000001.tar"]
+    assert _stream_keys(f"s3://{bucket}/all", store=Store(options=options)) == [s["__key__"] for s in samples]
+    write_dataset(tmp_path / "local", n=5)
+    assert main(["merge", f"s3://{bucket}/all2", str(tmp_path / "local"), *endpoint]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a remote manifest cannot list local shards" in err
