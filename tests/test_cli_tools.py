@@ -303,3 +303,39 @@ def test_merge_on_s3_normalises_part_urls_and_refuses_local_shards(s3, tmp_path,
     assert main(["merge", f"s3://{bucket}/all2", str(tmp_path / "local"), *endpoint]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a remote manifest cannot list local shards" in err
+
+
+def test_an_unknown_profile_is_one_line_naming_it_and_where_profiles_are_read(s3, tmp_path, monkeypatch, capsys):
+    bucket, options, _ = s3
+    config = tmp_path / "aws-config"
+    config.write_text("[profile good]\nregion = us-east-1\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    url = write_dataset(f"s3://{bucket}/p", n=10, storage_options=options)
+    write_dataset(tmp_path / "local", n=10)
+    flags = ["--endpoint-url", options["endpoint_url"]]
+    commands = [
+        ["ls", url],
+        ["show", url],
+        ["verify", url],
+        ["bench", url, "--workers", "0", "--batch-size", "5", "--seconds", "0.2"],
+        ["pack", str(tmp_path / "local"), f"s3://{bucket}/packed", "--no-progress"],
+        ["index", f"{url}/*.tar", f"s3://{bucket}/indexed"],
+        ["merge", f"s3://{bucket}/merged", url],
+    ]
+    for argv in commands:
+        assert main([*argv, *flags, "--profile", "nope"]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "AWS profile 'nope' not found" in err and str(config) in err and "'good'" in err, err
+        assert main([*argv, *flags, "--profile", "good"]) == 0, argv  # a profile that exists works
+        capsys.readouterr()
+    # The Python API: a ConfigError (a mistake in the options, never retried), at the first use.
+    from shardstream.errors import ConfigError
+    from shardstream.options import Store
+
+    with pytest.raises(ConfigError, match="AWS profile 'nope' not found"):
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options={**options, "profile": "nope"}))
+    monkeypatch.setenv("AWS_PROFILE", "gone")  # the same for the environment's profile
+    with pytest.raises(ConfigError, match="AWS AWS_PROFILE 'gone' not found"):
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options))
