@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from .options import add_storage_arguments, storage_config_from, storage_options_from
+from .options import add_storage_arguments, load_dataset_manifest, storage_config_from, storage_options_from
 
 NAME = "show"
 HELP = "print samples with a preview of every field; --extract writes their files out"
@@ -25,12 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardstream.errors import ShardstreamError
-    from shardstream.format.manifest import load_manifest
     from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
     config = storage_config_from(args)
-    manifest = load_manifest(args.url, options, config=config)
+    manifest = load_dataset_manifest(args.url, options, config)
     if args.key is not None:
         sample = find_key(manifest, args.key, options, config=config)
         if sample is None:
