@@ -182,7 +182,36 @@ def test_bench_reports_and_plots(packed, tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
     assert len(rows) == 2 and all("samples/s" not in r for r in rows)
     assert "recommendation: num_workers=" in out and "give --step-ms" in out
-    assert Image.open(plot).size == (720, 420)
+    assert Image.open(plot).size == (1120, 440)
+
+
+def test_bench_measures_the_workers_memory_and_the_spread_over_repeats(tmp_path, capsys, monkeypatch):
+    # The table and plot said 0 MB for every worker count: getrusage(RUSAGE_CHILDREN) sees neither
+    # forkserver workers (not this process's children) nor live forked ones (not yet reaped).
+    from shardstream.cli import bench
+
+    write_image_folder(tmp_path / "src", classes=3, per_class=100, with_json=False)
+    pack(str(tmp_path / "src"), str(tmp_path / "ds"), label_from_dir=True, max_count=50)
+    drawn = []
+    original = bench.draw_plot
+    monkeypatch.setattr(bench, "draw_plot", lambda results, path, title="": drawn.append(results) or original(results, path, title))
+    plot = tmp_path / "p.png"
+    argv = ["bench", str(tmp_path / "ds"), "--workers", "2", "--batch-size", "2", "--seconds", "1.5", "--repeats", "2", "--plot", str(plot)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "medians of 2 runs per count" in out
+    (results,) = drawn
+    assert [r["workers"] for r in results] == [0, 1, 2] and all(r["repeats"] == 2 for r in results)
+    main_peak = [r["peak_rss_mb"] for r in results]
+    per_worker = [r["peak_worker_rss_mb"] for r in results]
+    total = [r["peak_total_rss_mb"] for r in results]
+    assert all(m > 50 for m in main_peak), main_peak  # a Python process with torch
+    assert per_worker[0] == 0 and per_worker[1] > 20 and per_worker[2] > 20, per_worker
+    assert total[0] >= main_peak[0] * 0.9 and total[0] < total[1] < total[2], total  # each worker adds its memory
+    for r in results:
+        low, high = r["samples_per_s_range"]
+        assert low <= r["samples_per_s"] <= high
+    assert Image.open(plot).size == (1120, 440)
 
 
 def test_bench_with_a_busy_training_step_advises_for_training(packed, capsys):
