@@ -104,7 +104,7 @@ def first_batch(
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
     recorder = _KeyRecorder(transform)
     probe = ShardStream(url, batch_size=1, shuffle=False, world=World(0, 1), store=Store(options=storage_options, config=config))
-    size = max(1, min(batch_size, probe.sources.manifests[0].total_samples))  # a small dataset still gives one batch
+    size = max(1, min(batch_size, sum(m.total_samples for m in probe.sources.manifests)))  # a small dataset still gives one batch
     stream = ShardStream(
         url, batch_size=size, shuffle=False, world=World(0, 1), transform=recorder, store=Store(options=storage_options, config=config)
     )

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
-from shardstream.errors import ConfigError, DestinationError, ManifestError, SourceError
+from shardstream.errors import AccessDenied, ConfigError, DestinationError, ManifestError, SourceError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, write_manifest
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
@@ -73,6 +73,8 @@ def interrupted_pack(
     of a shard, sidecar or manifest), or None. ``entries``: the folder's names, when already listed
     (else one listing, under ``config``'s retry policy; a folder that does not exist holds none)."""
     if entries is None:
+        if url.split("://", 1)[0] in ("http", "https", "hf"):  # no pack writes there
+            return None
 
         def names(fs: Any, path: str) -> list[str]:
             try:
@@ -80,7 +82,10 @@ def interrupted_pack(
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
-        entries = storage.storage_call(url, names, storage_options, config)
+        try:
+            entries = storage.storage_call(url, names, storage_options, config)
+        except AccessDenied:  # credentials that may read objects but not list them: nothing to tell
+            return None
     names_ = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
     if PACK_MARKER in names_:
         return f"the marker {PACK_MARKER} of a pack that has not finished"
