@@ -11,9 +11,10 @@ While a pack runs, its destination holds a marker (``PACK_MARKER``), written bef
 shard and removed once the manifest is written: whatever stops the pack (an error, Ctrl-C, kill -9,
 a lost machine), the shards it left read as an unfinished pack (``interrupted_pack``), which
 ``shardstream index`` and ``ls`` refuse to take for a dataset ("run pack again to complete it").
-A pack that fails with an error removes what it wrote, and the destination folder too when it
-made it (a local folder that did not exist, an S3 prefix that held no object); a destination that
-held something before keeps the marker beside the shards (pack again to complete it).
+A pack (a ``with ShardWriter`` block) that fails with an error removes the destination it made
+(a local folder that did not exist, an S3 prefix that held no object) with everything it wrote
+there; a destination that existed before keeps the shards written so far beside the marker (pack
+again to complete it), or loses the marker too where no shard was written.
 """
 
 from __future__ import annotations
