@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from
+from .options import add_storage_arguments, human_bytes, load_dataset_manifest, parse_size, storage_config_from, storage_options_from
 
 NAME = "ls"
 HELP = "summarize a dataset from its manifest: shards, samples, bytes, fields, labels"
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         mix = open_mix(args.url, storage_options_from(args), lambda url, options: load_manifest(url, options, config=config), config)
         if mix is not None:
             return show_mix(args, mix)
-    manifest = load_manifest(args.url, storage_options_from(args), config=config)
+    manifest = load_dataset_manifest(args.url, storage_options_from(args), config)
     summary = {
         "manifest": manifest_url(args.url),
         "shards": len(manifest.shards),

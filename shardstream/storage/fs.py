@@ -78,6 +78,8 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         require_hf(url)
     options = bound_options(url, storage_options, config)
     if protocol in ("s3", "s3a"):
+        if "session" not in options:
+            check_profile(options.get("profile"))
         # Every S3 filesystem shares the session, the readers' own too (their options already
         # carry a retry policy: before, those made a session, and parsed botocore's models, per
         # process: 0.4-0.8 s of each DataLoader worker's CPU).
@@ -89,6 +91,32 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         fs.retries = 1  # botocore retries (transient causes only); s3fs's loop would multiply them
         return fs, path
     return url_to_fs(url, **options)
+
+
+_profiles: dict[tuple, frozenset[str]] = {}
+
+
+def check_profile(profile: str | None) -> None:
+    """Raise ConfigError naming ``profile`` (or ``AWS_PROFILE``'s) and the files profiles are read
+    from when neither holds it: botocore raised ProfileNotFound deep inside the first request, a
+    traceback. The profiles are read once per set of ``AWS_*`` variables."""
+    source = "profile"
+    if not profile:
+        profile, source = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"), "AWS_PROFILE"
+    if not profile:
+        return
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    known = _profiles.get(key)
+    if known is None:
+        import botocore.session
+
+        known = _profiles[key] = frozenset(botocore.session.Session(profile=None).available_profiles)
+    if profile not in known:
+        files = f"{os.environ.get('AWS_CONFIG_FILE', '~/.aws/config')} and {os.environ.get('AWS_SHARED_CREDENTIALS_FILE', '~/.aws/credentials')}"
+        raise ConfigError(
+            f"AWS {source} {profile!r} not found: profiles are read from {files} (AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE), "
+            f"which hold {', '.join(repr(p) for p in sorted(known)) or 'none'}"
+        )
 
 
 def require_hf(url: str) -> None:

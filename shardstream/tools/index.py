@@ -11,6 +11,10 @@ under DEST, ``offsets/NNNNNN.idx`` under DEST for shards elsewhere (nothing is w
 shards shardstream does not own). ``upgrade_manifest`` turns a version-1 manifest (offsets
 inline) into version 2 the same way, without reading a shard.
 
+``write_index`` refuses shards an interrupted pack left (``write.writer.interrupted_pack``: its
+marker or a temporary file in a shard's folder or DEST): indexed, they read as a complete dataset
+of part of the samples; ``pack`` again completes it.
+
 Both take ``config`` (a ``StorageConfig``): every listing, read and manifest load follows its
 retry policy and deadline (``upgrade_manifest``'s manifest also its ``allow_roots``), and the
 sidecars and the manifest are uploaded with its timeouts and tries.
@@ -31,6 +35,7 @@ from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import PATTERN_CHARS
+from shardstream.write.writer import refuse_interrupted_pack
 
 
 def _canonical(url: str) -> str:
@@ -93,6 +98,8 @@ def write_index(
     check_dataset_root(dest)
     urls = shard_urls(pattern, storage_options, config=config)
     url = dest if dest.endswith(".json") else storage.join(dest, MANIFEST_NAME)
+    for folder in _folders([*urls, url]):  # an interrupted pack's shards are part of a dataset: never index them
+        refuse_interrupted_pack(folder, storage_options, config=config)
     if storage_call(url, lambda fs, path: fs.exists(path), storage_options, config) and not overwrite:
         raise DestinationError(f"{url} exists; pass --overwrite to replace it")
     manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads, config=config)
@@ -120,6 +127,19 @@ def upgrade_manifest(
     _place_sidecars(manifest)
     write_manifest(manifest, url, storage.bound_options(url, storage_options, config))
     return manifest, url, True
+
+
+def _folders(urls: Sequence[str]) -> list[str]:
+    """The folders holding ``urls``, and the dataset root above a numbered prefix folder
+    (``ROOT/07/shard-000007.tar``: ``write.writer.shard_name``), where a pack keeps its marker."""
+    folders: dict[str, None] = {}
+    for u in urls:
+        folder = u.rsplit("/", 1)[0] if "/" in u else "."
+        folders[folder] = None
+        head, _, last = folder.rpartition("/")
+        if last.isdigit() and head:
+            folders[head] = None
+    return list(folders)
 
 
 def _place_sidecars(manifest: Manifest) -> None:
