@@ -293,10 +293,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         images, transform = self._images, self.batch_transform
 
         def collate(batch: list[int]) -> Any:
-            table, where = blocks.gather(batch)
-            if transform is not None:
-                return transform(table)
-            return columnar_batch(table, where, images)
+            rows = blocks.gather(batch)
+            return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
 
         if not part.num_batches:
             return

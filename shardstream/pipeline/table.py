@@ -199,56 +199,104 @@ def table_rows(source: TableSource, ranges: Sequence[Range], *, policy: ErrorPol
             yield rows
 
 
+def _is_number(t: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
+
+
+class Rows:
+    """A batch's rows, gathered: per column a numpy array (numbers without nulls: a view of Arrow's
+    memory when the rows are consecutive) or an Arrow array; ``schema`` is the table's."""
+
+    __slots__ = ("schema", "columns", "sources")
+
+    def __init__(self, schema: Any, columns: list[Any], sources: list[str] | None):
+        self.schema, self.columns, self.sources = schema, columns, sources
+
+    def to_arrow(self) -> Any:
+        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy)."""
+        import pyarrow as pa
+
+        arrays = [pa.array(c) if isinstance(c, np.ndarray) else c for c in self.columns]
+        return pa.Table.from_arrays(arrays, schema=self.schema)
+
+
 class Blocks:
     """The Arrow row groups a worker holds while rows of theirs wait in the shuffle buffer or the
     batch being made; ``gather(refs)`` takes a batch's rows. A row group is freed once every row
-    ref of it was gathered (the last batch's stay, for refilling batches after skipped rows)."""
+    ref of it was gathered (the last batch's stay, for refilling batches after skipped rows).
+
+    Each row group is held as columns: numbers without nulls as numpy views of Arrow's memory
+    (a batch's rows are then a numpy take, or a slice when consecutive: no copy), the rest as
+    Arrow arrays (an Arrow take: on plain arrays, never on a chunked one, which would join its
+    chunks first)."""
 
     def __init__(self) -> None:
-        self.tables: dict[int, Any] = {}
+        self.tables: dict[int, tuple[Any, list[Any]]] = {}
         self.left: dict[int, int] = {}
         self.next = 0
         self.names: dict[int, str] = {}
-        self._last: dict[int, Any] = {}
+        self._last: dict[int, tuple[Any, list[Any]]] = {}
 
     def add(self, table: Any, rows: int, name: str = "") -> int:
         """Hold ``table`` for ``rows`` refs to come; returns its block number."""
         b = self.next
         self.next += 1
-        self.tables[b], self.left[b], self.names[b] = table, rows, name
+        columns = []
+        for column in table.combine_chunks().columns:
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            if _is_number(array.type) and array.null_count == 0:
+                columns.append(array.to_numpy(zero_copy_only=True))
+            else:
+                columns.append(array)
+        self.tables[b], self.left[b], self.names[b] = (table.schema, columns), rows, name
         return b
 
     def more(self, b: int, rows: int) -> None:
         self.left[b] += rows
 
-    def gather(self, refs: Sequence[int]) -> tuple[Any, list[str] | None]:
-        """The rows ``refs`` point at, as one Arrow table in ref order; also each row's source name
-        when the blocks carry names (a mix)."""
+    def gather(self, refs: Sequence[int]) -> Rows:
+        """The rows ``refs`` point at, in ref order (and each row's source name when the blocks carry names: a mix)."""
         import pyarrow as pa
 
         arr = np.fromiter(refs, dtype=np.int64, count=len(refs))
         ids, rows = arr >> BLOCK_BITS, arr & ROW_MASK
         first = int(ids[0])
         if (ids == first).all():
-            used = [first]
-            table = self._table(first)
+            used, counts = [first], [len(refs)]
+            schema, held = self._block(first)
             start = int(rows[0])
             if int(rows[-1]) - start == len(rows) - 1 and (len(rows) < 2 or bool((np.diff(rows) == 1).all())):
-                out = table.slice(start, len(rows))
+                columns = [c[start : start + len(rows)] if isinstance(c, np.ndarray) else c.slice(start, len(rows)) for c in held]
             else:
-                out = table.take(pa.array(rows))
+                index = pa.array(rows)
+                columns = [c[rows] if isinstance(c, np.ndarray) else c.take(index) for c in held]
             names = [self.names[first]] * len(rows) if self.names[first] else None
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
             used = uniq.tolist()
-            tables = [self._table(b) for b in used]
-            offsets = np.cumsum([0] + [t.num_rows for t in tables[:-1]])
-            out = pa.concat_tables(tables).take(pa.array(offsets[inverse] + rows))
+            blocks = [self._block(b)[1] for b in used]
+            schema = self._block(used[0])[0]
+            masks = [inverse == i for i in range(len(used))]
+            picks = [rows[m] for m in masks]
+            order = np.argsort(inverse, kind="stable")  # refs grouped by block, in ref order within each
+            back = pa.array(np.argsort(order))
+            columns = []
+            for k, first_held in enumerate(blocks[0]):
+                if isinstance(first_held, np.ndarray) and all(isinstance(bl[k], np.ndarray) for bl in blocks):
+                    out = np.empty(len(rows), dtype=first_held.dtype)
+                    for bl, m, p in zip(blocks, masks, picks):
+                        out[m] = bl[k][p]
+                    columns.append(out)
+                else:
+                    parts = [pa.array(bl[k][p]) if isinstance(bl[k], np.ndarray) else bl[k].take(pa.array(p)) for bl, p in zip(blocks, picks)]
+                    columns.append(pa.concat_arrays(parts).take(back))
+            counts = [int(m.sum()) for m in masks]
             names = [self.names[used[i]] for i in inverse.tolist()] if self.names[used[0]] else None
-        counts = np.bincount(np.searchsorted(used, ids), minlength=len(used)) if len(used) > 1 else [len(refs)]
         self._last = {}
         for b, n in zip(used, counts):
-            self._last[b] = self.tables.get(b)
+            self._last[b] = self._block(b)
             left = self.left.get(b)
             if left is not None:
                 left -= int(n)
@@ -256,9 +304,9 @@ class Blocks:
                     del self.tables[b], self.left[b]
                 else:
                     self.left[b] = left
-        return out, names
+        return Rows(schema, columns, names)
 
-    def _table(self, b: int) -> Any:
+    def _block(self, b: int) -> tuple[Any, list[Any]]:
         found = self.tables.get(b)
         return found if found is not None else self._last[b]
 
@@ -279,8 +327,8 @@ def table_refs(
 
 
 def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
-    """One column of a batch: a tensor for fixed-width numbers without nulls (zero-copy from Arrow
-    where it can), a 2-D tensor for fixed-size lists of them (embeddings), decoded images
+    """One column of a batch (an Arrow array): a tensor for fixed-width numbers without nulls
+    (zero-copy from Arrow), a 2-D tensor for fixed-size lists of them (embeddings), decoded images
     (stacked when they share a shape) for image columns, else a list of Python values."""
     import pyarrow as pa
     import torch
@@ -293,38 +341,38 @@ def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
         return values
     if column.null_count == 0:
         if pa.types.is_integer(t) or pa.types.is_floating(t):
-            array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-            return _tensor(array.to_numpy(zero_copy_only=True))
+            return torch.from_numpy(column.to_numpy(zero_copy_only=True))
         if pa.types.is_boolean(t):
             return torch.from_numpy(column.to_numpy(zero_copy_only=False))
         if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
-            array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-            values = array.flatten()
+            values = column.flatten()
             if values.null_count == 0:
-                return _tensor(values.to_numpy(zero_copy_only=True).reshape(len(array), t.list_size))
+                return torch.from_numpy(values.to_numpy(zero_copy_only=True).reshape(len(column), t.list_size))
     return column.to_pylist()
 
 
-def _tensor(array: np.ndarray) -> Any:
+def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Batch:
+    """A batch's rows as a Batch of columns: numbers as tensors sharing the gathered memory, the
+    rest by ``column_value``; a mix's batch also says ``__source__`` per row. Tensors of
+    consecutive rows share Arrow's read-only memory (torch's warning about that is silenced here:
+    writing to them is the user's error either way)."""
     import torch
 
-    with warnings.catch_warnings():  # Arrow's memory is read-only; the tensor shares it (writing to it is the user's error)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
-
-
-def columnar_batch(table: Any, names: list[str] | None, images: Mapping[str, Callable[[Any], Any]]) -> Batch:
-    """An Arrow table of a batch's rows as a Batch of columns (``column_value``); a mix's batch also says ``__source__`` per row."""
     out = Batch()
-    for name in table.column_names:
-        try:
-            out[name] = column_value(table.column(name), images.get(name))
-        except SampleError:
-            raise
-        except Exception as exc:
-            if name not in images:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        for name, column in zip(rows.schema.names, rows.columns):
+            if isinstance(column, np.ndarray):
+                out[name] = torch.from_numpy(column)
+                continue
+            try:
+                out[name] = column_value(column, images.get(name))
+            except SampleError:
                 raise
-            raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
-    if names is not None:
-        out["__source__"] = names
+            except Exception as exc:
+                if name not in images:
+                    raise
+                raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
+    if rows.sources is not None:
+        out["__source__"] = rows.sources
     return out
