@@ -163,6 +163,7 @@ def test_s3_table_prefix(s3, tmp_path):
     ds = ShardStream(Table(url, columns=["id", "x"]), batch_size=16, world=World(0, 1), store=Store(options=options))
     assert isinstance(ds.manifest, TableManifest) and ds.manifest.base_url == f"s3://{bucket}/table"
     m, plan = ds.manifest, ds.pass_plan(num_workers=2)
+    assert f"{sum(ROWS)} samples" in ds.plan().summary()
     batches = list(make_loader(ds, num_workers=2, pin_memory=False, log_interval=None))
     assert sorted(ids_of(batches)) == list(range(sum(ROWS)))
     assert torch.equal(batches[0]["x"], batches[0]["id"].float() * 0.5)
@@ -326,3 +327,60 @@ def test_bad_inputs(table, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ConfigError, match=r"pip install 'shardstream\[tables\]'"):
         ShardStream(table, batch_size=4)
+
+
+def test_hugging_face_parquet_through_hffilesystem(tmp_path, monkeypatch):
+    from test_http import QUICK, RangeServer
+
+    write_table(tmp_path / "data")
+    server = RangeServer(str(tmp_path))
+    server.hub = True
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token or cache of the user's
+    options = {"endpoint": server.url, "token": "hf_test_token"}
+    try:
+        for url in ("hf://datasets/org/name/data/*.parquet", "hf://datasets/org/name/data"):
+            FOOTERS.clear()
+            ds = ShardStream(Table(url, columns=["id"]), batch_size=16, world=World(0, 1), store=Store(options=options, config=QUICK))
+            assert ds.manifest.files == ["part-00.parquet", "part-01.parquet", "part-02.parquet"]
+            assert sorted(ids_of(ds)) == list(range(sum(ROWS)))
+        reads = server.gets(".parquet")
+        assert reads and all(rng and status == 206 for _, _, rng, status in reads)  # footers and chunks: ranged reads only
+        assert server.tokens == {"Bearer hf_test_token"}
+    finally:
+        server.stop()
+
+
+def test_text_columns_named_like_decoders_stay_text(tmp_path):
+    root = tmp_path / "t"
+    root.mkdir()
+    pq.write_table(pa.table({"txt": ["a", "b"], "json": ['{"k": 1}', "[2]"], "cls": [3, 4]}), str(root / "t.parquet"))
+    batch = next(iter(ShardStream(str(root), batch_size=2, world=World(0, 1), shuffle=False, transform=same)))
+    assert batch["txt"] == ["a", "b"] and batch["cls"].tolist() == [3, 4]
+
+
+def test_steps_and_pad_mode(table):
+    from shardstream import Schedule
+
+    ds = ShardStream(table, batch_size=48, world=World(0, 2), mode="pad", schedule=Schedule(steps=6))
+    first, second = [ids_of(ds) for _ in range(2)]
+    assert len(first) == len(second) == 6 * 48  # every pass is 6 batches, crossing data epochs
+    padded = ShardStream(table, batch_size=48, world=World(1, 2), mode="pad")
+    rows = ids_of(ShardStream(table, batch_size=48, world=World(0, 2), mode="pad")) + ids_of(padded)
+    assert set(rows) == set(range(sum(ROWS))) and len(rows) % 96 == 0  # every row at least once
+
+
+@pytest.mark.parametrize("columnar", [True, False])
+def test_a_broken_file_is_skipped_under_on_error_skip(tmp_path, columnar):
+    root = write_table(tmp_path / "t")
+    manifest = index_table(root)  # indexed while whole
+    path = tmp_path / "t" / "part-01.parquet"
+    path.write_bytes(path.read_bytes()[:-100])  # then cut short
+    FOOTERS.clear()
+    ds = ShardStream(manifest, batch_size=16, world=World(0, 1), on_error="skip", transform=None if columnar else same)
+    batches = list(ds)
+    assert len(batches) == len(ds)  # the planned batches, refilled from rows that were read
+    rows = ids_of(batches)
+    assert not set(rows) & set(range(300, 560))  # none of part-01's rows
+    assert ds.stats()["samples_skipped"] == 260
+    with pytest.raises(ShardFormatError, match="part-01.parquet"):
+        list(ShardStream(manifest, batch_size=16, world=World(0, 1), transform=None if columnar else same))

@@ -225,7 +225,8 @@ class Rows:
 class Blocks:
     """The Arrow row groups a worker holds while rows of theirs wait in the shuffle buffer or the
     batch being made; ``gather(refs)`` takes a batch's rows. A row group is freed once every row
-    ref of it was gathered (the last batch's stay, for refilling batches after skipped rows).
+    ref of it was gathered; the last batch's stay, and once a gather repeats rows (the last
+    batches refilled after skipped rows, ``batch_samples``) nothing is freed any more.
 
     Each row group is held as columns: numbers without nulls as numpy views of Arrow's memory
     (a batch's rows are then a numpy take, or a slice when consecutive: no copy), the rest as
@@ -238,6 +239,7 @@ class Blocks:
         self.next = 0
         self.names: dict[int, str] = {}
         self._last: dict[int, tuple[Any, list[Any]]] = {}
+        self._refilling = False
 
     def add(self, table: Any, rows: int, name: str = "") -> int:
         """Hold ``table`` for ``rows`` refs to come; returns its block number."""
@@ -294,7 +296,10 @@ class Blocks:
                     columns.append(pa.concat_arrays(parts).take(back))
             counts = [int(m.sum()) for m in masks]
             names = [self.names[used[i]] for i in inverse.tolist()] if self.names[used[0]] else None
-        self._last = {}
+        if not self._refilling and any(b not in self.tables for b in used):
+            self._refilling = True  # rows gathered before come again (batches refilled after skipped rows): free nothing from now on
+        if not self._refilling:
+            self._last = {}
         for b, n in zip(used, counts):
             self._last[b] = self._block(b)
             left = self.left.get(b)
