@@ -282,11 +282,15 @@ def test_hf_image_column(tmp_path):
     assert next(iter(raw))["image"][0]["bytes"] == encoded[0]["bytes"]
 
 
-def test_written_table_manifest(table, tmp_path):
+def test_written_table_manifest(table, tmp_path, capsys):
     from shardstream.cli.main import main
 
     copy = write_table(tmp_path / "t")
     assert main(["index", copy, copy]) == 0
+    assert "indexed a Parquet table: 3 files, 14 row groups, 800 rows" in capsys.readouterr().out
+    for tool in ("show", "verify"):  # tar tools say what a table is, not that its bytes are a corrupt tar
+        assert main([tool, copy]) != 0
+        assert "is a Parquet table: shardstream " + tool + " works on tar datasets" in capsys.readouterr().err
     doc = json.loads((tmp_path / "t" / "index.json").read_text())
     assert doc["kind"] == "parquet" and doc["files"]["path"][0] == "part-00.parquet"
     FOOTERS.clear()

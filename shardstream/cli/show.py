@@ -26,11 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from shardstream.errors import ShardstreamError
     from shardstream.format.manifest import load_manifest
+    from shardstream.format.parquet import refuse_table
     from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
     config = storage_config_from(args)
     manifest = load_manifest(args.url, options, config=config)
+    refuse_table(manifest, "shardstream show")
     if args.key is not None:
         sample = find_key(manifest, args.key, options, config=config)
         if sample is None:

@@ -590,6 +590,14 @@ def rebased(m: TableManifest, base: str) -> TableManifest:
     return out
 
 
+def refuse_table(manifest: Manifest, what: str) -> None:
+    """A ConfigError when ``manifest`` is a Parquet table's: ``what`` works on tar datasets only."""
+    if isinstance(manifest, TableManifest):
+        raise ConfigError(
+            f"{manifest.base_url or 'this dataset'} is a Parquet table: {what} works on tar datasets (stream the table with ShardStream)"
+        )
+
+
 def open_table(
     source: Table | str | Sequence[str],
     storage_options: Mapping[str, Any] | None = None,
