@@ -388,3 +388,38 @@ def test_a_broken_file_is_skipped_under_on_error_skip(tmp_path, columnar):
     assert ds.stats()["samples_skipped"] == 260
     with pytest.raises(ShardFormatError, match="part-01.parquet"):
         list(ShardStream(manifest, batch_size=16, world=World(0, 1), transform=None if columnar else same))
+
+
+def test_columnar_mix_of_two_tables_and_its_resume(table, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    pq.write_table(table_of(10_000, 200), str(other / "o.parquet"), row_group_size=50)
+
+    def fresh():
+        sources = [Source(Table(table, columns=["id", "x"]), weight=0.7, name="a"), Source(Table(str(other), columns=["id", "x"]), weight=0.3, name="b")]
+        loader = make_loader(ShardStream(sources, batch_size=10, world=World(0, 1), seed=1, shuffle=Shuffle(40)), num_workers=0, log_interval=None)
+        loader.set_epoch(2)
+        return loader
+
+    loader = fresh()
+    assert loader.dataset.columnar
+    batches = list(loader)
+    tags = [t for b in batches for t in b["__source__"]]
+    ids = ids_of(batches)
+    assert all((i >= 10_000) == (t == "b") for i, t in zip(ids, tags))  # __source__ says where each row came from
+    assert dict(Counter(tags)) == {s.name: s.used for s in loader.dataset.plan().shares()}
+    reference = [[int(i) for i in b["id"]] for b in batches]
+    _, state = run(fresh(), stop=9)
+    resumed = fresh()
+    resumed.load_state_dict(state)
+    assert run(resumed)[0] == reference[9:]
+
+
+def test_a_state_names_the_table(table, tmp_path):
+    from shardstream.errors import StateError
+
+    ds = ShardStream(table, batch_size=16, world=World(0, 1))
+    state = ds.state_dict()
+    other = write_table(tmp_path / "t", rows=(300, 260, 241))  # one row more
+    with pytest.raises(StateError):
+        ShardStream(other, batch_size=16, world=World(0, 1)).load_state_dict(state)
