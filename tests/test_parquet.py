@@ -396,7 +396,8 @@ def test_columnar_mix_of_two_tables_and_its_resume(table, tmp_path):
     pq.write_table(table_of(10_000, 200), str(other / "o.parquet"), row_group_size=50)
 
     def fresh():
-        sources = [Source(Table(table, columns=["id", "x"]), weight=0.7, name="a"), Source(Table(str(other), columns=["id", "x"]), weight=0.3, name="b")]
+        columns = ["id", "x"]
+        sources = [Source(Table(table, columns=columns), weight=0.7, name="a"), Source(Table(str(other), columns=columns), weight=0.3, name="b")]
         loader = make_loader(ShardStream(sources, batch_size=10, world=World(0, 1), seed=1, shuffle=Shuffle(40)), num_workers=0, log_interval=None)
         loader.set_epoch(2)
         return loader
