@@ -36,6 +36,9 @@ from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.readahead import Prefetcher
 
 CHUNK = 1024  # rows per list handed on
+# Tensors viewing Arrow's read-only memory: torch warns once per process, as raised from here (a
+# filter set once: a catch_warnings per batch cost more than the batch's tensors).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=r"shardstream\.pipeline\.table")
 BLOCK_BITS = 32
 ROW_MASK = (1 << BLOCK_BITS) - 1
 HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
@@ -272,29 +275,37 @@ class Blocks:
             if int(rows[-1]) - start == len(rows) - 1 and (len(rows) < 2 or bool((np.diff(rows) == 1).all())):
                 columns = [c[start : start + len(rows)] if isinstance(c, np.ndarray) else c.slice(start, len(rows)) for c in held]
             else:
-                index = pa.array(rows)
-                columns = [c[rows] if isinstance(c, np.ndarray) else c.take(index) for c in held]
+                index = None
+                columns = []
+                for c in held:
+                    if isinstance(c, np.ndarray):
+                        columns.append(c[rows])
+                    else:
+                        index = pa.array(rows) if index is None else index
+                        columns.append(c.take(index))
             names = [self.names[first]] * len(rows) if self.names[first] else None
         else:
             uniq, inverse = np.unique(ids, return_inverse=True)
             used = uniq.tolist()
             blocks = [self._block(b)[1] for b in used]
             schema = self._block(used[0])[0]
-            masks = [inverse == i for i in range(len(used))]
-            picks = [rows[m] for m in masks]
             order = np.argsort(inverse, kind="stable")  # refs grouped by block, in ref order within each
-            back = pa.array(np.argsort(order))
+            bounds = np.searchsorted(inverse[order], np.arange(len(used) + 1))
+            where = [order[bounds[i] : bounds[i + 1]] for i in range(len(used))]  # positions in the batch, per block
+            picks = [rows[w] for w in where]  # rows in each block
+            back = None
             columns = []
             for k, first_held in enumerate(blocks[0]):
                 if isinstance(first_held, np.ndarray) and all(isinstance(bl[k], np.ndarray) for bl in blocks):
                     out = np.empty(len(rows), dtype=first_held.dtype)
-                    for bl, m, p in zip(blocks, masks, picks):
-                        out[m] = bl[k][p]
+                    for bl, w, p in zip(blocks, where, picks):
+                        out[w] = bl[k][p]
                     columns.append(out)
                 else:
+                    back = pa.array(np.argsort(order)) if back is None else back
                     parts = [pa.array(bl[k][p]) if isinstance(bl[k], np.ndarray) else bl[k].take(pa.array(p)) for bl, p in zip(blocks, picks)]
                     columns.append(pa.concat_arrays(parts).take(back))
-            counts = [int(m.sum()) for m in masks]
+            counts = np.diff(bounds).tolist()
             names = [self.names[used[i]] for i in inverse.tolist()] if self.names[used[0]] else None
         if not self._refilling and any(b not in self.tables for b in used):
             self._refilling = True  # rows gathered before come again (batches refilled after skipped rows): free nothing from now on
@@ -359,25 +370,23 @@ def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
 def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Batch:
     """A batch's rows as a Batch of columns: numbers as tensors sharing the gathered memory, the
     rest by ``column_value``; a mix's batch also says ``__source__`` per row. Tensors of
-    consecutive rows share Arrow's read-only memory (torch's warning about that is silenced here:
-    writing to them is the user's error either way)."""
+    consecutive rows share Arrow's read-only memory (torch's warning about that is silenced for
+    this module: writing to them is the user's error either way)."""
     import torch
 
     out = Batch()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        for name, column in zip(rows.schema.names, rows.columns):
-            if isinstance(column, np.ndarray):
-                out[name] = torch.from_numpy(column)
-                continue
-            try:
-                out[name] = column_value(column, images.get(name))
-            except SampleError:
+    for name, column in zip(rows.schema.names, rows.columns):
+        if isinstance(column, np.ndarray):
+            out[name] = torch.from_numpy(column)
+            continue
+        try:
+            out[name] = column_value(column, images.get(name))
+        except SampleError:
+            raise
+        except Exception as exc:
+            if name not in images:
                 raise
-            except Exception as exc:
-                if name not in images:
-                    raise
-                raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
+            raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
     if rows.sources is not None:
         out["__source__"] = rows.sources
     return out
