@@ -24,7 +24,7 @@ from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError
 from shardstream.format.manifest import Manifest
-from shardstream.format.parquet import Table, TableManifest
+from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
@@ -62,6 +62,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     ``make_loader``. A ``transform`` may return a dict, a tuple, a list or a tensor (batched like
     torch's default_collate), or None to drop the sample (counted in ``stats()["samples_filtered"]``;
     batches stay equal by repeating recent samples, as after skipped errors).
+
+    Parquet tables (``Table(url, columns=[...])``, a ``.parquet`` URL or glob, a folder of them)
+    stream the same way, a row group planned as a shard and a row as a sample; when every source
+    is a table and no per-sample transform is given, batches are columnar (a tensor per numeric
+    column), and ``transform=Batched(fn)`` hands ``fn`` each whole batch as a ``pyarrow.Table``
+    (docs/tables.md).
 
     The common options are keywords; rare ones come grouped as small frozen values documented in
     ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
@@ -123,11 +129,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decoder = Decoder(decoders, self.decode.required)
         # Columnar batches (pipeline/table.py): every source a table of one schema, no per-sample transform.
         schemas = {tuple(m.columns if m.projection is None else [c for c in m.columns if c[0] in m.projection]) for m in self.tables}
-        self.columnar = len(self.tables) == len(manifests) and self.transform is None and len(schemas) == 1 and not self.decode.decoders
+        per_sample = self.transform is not None or bool(self.decode.decoders or self.decode.required)
+        self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not per_sample
         if self.batch_transform is not None and not self.columnar:
             raise ConfigError(
                 "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
-                "with no Decode(decoders=...)"
+                "with no Decode(decoders=..., required=...)"
             )
         self._run = RunPlan(
             plan_sources(self.sources),
@@ -172,6 +179,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         refuse_moved("ShardStream.from_urls", {k: v for k, v in options.items() if k == "storage_options"})
         store = store or Store()
         patterns = [urls] if isinstance(urls, str) else list(urls)
+        if patterns and all(is_table_url(p) for p in patterns):  # Parquet files: their footers are enough (format/parquet.py)
+            return cls(Table(urls), store=store, **options)
         found = [u for p in patterns for u in expand_urls(p, store.options)]
         if not found:
             raise ConfigError(f"no shards match {urls!r}: check the pattern (brace ranges, glob) and the storage options")

@@ -117,6 +117,12 @@ def test_columnar_batches_match_pyarrow(table):
     assert torch.cat(got["flag"])[:n].tolist() == expected["flag"].to_pylist() and batches[0]["flag"].dtype == torch.bool
 
 
+def test_from_urls_takes_parquet_files(table):
+    ds = ShardStream.from_urls(f"{table}/part-0[01].parquet", batch_size=20, world=World(0, 1), shuffle=False)
+    assert isinstance(ds.manifest, TableManifest) and len(ds.manifest.files) == 2
+    assert sorted(ids_of(ds)) == list(range(560))
+
+
 def test_per_row_samples(table):
     ds = ShardStream(Table(table, columns=["id", "s", "st"]), batch_size=8, world=World(0, 1), shuffle=False, transform=same)
     batch = next(iter(ds))
