@@ -430,3 +430,11 @@ def test_a_state_names_the_table(table, tmp_path):
     other = write_table(tmp_path / "t", rows=(300, 260, 241))  # one row more
     with pytest.raises(StateError):
         ShardStream(other, batch_size=16, world=World(0, 1)).load_state_dict(state)
+
+
+def test_columnar_and_per_row_batches_hold_the_same_rows_in_the_same_order(table):
+    def batches(transform):
+        ds = ShardStream(table, batch_size=24, world=World(1, 2), seed=8, shuffle=Shuffle(70), transform=transform)
+        return [[int(i) for i in b["id"]] for b in ds]
+
+    assert batches(None) == batches(same)  # one plan, one shuffle: only the batch's shape differs
