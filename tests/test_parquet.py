@@ -438,3 +438,14 @@ def test_columnar_and_per_row_batches_hold_the_same_rows_in_the_same_order(table
         return [[int(i) for i in b["id"]] for b in ds]
 
     assert batches(None) == batches(same)  # one plan, one shuffle: only the batch's shape differs
+
+
+def test_a_footer_larger_than_the_first_tail_read(tmp_path):
+    from shardstream.format.parquet import TAIL_READ
+
+    root = write_table(tmp_path / "t", rows=(1200,), group=2)  # 600 row groups: a footer of a few hundred KiB
+    FOOTERS.clear()
+    m = index_table(root)
+    assert m.footer_sizes[0] > TAIL_READ and len(m.counts) == 600
+    FOOTERS.clear()  # read again while streaming: the footer's own size from the manifest, one read
+    assert sorted(ids_of(ShardStream(m, batch_size=100, world=World(0, 1)))) == list(range(1200))
