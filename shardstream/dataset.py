@@ -204,7 +204,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         ``num_workers``, with a loaded state waiting for this epoch, the summary also says how the
         next pass resumes (with as many workers as the last pass had)."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers)
-        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
+        if not self.tables:  # (a table's GETs are per projected column run and per footer: not counted there yet)
+            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
