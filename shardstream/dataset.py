@@ -24,11 +24,13 @@ from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError
 from shardstream.format.manifest import Manifest
+from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
+from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import MixPlan
@@ -61,6 +63,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     torch's default_collate), or None to drop the sample (counted in ``stats()["samples_filtered"]``;
     batches stay equal by repeating recent samples, as after skipped errors).
 
+    Parquet tables (``Table(url, columns=[...])``, a ``.parquet`` URL or glob, a folder of them)
+    stream the same way, a row group planned as a shard and a row as a sample; when every source
+    is a table and no per-sample transform is given, batches are columnar (a tensor per numeric
+    column), and ``transform=Batched(fn)`` hands ``fn`` each whole batch as a ``pyarrow.Table``
+    (docs/tables.md).
+
     The common options are keywords; rare ones come grouped as small frozen values documented in
     ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
     ``on_error=OnError(policy, tolerance)``, ``store=Store(options, config, read, cache)`` (where
@@ -71,13 +79,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        source: str | Manifest | Source | Sequence[Source],
+        source: str | Manifest | Table | Source | Sequence[Source],
         *,
         batch_size: int,
         shuffle: bool | Shuffle = True,
         seed: int = 0,
         decode: bool | Mapping[str, Callable[[bytes], Any]] | Decode = True,
-        transform: Callable[[dict[str, Any]], Any] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | Batched | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         mode: str = "drop",
         on_error: str | OnError = "raise",
@@ -99,8 +107,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         # None: no shuffling at all (shards in manifest order, no buffer).
         self.shuffler: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.shuffle = self.shuffler is not None
-        self.transform, self.collate = transform, collate or default_collate
-        self._transform = source_transforms(self.sources, transform)  # a mix's per-source transforms, then this one
+        # Batched(fn): fn takes whole columnar batches of Parquet tables (pipeline/table.py), not samples.
+        self.batch_transform = transform.fn if isinstance(transform, Batched) else None
+        self.transform = None if isinstance(transform, Batched) else transform
+        self.collate = collate or default_collate
+        self._transform = source_transforms(self.sources, self.transform)  # a mix's per-source transforms, then this one
         self.on_error = OnError.of(on_error)
         manifests = self.sources.manifests
         # The documented default (options.Read): read-ahead where any shard is on remote storage.
@@ -110,7 +121,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decode = Decode.of(decode)
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
+        self.tables = [m for m in manifests if isinstance(m, TableManifest)]
+        self._images: dict[str, HFImage] = {}  # Hugging Face image columns, decoded like image fields
+        if self.decode.defaults and self.tables:
+            image = decoders.get("png")
+            self._images = {name: HFImage(image) for m in self.tables for name in image_columns(m)} if image is not None else {}
+            decoders.update({name: fn for name, fn in self._images.items() if name not in decoders})
         self.decoder = Decoder(decoders, self.decode.required, self.decode.alias)
+        # Columnar batches (pipeline/table.py): every source a table of one schema, no per-sample transform.
+        schemas = {tuple(m.columns if m.projection is None else [c for c in m.columns if c[0] in m.projection]) for m in self.tables}
+        per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
+        self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not per_sample
+        if self.batch_transform is not None and not self.columnar:
+            raise ConfigError(
+                "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
+                "with no Decode(decoders=..., required=...)"
+            )
         self._run = RunPlan(
             plan_sources(self.sources),
             RunSettings(  # settings that cannot work fail here
@@ -137,6 +163,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             return None
         opened = ShardCache(cache.dir, cache.limit, verify=cache.verify)
         for m in manifests:
+            if isinstance(m, TableManifest):  # a table's row groups are read as ranges, not cached
+                continue
             if len(m.sizes):  # the smallest shard, and every one too large to cache (numpy, not a loop)
                 picks = {int(m.sizes.argmin()), *(int(i) for i in np.flatnonzero(m.sizes > opened.limit))}
                 opened.check_fits([(int(m.sizes[i]), m.shard_url(i)) for i in sorted(picks)])
@@ -152,6 +180,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         refuse_moved("ShardStream.from_urls", {k: v for k, v in options.items() if k == "storage_options"})
         store = store or Store()
         patterns = [urls] if isinstance(urls, str) else list(urls)
+        if patterns and all(is_table_url(p) for p in patterns):  # Parquet files: their footers are enough (format/parquet.py)
+            return cls(Table(urls), store=store, **options)
         found = [u for p in patterns for u in expand_urls(p, store.options)]
         if not found:
             raise ConfigError(f"no shards match {urls!r}: check the pattern (brace ranges, glob) and the storage options")
@@ -175,7 +205,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         ``num_workers``, with a loaded state waiting for this epoch, the summary also says how the
         next pass resumes (with as many workers as the last pass had)."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers)
-        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
+        if not self.tables:  # (a table's GETs are per projected column run and per footer: not counted there yet)
+            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
@@ -220,12 +251,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
+        if self.columnar:
+            yield from self._columnar(part, epoch, counters, policy, stats)
+            return
         sources = [self._range_source(i, counters, buffers) for i in range(len(self.sources.manifests))]
-        samples = read_planned(
-            part,
-            lambda i, ranges: read_ranges(sources[i], ranges, policy=policy),
-            lambda i, ranges: read_scattered(sources[i], ranges, policy=policy),
-        )
+
+        def read(i: int, ranges: list[Any]) -> Any:
+            source = sources[i]
+            return table_rows(source, ranges, policy=policy) if isinstance(source, TableSource) else read_ranges(source, ranges, policy=policy)
+
+        def read_back(i: int, ranges: list[Any]) -> Any:
+            source = sources[i]
+            return table_rows(source, ranges, policy=policy) if isinstance(source, TableSource) else read_scattered(source, ranges, policy=policy)
+
+        samples = read_planned(part, read, read_back)
         decoder, transform = bind_per_sample(self.decoder, self._transform)
         samples = decode_samples(samples, decoder, policy)
         filtered = [0]
@@ -251,9 +290,43 @@ class ShardStream(torch.utils.data.IterableDataset):
                 stats.refilled,
             )
 
-    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource:
+    def _columnar(self, part: Any, epoch: int, counters: Any, policy: ErrorPolicy, stats: BatchStats) -> Any:
+        """A pass of columnar batches (every source a table): the shuffle moves row refs, batches
+        are gathered from the held row groups (pipeline/table.py)."""
+        blocks = Blocks()
+        names = part.names
+        sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
+
+        def read(i: int, ranges: list[Any]) -> Any:
+            return table_refs(sources[i], ranges, blocks, policy=policy, name=names[i] if names else "")  # type: ignore[arg-type]
+
+        refs = read_planned(dataclasses.replace(part, names=None), read)
+        images, transform = self._images, self.batch_transform
+
+        def collate(batch: list[int]) -> Any:
+            rows = blocks.gather(batch)
+            return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
+
+        if not part.num_batches:
+            return
+        batches = batch_samples(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats)
+        for made, batch in enumerate(batches, 1):
+            counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
+            yield batch
+
+    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource | TableSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
+        manifest = self.sources.manifests[i]
+        if isinstance(manifest, TableManifest):
+            return TableSource(
+                manifest,
+                storage_options=dict(own) if own is not None else self.storage_options,
+                counters=counters,
+                config=self.storage,
+                readahead_bytes=self.readahead[i],
+                read_size=self.read.read_size,
+            )
         return RangeSource(
             self.sources.manifests[i],
             storage_options=dict(own) if own is not None else self.storage_options,

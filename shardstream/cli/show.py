@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from shardstream.errors import ShardstreamError
+    from shardstream.format.parquet import refuse_table
     from shardstream.tools.preview import describe_field, extract_sample, find_key, iter_dataset_samples
 
     options = storage_options_from(args)
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.transform and not args.grid:
         raise ShardstreamError("--transform applies to --grid (the picture of a batch); give --grid FILE.png")
     manifest = load_dataset_manifest(args.url, options, config)
+    refuse_table(manifest, "shardstream show")
     if args.grid:
         from shardstream.tools.grid import draw_batch_grid, load_transform
 

@@ -28,9 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardstream.format.parquet import refuse_table
     from shardstream.tools.verify import verify_dataset
 
     manifest = load_dataset_manifest(args.url, storage_options_from(args), storage_config_from(args))
+    refuse_table(manifest, "shardstream verify")
     bar = None
     lock = threading.Lock()
     if not args.no_progress and sys.stderr.isatty():

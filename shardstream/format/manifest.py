@@ -536,7 +536,12 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{url}: not valid JSON ({exc})") from exc
     del raw
-    manifest = Manifest.from_json(doc, url)
+    if isinstance(doc, dict) and doc.get("kind") == "parquet":  # a Parquet table's manifest (format/parquet.py)
+        from shardstream.format.parquet import TableManifest
+
+        manifest: Manifest = TableManifest.from_json(doc, url)
+    else:
+        manifest = Manifest.from_json(doc, url)
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
     manifest.storage_options = dict(storage_options or {})
     confine(manifest, url, config.allow_roots)

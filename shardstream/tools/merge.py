@@ -23,6 +23,7 @@ from typing import Any
 
 from shardstream.errors import ConfigError, DestinationError, ManifestError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, load_manifest, manifest_url, write_manifest
+from shardstream.format.parquet import refuse_table
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import storage_call
@@ -61,6 +62,7 @@ def merge_datasets(
     skipped: dict[str, Any] = {"count": 0, "items": []}
     for n, part_url in enumerate(part_urls):
         part = load_manifest(part_url, storage_options, config=config)
+        refuse_table(part, "shardstream merge")
         if n == 0:
             label_map = part.label_map
             label_counts = dict(part.label_counts) if part.label_counts is not None else None
