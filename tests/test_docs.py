@@ -551,3 +551,28 @@ def test_every_page_is_found_and_markers_sit_on_fences():
         for i, line in enumerate(lines):
             if NOT_RUN.match(line):
                 assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page.name}:{i + 1}: a not-run marker not right above a fence"
+
+
+RATIO = re.compile(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b")  # a speed-up: 1.9x, 1.63-1.81x
+
+
+def section(text: str, start: str, end: str) -> str:
+    i = text.index(start)
+    j = text.find(end, i + len(start))
+    return text[i : j if j >= 0 else len(text)]
+
+
+def test_speedups_quoted_in_the_docs_are_those_of_benchmarks_current_figures():
+    """One set of figures: every speed-up README.md, docs/index.md and docs/performance.md quote
+    is in BENCHMARKS.md's "Current figures" table (the source of truth; a new measurement
+    changes it there first)."""
+    current = set(RATIO.findall(section((REPO / "BENCHMARKS.md").read_text(), "## Current figures", "\n# ")))
+    quoted = {
+        "README.md": section((REPO / "README.md").read_text(), "## Benchmarks", "\n## "),
+        "docs/index.md": section((REPO / "docs" / "index.md").read_text(), "**Fast on small machines.**", "\n- "),
+        "docs/performance.md": section((REPO / "docs" / "performance.md").read_text(), "## What the benchmarks say", "\n## "),
+    }
+    for name, text in quoted.items():
+        ratios = RATIO.findall(text)
+        assert ratios, f"{name} quotes no speed-up where it should"
+        assert set(ratios) <= current, f"{name} quotes {sorted(set(ratios) - current)}, which BENCHMARKS.md's current figures do not give"
