@@ -542,15 +542,21 @@ def test_block_runs_as_written(block: Block, world, tmp_path):
     assert rc == 0, f"{block.id} failed (exit {rc}):\n{numbered(text)}\n--- output (last 6000 characters):\n{output[-6000:]}"
 
 
+OTHER_SPELLINGS = re.compile(r"^\s*```\s*(sh|shell|console|zsh|py|python3|pycon|ipython)\s*$")
+
+
 def test_every_page_is_found_and_markers_sit_on_fences():
-    """The glob finds the pages, and a not-run marker is only ever right above a python/bash fence
-    (a marker anywhere else would silently mark nothing)."""
+    """The glob finds the pages; a not-run marker is only ever right above a python/bash fence (a
+    marker anywhere else would silently mark nothing); and no block hides from the run under
+    another spelling of python or shell (```sh, ```py ...)."""
     assert REPO / "README.md" in PAGES and REPO / "docs" / "quickstart.md" in PAGES
     for page in PAGES:
         lines = page.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
+            where = f"{page.relative_to(REPO)}:{i + 1}"
             if NOT_RUN.match(line):
-                assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{page.name}:{i + 1}: a not-run marker not right above a fence"
+                assert i + 1 < len(lines) and FENCE.match(lines[i + 1]), f"{where}: a not-run marker not right above a fence"
+            assert not OTHER_SPELLINGS.match(line), f"{where}: write ```bash or ```python (so the block runs here), or ```text"
 
 
 RATIO = re.compile(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b")  # a speed-up: 1.9x, 1.63-1.81x
