@@ -2,7 +2,7 @@
 and the worker -> main process hand-off of batches.
 
 The dataset batches inside its workers, so the loader's batch_size is None; ``len(loader)`` is the
-number of batches per rank per epoch. The loader never changes the dataset: a worker learns its
+number of batches per rank in a pass (an epoch; after ``load_state_dict``, the rest of it). The loader never changes the dataset: a worker learns its
 number and index from ``get_worker_info``, and the hand-off packing runs in the loader's
 ``collate_fn``, which DataLoader calls in the worker on each batch the dataset yields.
 
@@ -296,7 +296,8 @@ class ShardLoader(webdataset.WebLoader):
     ``.map(...)`` and the other fluid stages) around a ``ShardStream``; build it with
     ``make_loader``, which sets its defaults.
 
-    - ``len(loader)``: the batches each rank gets this epoch, the same on every rank.
+    - ``len(loader)``: the batches each rank gets in this pass, the same on every rank (after
+      ``load_state_dict``, the rest of the resumed epoch; whole epochs after it).
     - ``set_epoch(n)``, ``stats()``: the dataset's, reached from here.
     - ``state_dict()`` / ``load_state_dict(state)``: the data position, counted in batches this
       loop received (``to_device`` subtracts the one it holds copied ahead); see Resume.

@@ -23,6 +23,8 @@ rest of that epoch in the resumed pass; a run by steps yields the rest of the pa
 ``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``plan_epoch(e)`` (the report),
 ``pass_plan(loader_epoch, num_workers, state)`` -> ``PassPlan`` (``.worker(rank, worker)``: its
 reads; ``.state_after(n)``: the state after n received batches; ``.summary()``) and ``load(doc)``.
+A ``Cursor`` is where one consumer stands in a pass (the loop, or one DataLoader worker): every
+state the loader or the dataset gives is a cursor's.
 """
 
 from __future__ import annotations
