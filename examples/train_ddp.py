@@ -119,8 +119,7 @@ def main() -> None:
         if rank == 0:  # exactly or elastically, as the loader's workers will run it
             say(f"resumed from {path}: {dataset.resume_plan(loader.num_workers).summary()}")
     if rank == 0:
-        # The plan for the loader's workers. Without num_workers, plan() plans for the main process
-        # (1 worker) and, with a state loaded, adds how that process would resume: elastically.
+        # The plan for the loader's workers (plan() without num_workers assumes make_loader's too).
         say(dataset.plan(num_workers=loader.num_workers).summary())
 
     step = 0

@@ -23,6 +23,8 @@ rest of that epoch in the resumed pass; a run by steps yields the rest of the pa
 ``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``plan_epoch(e)`` (the report),
 ``pass_plan(loader_epoch, num_workers, state)`` -> ``PassPlan`` (``.worker(rank, worker)``: its
 reads; ``.state_after(n)``: the state after n received batches; ``.summary()``) and ``load(doc)``.
+A ``Cursor`` is where one consumer stands in a pass (the loop, or one DataLoader worker): every
+state the loader or the dataset gives is a cursor's.
 """
 
 from __future__ import annotations
@@ -236,6 +238,31 @@ class PassPlan:
         )
 
 
+class Cursor:
+    """Where one consumer of a pass stands: the pass's plan and the batches it has taken from it;
+    every resume state is a cursor's ``state()``. The training loop takes every batch
+    (``stride=1``); DataLoader worker w of K takes every K-th (``stride=K``), the first at ``slot``:
+    w where DataLoader deals the pass out from worker 0, or where the pass resumes mid-round
+    (StatefulDataLoader goes on dealing from the worker after the last one it received from)
+    the slot that makes w deliver its own next batches. Once the loop received a worker's last
+    batch it had received ``received`` batches of the pass at least: a worker's own state is
+    that position, and of the K workers' states the furthest is the loop's."""
+
+    __slots__ = ("plan", "slot", "stride", "taken")
+
+    def __init__(self, plan: PassPlan, slot: int = 0, stride: int = 1):
+        self.plan, self.slot, self.stride, self.taken = plan, slot, stride, 0
+
+    @property
+    def received(self) -> int:
+        """Batches of this pass (after the plan's own ``received``) the loop had received with this consumer's last."""
+        return self.slot + (self.taken - 1) * self.stride + 1 if self.taken else 0
+
+    def state(self, batches: int | None = None) -> dict[str, Any]:
+        """The resume state at this cursor (``batches``: the loop's own count of this pass instead)."""
+        return self.plan.state_after(self.received if batches is None else batches)
+
+
 def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
     """A run's length: by epochs (both None), ``steps`` or ``samples_per_epoch``, a positive integer."""
     if steps is not None and samples_per_epoch is not None:
@@ -297,12 +324,13 @@ class RunPlan:
                 f"{num_workers - self.batches_per_pass} workers would have nothing to yield"
             )
 
-    def report(self, epoch: int, num_workers: int | None = None) -> EpochPlan | MixPlan:
-        """The plan of data epoch ``epoch`` as a report, ``num_workers`` checked: a run by epochs
-        splits each epoch among the workers; a run by steps splits each pass, so its plan is for one."""
+    def report(self, epoch: int, num_workers: int | None = None, assumed: int = 1) -> EpochPlan | MixPlan:
+        """The plan of data epoch ``epoch`` as a report, ``num_workers`` checked (without it, for
+        ``assumed`` workers, unchecked): a run by epochs splits each epoch among the workers; a run
+        by steps splits each pass, so its plan is for one."""
         if num_workers is not None:
             self.check_workers(num_workers)
-        return self.plan_epoch(epoch, max(1, num_workers or 0) if self.by_epochs else 1)
+        return self.plan_epoch(epoch, max(1, num_workers if num_workers is not None else assumed) if self.by_epochs else 1)
 
     # -- data epochs --------------------------------------------------------------------------------
     def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> EpochPlan | MixPlan:
@@ -360,6 +388,10 @@ class RunPlan:
         state.check(sources=self.sources.identity, seed=s.seed, shuffle=s.shuffle, mode=s.mode, per_batch=s.per_batch, run=self.run_json)
         self._replay(state)  # a state that does not fit this data fails now, not in a worker
         return state
+
+    def finished(self, state: State) -> bool:
+        """The state's pass was over where it was saved (its loop received every batch of it)."""
+        return self._resumed(state, state.last.topology).batches_per_rank == 0
 
     def _replay(self, state: State) -> list[Layout]:
         """The layout of every segment of the state's data epoch."""
