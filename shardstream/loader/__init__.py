@@ -505,6 +505,12 @@ def make_loader(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
             "keywords, in seconds); DataLoader's timeout is set from them"
         )
+    if kwargs.get("in_order", True) is not True:
+        raise ConfigError(
+            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, which "
+            "names the same batches again only when they arrive in order (with in_order=False a fast worker's "
+            "batches overtake a slow one's, and a resume would repeat some and skip others)"
+        )
     if kwargs.get("multiprocessing_context") is not None:
         if start_method != "auto":
             raise ConfigError("give start_method or multiprocessing_context, not both")
