@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from conftest import write_dataset
+from conftest import scaled, write_dataset
 
 from shardstream import ShardStream, make_loader
 from shardstream.errors import ConfigError, WorkerTimeout
@@ -263,7 +263,7 @@ def test_make_loader_starts_the_forkserver_before_the_first_pass(tmp_path, datas
     script = tmp_path / "warm.py"
     script.write_text(WARM_SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), dataset], capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        [sys.executable, str(script), dataset], capture_output=True, text=True, timeout=scaled(240), env={**os.environ, "OMP_NUM_THREADS": "1"}
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "120"], (out.stdout, out.stderr)
@@ -290,7 +290,7 @@ def test_workers_die_with_their_rank_after_kill_9_and_leave_no_semaphore(tmp_pat
         assert not [n for n in names if os.path.exists(f"/dev/shm/sem.{n.lstrip('/')}")]  # ...all unlinked by now
         os.kill(proc.pid, signal.SIGKILL)  # the rank alone, as a preemption or an OOM kill does
         proc.wait()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)  # the kernel's parent-death signal, or the workers' watch thread (1 s polls)
         assert not [w for w in workers if _alive(w)]
