@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import ConfigError, ManifestError, StorageError
+from shardstream.errors import ConfigError, ManifestError, StorageError, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
 from shardstream.plan.run import Sources
@@ -174,7 +174,7 @@ def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None, co
     try:
         raw = storage.storage_call(url, lambda fs, path: fs.cat_file(path), storage_options, config)
     except StorageError as exc:
-        raise ConfigError(f"{url}: cannot read the mix file ({exc})") from exc
+        raise restated(exc, f"{url}: cannot read the mix file ({exc})", ConfigError) from exc  # also its storage class
     return parse_mix(raw, url)
 
 
