@@ -19,8 +19,11 @@
     ├── SampleError                  a sample that cannot be decoded (names URL, key and field)
     ├── TooManyErrors                on_error="skip" gave up: failures ran past the tolerance,
     │                                or a worker could read no sample at all
-    └── WorkerTimeout                a DataLoader worker sent no batch within the loader's bound
-                                     (names rank, worker, pid and its last step; also a TimeoutError)
+    ├── WorkerTimeout                a DataLoader worker sent no batch within the loader's bound
+    │                                (names rank, worker, pid and its last step; also a TimeoutError)
+    └── WorkerDied                   a DataLoader worker exited: killed by a signal (OOM, segfault)
+                                     or an exit code (names rank, worker, pid, signal, last step;
+                                     also a RuntimeError)
 
 A storage error met while reading a manifest (or a mix file) is raised as both: a ManifestError
 (a ConfigError) and the storage class of its cause, such as ``ManifestAccessDenied`` (``restated``
@@ -141,6 +144,18 @@ class TooManyErrors(ShardstreamError):
 class WorkerTimeout(ShardstreamError, TimeoutError):
     """A DataLoader worker sent no batch within ``make_loader``'s ``timeout`` (or ``first_batch_timeout``):
     the message names the rank, the worker, its pid and the last thing it was seen doing."""
+
+
+class WorkerDied(ShardstreamError, RuntimeError):
+    """A DataLoader worker exited while the loop waited on it (killed by a signal: the OOM killer's
+    SIGKILL, a SIGSEGV in native code; or an exit code): the message names the rank, the worker,
+    its pid, the signal or code and its last step. Also a RuntimeError, as DataLoader's own
+    "exited unexpectedly" was. ``worker``, ``pid`` and ``exitcode`` (negative:
+    the signal's number, as multiprocessing gives it) are None when rebuilt from the message."""
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.worker, self.pid, self.exitcode = worker, pid, exitcode
 
 
 class BucketNotFound(StorageNotFound):

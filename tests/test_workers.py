@@ -18,7 +18,7 @@ import pytest
 from conftest import scaled, write_dataset
 
 from shardstream import ShardStream, make_loader
-from shardstream.errors import ConfigError, WorkerTimeout
+from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
 from shardstream.loader import workers
 from shardstream.loader.workers import fork_hazard, native_threads, resolve_start_method
 
@@ -324,7 +324,7 @@ def test_a_persistent_worker_killed_between_passes_is_replaced_on_the_next(datas
 def test_a_pass_whose_persistent_worker_dies_fails_and_the_next_pass_starts_new_workers(dataset, capfd):
     ds = ShardStream(dataset, batch_size=10)
     loader = make_loader(ds, num_workers=2, persistent_workers=True, prefetch_factor=1)
-    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+    with pytest.raises(WorkerDied, match=r"DataLoader worker 1 \(pid \d+\) was killed by SIGKILL"):
         for i, _ in enumerate(loader):
             if i == 1:
                 os.kill(loader.pipeline[0]._iterator._workers[1].pid, signal.SIGKILL)

@@ -36,6 +36,7 @@ from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
     DEFAULT_TIMEOUT,
     WorkerStart,
+    check_main_guarded,
     check_picklable,
     context,
     resolve_start_method,
@@ -332,6 +333,7 @@ class ShardLoader(webdataset.WebLoader):
             "timeout": timeout,
             "first_timeout": first_batch_timeout,
             "semaphores": None,
+            "method": None,  # how this pass's workers start, for WorkerDied's message
         }
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
         self._pass: tuple[PassPlan, list[int]] | None = None  # the last pass's plan, and [batches received in it]
@@ -395,6 +397,9 @@ class ShardLoader(webdataset.WebLoader):
                     logger.info("shardstream: DataLoader workers start with %s: %s", method, why)
                 check_picklable(method, why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)
+        self._watch["method"] = method
+        if method != "fork":
+            check_main_guarded(method)  # a worker would run the script's unguarded loop again
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
