@@ -55,6 +55,7 @@ _EXPORTS = {
     "StorageTimeout": "errors",
     "TooManyErrors": "errors",
     "WorkerTimeout": "errors",
+    "WorkerDied": "errors",
     "BucketNotFound": "errors",
     "StateError": "errors",
     "StorageConfig": "storage.config",
@@ -104,6 +105,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "to_device",
     "TooManyErrors",
     "World",
+    "WorkerDied",
     "WorkerTimeout",
     "__version__",
 ]
@@ -128,6 +130,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
         StorageTimeout,
         StorageUnavailable,
         TooManyErrors,
+        WorkerDied,
         WorkerTimeout,
     )
     from shardstream.format.manifest import Manifest, load_manifest

@@ -32,7 +32,7 @@ from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
-from shardstream.plan.epoch import EpochPlan
+from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
 from shardstream.plan.run import Cursor, PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
@@ -96,6 +96,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     ):
         super().__init__()
         refuse_moved("ShardStream", moved)
+        seed = check_seed(seed)  # any integer (a numpy one kept as an int, for the JSON state); ConfigError otherwise
         self.store, self.schedule = store or Store(), schedule or Schedule()
         self.storage_options = dict(self.store.options or {})  # the stream's; a mix's Source may give its own
         self.storage, self.read = self.store.config, self.store.read

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound
+from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
@@ -276,7 +276,7 @@ def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None, co
     try:
         raw = storage.storage_call(url, lambda fs, path: fs.cat_file(path), storage_options, config)
     except StorageError as exc:
-        raise ConfigError(f"{url}: cannot read the mix file ({exc})") from exc
+        raise restated(exc, f"{url}: cannot read the mix file ({exc})", ConfigError) from exc  # also its storage class
     return parse_mix(raw, url)
 
 

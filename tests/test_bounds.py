@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from conftest import make_samples
+from conftest import make_samples, scaled
 from faultproxy import FaultProxy
 
 from shardstream import Cache, Read, ShardStream, ShardWriter, Store, World, make_loader
@@ -167,7 +167,7 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
     with FaultProxy(options["endpoint_url"], bandwidth=20_000) as proxy:  # slow: the kill lands mid-download
         victim = ctx.Process(target=_slow_fill, args=(url, proxy.url, cache_dir, limit))
         victim.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not (os.path.isdir(cache_dir) and any(".partial-" in n for n in os.listdir(cache_dir))):
             assert time.monotonic() < deadline and victim.is_alive()
             time.sleep(0.05)
@@ -189,9 +189,9 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
     try:
         for p in procs:
             p.start()
-        results = dict(out.get(timeout=180) for _ in procs)
+        results = dict(out.get(timeout=scaled(180)) for _ in procs)
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=scaled(60))
             assert p.exitcode == 0
     finally:
         stop.set()

@@ -9,7 +9,7 @@ import multiprocessing
 import os
 
 import pytest
-from conftest import make_samples, write_dataset
+from conftest import make_samples, scaled, write_dataset
 
 from shardstream import Cache, Read, ShardStream, Store, World, make_loader
 from shardstream.errors import ConfigError, StorageError
@@ -37,9 +37,9 @@ def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
     procs = [ctx.Process(target=_read_all, args=(url, options, cache_dir, 10**9, out)) for _ in range(3)]
     for p in procs:
         p.start()
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=scaled(120)) for _ in procs]
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=scaled(60))
         assert p.exitcode == 0
     expected = sorted(s["__key__"] for s in make_samples(100))
     assert all(sorted(keys) == expected for keys, _ in results)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from conftest import make_samples, write_dataset, write_image_folder
+from conftest import make_samples, scaled, write_dataset, write_image_folder
 from PIL import Image
 
 from shardstream import ShardStream, ShardWriter, World
@@ -259,7 +259,7 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
         w.write({"__key__": "a", "cls": 0, "txt": "x"})
     exe = Path(sys.executable).with_name("shardstream")
     command = f"{shlex.quote(str(exe))} ls {shlex.quote(str(tmp_path / 'ds'))} | head -1"
-    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=scaled(120))
     assert done.stdout == f"{tmp_path / 'ds' / 'index.json'}\n"
     assert done.stderr == "" and done.returncode == 141
 

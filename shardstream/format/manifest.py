@@ -26,7 +26,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from shardstream.errors import BucketNotFound, ConfigError, ManifestError, StorageError, StorageNotFound
+from shardstream.errors import BucketNotFound, ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.compression import SUFFIXES as COMPRESSED_SUFFIXES
 from shardstream.format.compression import UNKNOWN_END, shard_compression
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
@@ -251,9 +251,9 @@ class Manifest:
                 # retry policy (in a DataLoader worker, through the same direct GETs as the shards'
                 # bytes), and a sidecar too long still shows.
                 data = read_head(url, sidecar_size(samples) + 1, options, config=config, counters=counters)
-            except StorageError as exc:
-                raise StorageError(
-                    f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); run `shardstream verify` on the dataset"
+            except StorageError as exc:  # its own class (AccessDenied, StorageNotFound, ...), said with the shard
+                raise restated(
+                    exc, f"{url}: cannot read the offset sidecar of {self.shard_url(i)} ({exc}); run `shardstream verify` on the dataset"
                 ) from exc
             return decode_offsets(data, url, samples, size)
 
@@ -521,16 +521,18 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
     try:
         raw = read_object(url, storage_options, config=config)
     except BucketNotFound as exc:  # no dataset root without a bucket: say so, as pack does
-        raise ManifestError(f"cannot read the manifest: {exc}") from exc
+        raise restated(exc, f"cannot read the manifest: {exc}", ManifestError) from exc
     except StorageNotFound as exc:
         root = url.rsplit("/", 1)[0] if "/" in url else "."
-        raise ManifestError(
+        raise restated(
+            exc,
             f"{url}: cannot read the manifest (not found). Is this a packed dataset root? For tar shards written by other "
             f"tools, run `shardstream index '{root}/*.tar' {root}` once, or pass the shards themselves as a glob "
-            f"('{root}/*.tar')"
+            f"('{root}/*.tar')",
+            ManifestError,
         ) from exc
-    except StorageError as exc:
-        raise ManifestError(f"cannot read the manifest: {exc}") from exc
+    except StorageError as exc:  # each is both a ManifestError and its storage class (AccessDenied, ...)
+        raise restated(exc, f"cannot read the manifest: {exc}", ManifestError) from exc
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -36,6 +36,7 @@ from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
     DEFAULT_TIMEOUT,
     WorkerStart,
+    check_main_guarded,
     check_picklable,
     context,
     resolve_start_method,
@@ -333,6 +334,7 @@ class ShardLoader(webdataset.WebLoader):
             "timeout": timeout,
             "first_timeout": first_batch_timeout,
             "semaphores": None,
+            "method": None,  # how this pass's workers start, for WorkerDied's message
         }
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
         self._cursor: Cursor | None = None  # the last pass's plan, and the batches the loop received in it
@@ -413,6 +415,9 @@ class ShardLoader(webdataset.WebLoader):
                     logger.info("shardstream: DataLoader workers start with %s: %s", method, why)
                 check_picklable(method, why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)
+        self._watch["method"] = method
+        if method != "fork":
+            check_main_guarded(method)  # a worker would run the script's unguarded loop again
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
@@ -523,6 +528,12 @@ def make_loader(
         raise ConfigError(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
             "keywords, in seconds); DataLoader's timeout is set from them"
+        )
+    if kwargs.get("in_order", True) is not True:
+        raise ConfigError(
+            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, which "
+            "names the same batches again only when they arrive in order (with in_order=False a fast worker's "
+            "batches overtake a slow one's, and a resume would repeat some and skip others)"
         )
     if kwargs.get("multiprocessing_context") is not None:
         if start_method != "auto":

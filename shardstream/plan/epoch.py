@@ -19,8 +19,10 @@ exact samples every (rank, worker) reads.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -149,7 +151,20 @@ class EpochPlan(RankSlices):
 
 
 def shard_permutation(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    """The shard order of (``seed``, ``epoch``). Any integer seed: a negative one counts as its two's
+    complement in 64 bits (``seed % 2**64``: -1 is 2**64 - 1, as the mix and rest-of-data draws
+    already take it); a non-negative one is used whole, as ever, so every order made before stays."""
+    seed = operator.index(seed)
+    if seed < 0:
+        seed %= 1 << 64
     return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, epoch]).permutation(num_shards)
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int, or ConfigError: any Python or numpy integer (negative or past 64 bits too)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
 
 
 def plan_epoch(
@@ -167,6 +182,7 @@ def plan_epoch(
     """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    seed = check_seed(seed)
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1:
