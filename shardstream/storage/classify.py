@@ -316,6 +316,16 @@ def storage_error(
     return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
 
 
+def reworded(err: StorageError, message: str) -> StorageError:
+    """``err`` with ``message`` in place of its own, of the same class (a caller that catches
+    ``StorageUnavailable`` or ``StorageNotFound`` still does) and with the same fields."""
+    if isinstance(err, StorageUnavailable):
+        return type(err)(message, url=err.url, attempts=err.attempts, waited=err.waited)
+    if type(err).__init__ is StorageError.__init__:
+        return type(err)(message, url=err.url)
+    return StorageError(message, url=err.url)  # (a class with fields of its own: none is raised on these paths)
+
+
 _KIND_OF_ERROR: dict[type, Kind] = {
     StorageNotFound: Kind.NOT_FOUND,
     BucketNotFound: Kind.NOT_FOUND,
