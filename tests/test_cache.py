@@ -209,3 +209,38 @@ def test_an_unusable_cache_directory_is_a_config_error_naming_it(s3, tmp_path):
             ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(where, 10**9)))
     finally:
         read_only.chmod(0o755)
+
+
+def test_without_a_manifest_checksum_the_fill_record_still_guards_every_hit(tmp_path):
+    """Shards with no sha256 in their manifest: the CRC-32 recorded at the fill still catches a
+    flipped byte; a copy with neither record nor sha256 cannot be checked, and is fetched again
+    (not counted as damage)."""
+    cache = ShardCache(str(tmp_path / "cache"), limit_bytes=10_000)
+    stats = StreamStats()
+    counters = stats.counters(0)
+    fills = []
+
+    def payload(write):
+        fills.append(1)
+        write(bytes(range(250)) * 4)
+
+    def read_once():
+        handle = cache.open("s3://b/a.tar", None, 1000, payload, counters)
+        assert handle is not None
+        try:
+            return handle[0].read()
+        finally:
+            ShardCache.release(*handle)
+
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 1
+    shard = cache.name("s3://b/a.tar", None, 1000)
+    with open(shard, "r+b") as f:
+        f.seek(500)
+        f.write(b"\xff")
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 2  # caught, fetched again
+    assert stats.totals()["cache_corrupt"] == 1
+    os.unlink(shard[: -len(".tar")] + ".crc32")
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 3  # unverifiable: fetched again
+    totals = stats.totals()
+    assert totals["cache_corrupt"] == 1 and totals["cache_misses"] == 3 and totals["cache_hits"] == 0
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 3 and stats.totals()["cache_hits"] == 1

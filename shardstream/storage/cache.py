@@ -179,48 +179,49 @@ class ShardCache:
         except FileNotFoundError:
             return None
         found = os.fstat(f.fileno()).st_size
+        problem, damaged = None, True
         if found != size:
             problem = f"is {found} bytes, the manifest says {size} (cut short by a crash?)"
-        elif not check or not self.verify:
-            problem = None
-        else:
-            problem = self._intact(f, path, size, sha256, exclusive=drop is not None)
+        elif check and self.verify:
+            problem, damaged = self._intact(f, path, size, sha256, exclusive=drop is not None)
             f.seek(0)
         if problem is not None:
             f.close()
             if drop is not None:
                 logger.warning("cache %s: %s (%s) %s: dropping it and fetching the shard again", self.dir, path, url, problem)
-                drop.add("cache_corrupt")
+                if damaged:
+                    drop.add("cache_corrupt")
                 _remove(path)
                 _remove(_record_path(path))
             return None
         os.utime(path)  # least recently used = oldest mtime
         return f, lock
 
-    def _intact(self, f: Any, path: str, size: int, sha256: str | None, *, exclusive: bool) -> str | None:
-        """What is wrong with the cached copy open as ``f``, or None: its CRC-32 against the record
-        of its fill; with no record, under the exclusive lock, its sha256 against the manifest's
-        (a match is given a record); without the lock, "no record" (the caller takes it and asks again)."""
+    def _intact(self, f: Any, path: str, size: int, sha256: str | None, *, exclusive: bool) -> tuple[str | None, bool]:
+        """``(what is wrong, whether it is damage)`` for the cached copy open as ``f``, ``(None,
+        False)`` when it is intact: its CRC-32 against the record of its fill; with no record, under
+        the exclusive lock, its sha256 against the manifest's (a match is given a record); without
+        the lock, "no record" (the caller takes it and asks again)."""
         recorded = _read_record(path, size)
         if recorded is not None:
             crc = 0
             for block in _blocks(f):
                 crc = zlib.crc32(block, crc)
             if crc != recorded:
-                return f"does not match the CRC-32 recorded when it was filled ({crc:08x}, recorded {recorded:08x}): damaged on disk"
-            return None
+                return f"does not match the CRC-32 recorded when it was filled ({crc:08x}, recorded {recorded:08x}): damaged on disk", True
+            return None, False
         if not exclusive:
-            return "has no checksum record"
+            return "has no checksum record", False
         if not sha256:
-            return "has no checksum record, and the manifest no sha256 to check it against"
+            return "has no checksum record, and the manifest no sha256 to check it against", False
         digest, crc = hashlib.sha256(), 0
         for block in _blocks(f):
             digest.update(block)
             crc = zlib.crc32(block, crc)
         if digest.hexdigest() != sha256:
-            return f"has sha256 {digest.hexdigest()}, the manifest says {sha256}: damaged on disk"
+            return f"has sha256 {digest.hexdigest()}, the manifest says {sha256}: damaged on disk", True
         _write_record(path, crc, size)
-        return None
+        return None, False
 
     @staticmethod
     def release(file: Any, lock: Any) -> None:

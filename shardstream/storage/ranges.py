@@ -243,9 +243,10 @@ def read_object(
     """A whole (small) object's bytes, e.g. the manifest. On S3 the first ``FIRST_READ_OBJECT``
     bytes come in one ranged GET with no HEAD first (S3 answers a range past the end with what
     there is: one round trip less before the first batch). An object that fills that read, or on
-    other stores any object, is read by its size in blocks. Either way a connection that breaks
-    midway resumes at the byte reached. An object larger than ``limit`` bytes raises ``TooLarge``
-    once its size is known, before the rest of it is read."""
+    other stores any object, is read by its size in blocks. On S3 a connection that breaks midway
+    resumes at the byte reached, in either read (on other stores, at the start of its block). An
+    object larger than ``limit`` bytes raises ``TooLarge`` once its size is known, before the rest
+    of it is read."""
     began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     first = FIRST_READ_OBJECT if limit is None else min(FIRST_READ_OBJECT, limit + 1)
     if url.startswith(("s3://", "s3a://")):

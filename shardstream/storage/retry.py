@@ -390,6 +390,9 @@ def fetch_resumed(
             try:
                 data = fetch(pos, b, attempts.remaining())
             except PartialRead as partial:
+                if not partial.data:  # (no progress: an ordinary failed try)
+                    attempts.failed(partial.cause if isinstance(partial.cause, Exception) else partial, resumed=pos > a)
+                    continue
                 data = partial.data
                 counters.add("retries")
                 counters.add("resumes")
