@@ -235,6 +235,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
+    def check_workers(self, num_workers: int) -> None:
+        """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot
+        work (some would have nothing to yield): what ``plan(num_workers=...)`` checks, without
+        planning the epoch's shard order."""
+        self._run.check_workers(num_workers)
+
     def pass_plan(self, num_workers: int | None = None) -> PassPlan:
         """How the next pass runs with ``num_workers`` workers per rank (default: those of the
         loader make_loader built, else as many as the last pass had): what every (rank, worker)

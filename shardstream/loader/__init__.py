@@ -524,7 +524,7 @@ def make_loader(
     unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
     its last step. Workers die with their rank process, whatever the start method.
     """
-    dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
     if kwargs.pop("timeout", None):
         raise ConfigError(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "

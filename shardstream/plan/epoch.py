@@ -167,22 +167,12 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
-def plan_epoch(
-    counts: Counts,
-    *,
-    world_size: int,
-    num_workers: int,
-    batch_size: int,
-    seed: int = 0,
-    epoch: int = 0,
-    shuffle: bool = True,
-    mode: str = "drop",
-    compressed_shards: int = 0,
-) -> EpochPlan:
-    """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
+def epoch_batches(counts: Counts, *, world_size: int, num_workers: int, batch_size: int, mode: str = "drop") -> tuple[np.ndarray, int, int]:
+    """``plan_epoch``'s checks and arithmetic without the shard order (no permutation, so no
+    ``numpy.random``): the counts as an array, the total and the batches per rank. Raises the
+    same ConfigErrors."""
     if mode not in MODES:
         raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-    seed = check_seed(seed)
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1:
@@ -204,6 +194,25 @@ def plan_epoch(
             f"each rank gets {batches} batches of {batch_size} but num_workers is {num_workers}: "
             f"{workers - batches} workers would have nothing to read; use num_workers <= {batches}"
         )
+    return counts_arr, total, batches
+
+
+def plan_epoch(
+    counts: Counts,
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    mode: str = "drop",
+    compressed_shards: int = 0,
+) -> EpochPlan:
+    """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
+    seed = check_seed(seed)
+    counts_arr, total, batches = epoch_batches(counts, world_size=world_size, num_workers=num_workers, batch_size=batch_size, mode=mode)
+    workers = max(1, num_workers)
     perm = shard_permutation(len(counts), seed, epoch) if shuffle else np.arange(len(counts))
     order = perm[counts_arr[perm] > 0]
     starts = np.concatenate([[0], np.cumsum(counts_arr[order])[:-1]]).astype(np.int64)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError, StateError
-from shardstream.plan.epoch import EpochPlan, plan_epoch
+from shardstream.plan.epoch import EpochPlan, epoch_batches, plan_epoch
 from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
 from shardstream.plan.state import Segment, State
@@ -282,7 +282,7 @@ class RunPlan:
         self._layouts: dict[tuple[int, int, int], Layout] = {}
         self._resumed_plan: tuple[State, Topology, PassPlan] | None = None  # the last resumed pass planned
         self._replayed: tuple[State, list[Layout]] | None = None  # the last state's segment layouts
-        self.batches_per_epoch = self.plan_epoch(0, 1).batches_per_rank  # settings that cannot work fail here
+        self.batches_per_epoch = self._epoch_batches(1)  # settings that cannot work fail here
         self.batches_per_pass = self._pass_length(s.world_size, s.batch_size)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -317,7 +317,7 @@ class RunPlan:
     def check_workers(self, num_workers: int) -> None:
         """Refuse a worker count that leaves workers with nothing to yield, naming the numbers."""
         if self.by_epochs:
-            self.plan_epoch(0, num_workers)  # plan_epoch / plan_mix say it with their numbers
+            self._epoch_batches(num_workers)  # plan_epoch / plan_mix say it with their numbers
         elif self.batches_per_pass < num_workers:
             raise ConfigError(
                 f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
@@ -333,6 +333,15 @@ class RunPlan:
         return self.plan_epoch(epoch, max(1, num_workers if num_workers is not None else assumed) if self.by_epochs else 1)
 
     # -- data epochs --------------------------------------------------------------------------------
+    def _epoch_batches(self, num_workers: int) -> int:
+        """Batches per rank of a data epoch, its settings checked as ``plan_epoch`` checks them; for
+        one dataset without planning its shard order (construction and make_loader need no
+        permutation, nor ``numpy.random``'s import)."""
+        s, src = self.settings, self.sources
+        if src.mixed:
+            return self.plan_epoch(0, num_workers).batches_per_rank
+        return epoch_batches(src.counts[0], world_size=s.world_size, num_workers=num_workers, batch_size=s.batch_size, mode=s.mode)[2]
+
     def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> EpochPlan | MixPlan:
         """The plan of data epoch ``epoch`` (the report: ``.summary()``); raises ConfigError for
         settings that cannot work."""
