@@ -36,8 +36,9 @@ from typing import Any
 from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
+from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
-from shardstream.plan.run import Sources
+from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -193,6 +194,26 @@ class Mix:
             shuffle=shuffle,
             per_batch=per_batch,
         )
+
+    def report(
+        self,
+        *,
+        world_size: int = 1,
+        num_workers: int = 1,
+        batch_size: int = 1,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        per_batch: str = "spread",
+        mode: str = "drop",
+        steps: int | None = None,
+        samples_per_epoch: int | None = None,
+    ) -> EpochPlan | MixPlan:
+        """Data epoch ``epoch``'s plan as ``ShardStream.plan()`` makes it: through the stream's own
+        planner (``plan.run.RunPlan``, the same ``mode``, run length and worker check), for the CLI
+        tools that plan without a stream (``shardstream ls``)."""
+        settings = RunSettings(seed, shuffle, mode, per_batch, world_size, batch_size, 0, 0, steps, samples_per_epoch)
+        return RunPlan(plan_sources(self), settings).report(epoch, num_workers)
 
 
 def is_mix_url(url: str) -> bool:

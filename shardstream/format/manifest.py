@@ -217,18 +217,22 @@ class Manifest:
         """Bytes of all the shards (the sum of ``sizes``; sidecars and the manifest not counted)."""
         return int(self.sizes.sum())
 
-    def _resolve(self, path: str) -> str:
+    def resolve(self, path: str) -> str:
+        """A path of this dataset (a shard's, a sidecar's, a directory of them) as the URL or path to
+        open it by: joined to ``base_url`` (an absolute one, or any path without a base, as is)."""
         if "://" in path or path.startswith("/") or not self.base_url:
             return path
         return storage.join(self.base_url, path)
 
     def shard_url(self, index: int) -> str:
         """The URL or path to open shard ``index`` by: its path joined to ``base_url`` (an absolute one as is)."""
-        return self._resolve(self.paths[index])
+        return self.resolve(self.paths[index])
 
     def sidecar_url(self, index: int) -> str:
         """The URL or path of shard ``index``'s offset sidecar, resolved like ``shard_url``."""
-        return self._resolve(self.sidecar_path(index))
+        return self.resolve(self.sidecar_path(index))
+
+    _resolve = resolve  # the name format/parquet.py's table manifest still calls
 
     # -- offsets ---------------------------------------------------------------------------------
     def offsets(

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError
-from shardstream.plan.topology import worker_share
+from shardstream.plan.topology import batches_per_rank, worker_share, worker_starts
+from shardstream.storage.requests import RequestCount, count_requests
 
 MODES = ("drop", "pad")
 
@@ -70,6 +71,13 @@ class RankSlices:
         before, count = worker_share(0, self.batches_per_rank, self.num_workers, worker)
         begin = rank * self.samples_per_rank + before * self.batch_size
         return begin, begin + count * self.batch_size
+
+    def slice_begins(self) -> np.ndarray:
+        """Every worker slice's first position, in (rank, worker) order (``worker_slice`` for all
+        at once): the slices tile [0, W x R x B) of the laid-out (maybe wrapped) sequence."""
+        before = np.asarray(worker_starts(self.batches_per_rank, self.num_workers), dtype=np.int64)
+        ranks = np.arange(self.world_size, dtype=np.int64)[:, None] * self.samples_per_rank
+        return (ranks + before[None, :] * self.batch_size).ravel()
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,11 @@ class EpochPlan(RankSlices):
             pos += take
         return out
 
+    def count_requests(self, manifests: Sequence[Any]) -> RequestCount:
+        """The store requests this epoch makes (a ``storage.requests.RequestCount``) over
+        ``manifests`` (the dataset's manifest, alone in a list)."""
+        return count_requests(self, manifests[0])
+
     def summary(self) -> str:
         """The plan in one line: samples over shards, ranks x batches, what is dropped or repeated,
         workers per rank (and the notes ``resumed`` and ``requests`` when set)."""
@@ -183,7 +196,7 @@ def epoch_batches(counts: Counts, *, world_size: int, num_workers: int, batch_si
     if total == 0:
         raise ConfigError(f"the dataset is empty ({len(counts)} shards, 0 samples)")
     per_step = world_size * batch_size
-    batches = total // per_step if mode == "drop" else -(-total // per_step)
+    batches = batches_per_rank(total, world_size, batch_size, mode)
     if batches == 0:
         raise ConfigError(
             f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but the dataset "
