@@ -25,6 +25,7 @@ from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
 from shardstream.format.parquet import Table, TableManifest, is_table_url
+from shardstream.format.scan import scan_shards
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
@@ -43,7 +44,6 @@ from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.readahead import Budget
 from shardstream.storage.requests import with_requests
-from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from shardstream.buffers import BufferPool
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
+from shardstream.format.scan import hashed, skip_exactly
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_dicts
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
@@ -31,7 +32,6 @@ from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import FileReader
 from shardstream.storage.ranges import open_range as open_object_range
 from shardstream.storage.readahead import Budget, Prefetcher
-from shardstream.storage.scan import hashed, skip_exactly
 
 logger = logging.getLogger(__name__)
 
