@@ -84,7 +84,9 @@ class Prefetcher:
         self._budget = budget
         self._max = budget.max_bytes
         self._lead = min(self._max, max(SEND_AHEAD_BYTES, 2 * block_size))
-        self._queues: list[deque] = [deque() for _ in self._openers]  # bytes, None at range end, or exception
+        # Per range being fetched or read: bytes, None at its end, or an exception. Made as ranges
+        # start, gone once read or dropped (a pass's thousands of ranges hold no deque each).
+        self._queues: dict[int, deque] = {}
         self._next = 0  # the next range a fetch thread starts
         self._front = 0  # the range the consumer reads (earlier ones are done or abandoned)
         self._waiting: int | None = None  # the range the consumer waits on (its queue is empty)
@@ -98,14 +100,13 @@ class Prefetcher:
     def _put(self, index: int, item) -> bool:
         """Queue a block (or the end, or an error) of range ``index``; False: stop fetching it."""
         size = len(item) if isinstance(item, (bytes, bytearray)) else 0
-        queue = self._queues[index]
         budget = self._budget
         with self._cond:
             while not self._stop and index >= self._front and budget.held + size > budget.max_bytes and self._waiting != index:
                 self._cond.wait()
             if self._stop or index < self._front:  # closed, or the consumer moved past this range
                 return False
-            queue.append(item)
+            self._queue(index).append(item)
             if self._waiting == index:  # one block over the budget for the waiting consumer, no more
                 self._waiting = None
             budget._charge(size)
@@ -198,7 +199,7 @@ class Prefetcher:
                     self._drop(skipped)
                 self._front = index
                 self._cond.notify_all()
-            queue = self._queues[index]
+            queue = self._queue(index)
             if not queue:
                 self._waiting = index  # its next block may go over the budget
                 self._cond.notify_all()
@@ -208,13 +209,20 @@ class Prefetcher:
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray)):
                 self._budget._release(len(value), wasted=False)
-            else:  # the range's end or its error: the next range is the front now
+            else:  # the range's end or its error (its last item): the next range is the front now
                 self._front = index + 1
+                del self._queues[index]
             self._cond.notify_all()
             return value
 
-    def _drop(self, index: int) -> None:
-        queue = self._queues[index]
+    def _queue(self, index: int) -> deque:  # (under cond)
+        queue = self._queues.get(index)
+        if queue is None:
+            queue = self._queues[index] = deque()
+        return queue
+
+    def _drop(self, index: int) -> None:  # (under cond)
+        queue = self._queues.pop(index, None)
         while queue:
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray)):
@@ -230,7 +238,7 @@ class Prefetcher:
         budget), and the blocks held are given back to the budget (counted wasted)."""
         with self._cond:
             self._stop = True
-            for index in range(self._front, len(self._queues)):
+            for index in list(self._queues):
                 self._drop(index)
             self._cond.notify_all()
 
