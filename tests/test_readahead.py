@@ -268,3 +268,36 @@ def test_a_pass_abandoned_mid_window_leaves_no_fetch_thread(tmp_path):
     assert not [t for t in threading.enumerate() if t.name == "shardstream-readahead"]
     again = [key for batch in _stream(sources, 32 << 10, read_size=8 << 10, steps=30) for key in batch["__key__"]]
     assert len(again) == 300
+
+
+def test_on_s3_two_workers_each_hold_one_budget_for_ten_sources(s3):
+    """The remote path (one GET per range, requests sent ahead) through moto and real DataLoader
+    workers: each worker's ten sources share its one budget."""
+    from conftest import make_samples
+
+    from shardstream import Read, ShardStream, ShardWriter, Source, Store, make_loader
+    from shardstream.plan.topology import World
+
+    bucket, options, _ = s3
+    sources = []
+    for s in range(10):
+        with ShardWriter(f"s3://{bucket}/src{s}", max_count=10, storage_options=options) as w:
+            for sample in make_samples(30, size=6 << 10, seed=s):
+                sample["__key__"] = f"{s}-{sample['__key__']}"
+                w.write(sample)
+        sources.append(Source(f"s3://{bucket}/src{s}", weight=1.0, name=f"s{s}"))
+    budget, block = 32 << 10, 8 << 10
+
+    def make(readahead):
+        read = Read(read_size=block, readahead_bytes=readahead)
+        return ShardStream(sources, batch_size=10, shuffle=False, world=World(0, 1), seed=2, decode=False, store=Store(options=options, read=read))
+
+    ds = make(budget)
+    batches = list(make_loader(ds, num_workers=2, pin_memory=False))
+    got = sorted(key for batch in batches for key in batch["__key__"])
+    plain = make(0)
+    assert got == sorted(key for batch in plain for key in batch["__key__"]) and len(got) == len(set(got)) == 300
+    stats = ds.stats()
+    payload = sum(len(data) for batch in batches for data in batch["bin"])
+    assert stats["readahead_fetched"] >= payload > 4 * budget  # every sample came through the read-ahead
+    assert 0 < stats["readahead_peak"] <= 2 * (budget + block)  # two workers, each its budget plus one block
