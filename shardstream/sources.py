@@ -305,6 +305,8 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: An
         try:
             manifests.append(resolve(s.url, opts))
         except (ConfigError, ManifestError) as exc:
+            if isinstance(exc, StorageError):  # keep both classes (ManifestAccessDenied, ...) and the url
+                raise restated(exc, f"mix source {s.label!r}: {exc}", ManifestError if isinstance(exc, ManifestError) else ConfigError) from exc
             raise type(exc)(f"mix source {s.label!r}: {exc}") from exc
     names = [s.label for s in sources]
     if len(set(names)) != len(names):

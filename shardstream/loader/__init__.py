@@ -500,7 +500,8 @@ def make_loader(
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
-    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch). Every
+    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch; ``in_order``
+    must stay True: exact resume counts batches in the order they come). Every
     ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
     level; ``loader.stats()`` reads them any time. The dataset is not changed.
 

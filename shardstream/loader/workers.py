@@ -23,6 +23,7 @@ otherwise blocks for good flushing its queue to a reader that is gone.
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import multiprocessing
 import os
@@ -184,19 +185,26 @@ def check_main_guarded(method: str) -> None:
     if frame is None:  # called from a function the script's guard (or another module) called
         return
     line = frame.f_lineno
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
+    guards = _main_guards(path)
+    if guards is None or any(first <= line <= last for first, last in guards):
         return
-    for node in tree.body:
-        if isinstance(node, ast.If) and _tests_main(node.test) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            return
     raise ConfigError(
         f"{path}, line {line}: DataLoader workers start here from the script's top level, and a worker started with "
         f"{method} imports the script again and would run this code too (then fail starting workers of its own): "
         f"add `if __name__ == '__main__':` around your training code (workers start from {method} here, see docs/training.md)"
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
+    """The line ranges of the top-level ``if __name__ == "__main__":`` blocks of the script at
+    ``path`` (None: unreadable or not Python); read once per script, not at every pass."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return tuple((n.lineno, n.end_lineno or n.lineno) for n in tree.body if isinstance(n, ast.If) and _tests_main(n.test))
 
 
 def _tests_main(test: ast.expr) -> bool:
