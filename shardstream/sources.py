@@ -36,13 +36,13 @@ from typing import Any
 from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
+from shardstream.format.scan import scan_shards
 from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
 from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)

@@ -369,7 +369,7 @@ LOCAL_WORLD = ("train", "shards", "img", "captions.jsonl", "wds", "downloads", "
 # Folders whose contents are a block's input even where the block writes a manifest into them (shards
 # written by others, which `index` indexes in place; `days`, whose parts `merge` combines): such a
 # block finds them without a manifest of their own.
-FOREIGN = ("wds", "downloads", "days")
+FOREIGN = ("wds", "downloads", "days", "table")
 LOCAL_NEEDS = {"captions.jsonl": ("img",), "urls.txt": ("extra",)}  # files the named ones point to
 ADDRESSES = ("http://127.0.0.1:9000", "https://s3.example.com")
 
@@ -433,7 +433,7 @@ def materialize(block: Block, seed: Path, cwd: Path, s3: str) -> None:
     for url, (folder, pattern) in S3_WORLD.items():
         bucket, _, prefix = url[5:].partition("/")
         under = any(url.startswith(d + "/") for d in dests)  # under a place the block writes: only if named
-        if bucket not in buckets or url in dests or (under and url not in text):
+        if bucket not in buckets or (url in dests and folder not in FOREIGN) or (under and url not in text):
             continue
         for f in sorted((seed / folder).glob(pattern)):
             client.upload_file(str(f), bucket, f"{prefix}/{f.name}" if prefix else f.name)

@@ -275,9 +275,9 @@ def test_fuzz_regular_samples_agree(n, m, sizes, read_size):
 
 def test_local_reads_stay_small(tmp_path):
     from shardstream.format.manifest import Manifest
+    from shardstream.format.scan import scan_shards
     from shardstream.pipeline.read import LOCAL_READ, read_range
     from shardstream.plan.epoch import Range
-    from shardstream.storage.scan import scan_shards
 
     path = tmp_path / "s.tar"
     path.write_bytes(samples_tar(2000))

@@ -327,9 +327,24 @@ def storage_call(
     return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began)
 
 
+GLOB_CHARS = "*?["
+
+
+def expand_urls(pattern: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """A brace pattern, a glob, or a single URL -> sorted shard URLs (existing files only for globs)."""
+    import braceexpand
+
+    urls: list[str] = []
+    for url in braceexpand.braceexpand(pattern):
+        if any(c in url for c in GLOB_CHARS):
+            fs, path = get_fs(url, storage_options)
+            urls += [full_url(fs, p) for p in sorted(fs.glob(path))]
+        else:
+            urls.append(url)
+    return urls
+
+
 def expand_retried(pattern: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[str]:
     """``expand_urls`` under ``config``'s retry policy (a glob lists storage: ``storage_call``)."""
     one_try = config.fs_options(storage_options, fsspec.utils.get_protocol(pattern))
-    from shardstream.storage.urls import expand_urls
-
     return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config)

@@ -35,10 +35,10 @@ from shardstream.format.compression import is_shard_name
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
 from shardstream.format.parquet import TableManifest, index_table, is_table_url, list_table_files, rebased
+from shardstream.format.scan import scan_shards
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
-from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import PATTERN_CHARS
 from shardstream.write.writer import refuse_interrupted_pack
 
