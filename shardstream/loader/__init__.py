@@ -56,6 +56,7 @@ SHARED_FIELD_MIN_BYTES = 1 << 20
 # A packed batch is {PACKED: spec, "batch": structure}: a plain dict, so DataLoader's pin-memory
 # thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
+RESUMED_LENS = ("rest", "whole")  # make_loader's resumed_len: what len(loader) says in a resumed pass
 PACKED = "__shardstream_inline__"
 SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
 SEGMENTS = "__shardstream_segments__"  # the batch's segments.Handoff, if tensors lie on pooled segments
@@ -317,10 +318,14 @@ class ShardLoader(webdataset.WebLoader):
         start_method: str = "auto",
         timeout: float | None = None,
         first_batch_timeout: float | None = None,
+        resumed_len: str = "rest",
         **kwargs: Any,
     ):
+        if resumed_len not in RESUMED_LENS:
+            raise ConfigError(f"resumed_len must be one of {', '.join(map(repr, RESUMED_LENS))}, got {resumed_len!r}")
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
+        self.resumed_len = resumed_len
         self.log_interval = log_interval
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
@@ -343,7 +348,11 @@ class ShardLoader(webdataset.WebLoader):
 
     def __len__(self) -> int:
         """Batches this pass yields per rank: the one in progress, else the next (after
-        ``load_state_dict``, the rest of the resumed pass; then whole passes again)."""
+        ``load_state_dict``, the rest of the resumed pass; then whole passes again). With
+        ``resumed_len="whole"`` always a whole pass: for clients that count the resumed position
+        themselves (Lightning's fit loop restores its batch count and stops at ``len``)."""
+        if self.resumed_len == "whole":
+            return len(self.dataset)
         current = self._current()
         if current is not None and self._in_pass:
             return current.plan.batches_per_rank
@@ -495,6 +504,7 @@ def make_loader(
     start_method: str = "auto",
     timeout: float | None = DEFAULT_TIMEOUT,
     first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
+    resumed_len: str = "rest",
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
@@ -523,6 +533,11 @@ def make_loader(
     pass (workers start, plan and open their first shards), ``timeout`` for each later one (None:
     unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
     its last step. Workers die with their rank process, whatever the start method.
+
+    ``resumed_len``: what ``len(loader)`` says after ``load_state_dict`` until the resumed pass
+    ends. ``"rest"`` (default): the batches that pass yields, so a plain loop's ``len`` matches
+    it. ``"whole"``: a whole pass, for clients that restore their own count of the batches done
+    and stop at ``len`` (Lightning's ``Trainer``; ``ShardDataModule`` sets it).
     """
     dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
     if kwargs.pop("timeout", None):
@@ -564,5 +579,6 @@ def make_loader(
         start_method=start_method,
         timeout=timeout if num_workers > 0 else None,
         first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
+        resumed_len=resumed_len,
         **kwargs,
     )
