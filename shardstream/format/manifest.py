@@ -18,7 +18,6 @@ from __future__ import annotations
 import array
 import json
 import os
-import posixpath
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, enc
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import TooLarge, read_head, read_object
-from shardstream.storage.urls import PATTERN_CHARS, is_shard_pattern
+from shardstream.storage.urls import PATTERN_CHARS, canonical_url, is_shard_pattern
 from shardstream.version import __version__
 
 FORMAT_NAME = "shardstream-index"
@@ -615,16 +614,6 @@ def parse_json(raw: bytes | str, url: str) -> Any:
         raise ManifestError(f"{url}: not a manifest: its JSON nests too deep to parse") from None
 
 
-def _normal(url: str) -> str:
-    """A URL or path with '.'/'..' segments resolved (``file://`` and local paths made absolute)."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
-    return os.path.abspath(url)
-
-
 def _under(url: str, root: str) -> bool:
     root = root.rstrip("/")
     return url == root or url.startswith(root + "/")
@@ -639,12 +628,12 @@ def confine(manifest: Manifest, where: str, allow_roots: tuple[str, ...] = ()) -
     One exception: a manifest on local disk may name other local files by absolute path (what
     ``shardstream index`` writes for shards outside its destination); whoever can write that
     manifest can write local files anyway. A remote manifest never reaches local files."""
-    base = _normal(manifest.base_url)
+    base = canonical_url(manifest.base_url)
     local_manifest = "://" not in base
-    roots = [base] + [_normal(r) for r in allow_roots]
+    roots = [base] + [canonical_url(r) for r in allow_roots]
     for i, entry in ((k, e) for k in range(len(manifest.paths)) for e in (manifest.paths[k], manifest.sidecar_path(k))):
         absolute = "://" in entry or entry.startswith(("/", "~", "\\"))
-        target = _normal(entry if absolute else storage.join(manifest.base_url, entry))
+        target = canonical_url(entry if absolute else storage.join(manifest.base_url, entry))
         if local_manifest and absolute and "://" not in target and not entry.startswith("~"):
             continue
         if not any(_under(target, root) for root in roots):

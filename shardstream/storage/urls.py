@@ -8,6 +8,9 @@ pyproject.toml, checked by ``lint-imports``)."""
 
 from __future__ import annotations
 
+import os
+import posixpath
+
 from shardstream.storage.fs import expand_urls as expand_urls
 
 PATTERN_CHARS = "{*?["
@@ -46,3 +49,14 @@ def is_shard_pattern(source: str) -> bool:
     """True for a .tar (or .tar.gz, .tgz, ...) URL, a brace pattern or a glob; False for a dataset
     root or manifest URL."""
     return is_shard_name(source) or any(c in source for c in PATTERN_CHARS)
+
+
+def canonical_url(url: str) -> str:
+    """One spelling per location: a local path absolute and normalised (``./x``, ``x``, ``a/../x``,
+    ``file:///.../x`` alike), a remote URL with its ``.``/``..`` segments and doubled slashes resolved."""
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    return os.path.abspath(url)
