@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 def free_port() -> int:
     with socket.socket() as s:
