@@ -31,12 +31,24 @@ import signal
 import sys
 import threading
 import time
-from _multiprocessing import sem_unlink
 from collections.abc import Callable
-from multiprocessing import resource_tracker, synchronize, util
+from multiprocessing import resource_tracker
 from typing import Any
 
 from shardstream.errors import ConfigError, WorkerTimeout
+from shardstream.private import finalizer_registry as _registry
+from shardstream.private import (
+    forkserver_preload,
+    forkserver_running,
+    is_iterator_timeout,
+    iterator_workers,
+    owed_worker,
+    python_threads,
+    sem_unlink,
+    semaphore_finalizers,
+    set_iterator_timeout,
+    shutdown_workers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +105,7 @@ def native_threads() -> int:
     not running Python code now. Threads Python started take the lock in question only while
     holding the GIL, as ``fork()`` does, so they cannot hold it at a fork; a native thread entering
     Python takes it before the GIL. Where /proc is missing every other thread counts."""
-    python = len(sys._current_frames())  # threads running Python code: threading's and _thread's alike
+    python = python_threads()  # threads running Python code: threading's and _thread's alike
     try:
         return len(os.listdir("/proc/self/task")) - python
     except OSError:
@@ -116,10 +128,8 @@ def context(method: str) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
     (and the main module, as it does by default), so a worker starts without importing them."""
     if method == "forkserver":
-        from multiprocessing import forkserver
-
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet: preload counts
-            preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+        if not forkserver_running():  # not started yet: preload counts
+            preload = forkserver_preload()
             multiprocessing.set_forkserver_preload([*preload, *(m for m in PRELOAD if m not in preload)])
     return multiprocessing.get_context(method)
 
@@ -133,7 +143,7 @@ def warm_forkserver() -> threading.Thread | None:
     raises what it raises. Returns the thread (None: already running)."""
     from multiprocessing import forkserver
 
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+    if forkserver_running():
         return None
     context("forkserver")  # its preload list, before the server starts
 
@@ -254,10 +264,6 @@ class WorkerStart:
 # POSIX semaphore in /dev/shm, unlinked when it is collected or by the resource tracker, which a
 # kill -9 of the process group kills too. Once every worker has started (opened them all), the
 # names are no longer needed: they are unlinked then, and the objects work on through their handles.
-def _registry() -> dict[Any, Any]:
-    return getattr(util, "_finalizer_registry", {})  # multiprocessing's finalizers, by (priority, order)
-
-
 def semaphores_mark() -> int:
     """Before a DataLoader iterator is made: the point after which its semaphores are registered."""
     return max((key[1] for key in list(_registry())), default=-1)
@@ -267,11 +273,7 @@ def unlink_semaphores(mark: int) -> int:
     """Unlink the names of the semaphores made since ``mark`` (their finalizers cancelled, the resource
     tracker told): nothing of them stays in /dev/shm, whatever happens to this process. Returns how many."""
     done = 0
-    cleanup = getattr(synchronize.SemLock, "_cleanup", None)
-    for key, fin in list(_registry().items()):
-        if key[1] <= mark or cleanup is None or getattr(fin, "_callback", None) is not cleanup:
-            continue
-        name = fin._args[0]
+    for name, fin in semaphore_finalizers(mark):
         fin.cancel()
         try:
             sem_unlink(name)
@@ -289,8 +291,8 @@ def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first
     WorkerTimeout naming the worker that owes the next batch and its last step. With
     ``semaphores`` (a ``semaphores_mark()``), the names of the semaphores made since are unlinked
     once every worker has started."""
-    workers = getattr(batches, "_workers", None)
-    if workers is None or not hasattr(batches, "_timeout"):  # no worker processes: nothing to watch
+    workers = iterator_workers(batches)
+    if workers is None:  # no worker processes: nothing to watch
         yield from batches
         return
     started = time.monotonic()
@@ -301,14 +303,14 @@ def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first
         waiting = time.monotonic()
         while True:
             left = None if bound is None else bound - (time.monotonic() - waiting)
-            batches._timeout = STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001)
+            set_iterator_timeout(batches, STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001))
             try:
                 batch = next(batches)
                 break
             except StopIteration:
                 return
             except RuntimeError as exc:
-                if not str(exc).startswith("DataLoader timed out"):
+                if not is_iterator_timeout(exc):
                     _shut_down(batches)
                     raise
                 if left is not None and left <= STATUS_CHECK_S:
@@ -330,8 +332,7 @@ def _shut_down(batches: Any) -> None:
     ``__del__``, they are stopped when the exception's traceback is collected, a reference cycle
     in which the index queues are finalized first: the "stop" each worker is sent never reaches it,
     and DataLoader waits 5 s for each one before killing it (10 s per failed pass with 2 workers)."""
-    if hasattr(batches, "_shutdown_workers"):
-        batches._shutdown_workers()
+    shutdown_workers(batches)
 
 
 def _has_started(stats: Any, index: int, proc: Any) -> bool:
@@ -340,12 +341,12 @@ def _has_started(stats: Any, index: int, proc: Any) -> bool:
 
 
 def _late_worker(it: Any, stats: Any, rank: int, bound: float, elapsed: float) -> str:
-    info = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1))
-    worker = info[0] if info else None
-    which = [worker] if worker is not None else list(range(len(it._workers)))
+    worker = owed_worker(it)
+    workers = iterator_workers(it) or []
+    which = [worker] if worker is not None else list(range(len(workers)))
     lines = []
     for w in which:
-        proc = it._workers[w]
+        proc = workers[w]
         line = stats.worker_line(w)
         if line is None or line[0] != proc.pid:
             lines.append(
