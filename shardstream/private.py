@@ -6,8 +6,12 @@ it, the use raises ``PrivateNameGone`` naming the name and the versions installe
 ``AttributeError`` deep in a worker. ``NAMES`` lists them all; ``check()`` resolves every one (the
 suite's tests/test_private.py does, on every combination of the version matrix, .ci/matrix).
 
-Not here: names private to shardstream's own classes, and argparse's ``_SubParsersAction`` (the
-CLI's option suggestions; standard library, unchanged since Python 2.7).
+Not here: names private to shardstream's own classes; argparse's ``_SubParsersAction`` and
+``_actions`` (the CLI's option suggestions; standard library, unchanged since Python 3.2); numpy's
+``lib.format._read_array_header`` (``shardstream preview`` of a .npy header, any format version);
+and multiprocessing's undocumented but unprefixed ``context.get_spawning_popen``,
+``reduction.DupFd`` and ``resource_tracker.unregister`` (tests/test_private.py and the suite use
+them through the code that calls them).
 """
 
 from __future__ import annotations
