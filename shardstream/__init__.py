@@ -28,6 +28,8 @@ _EXPORTS = {
     "Store": "options",
     "Schedule": "options",
     "Source": "sources",
+    "Table": "format.parquet",
+    "Batched": "pipeline.table",
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
     "make_loader": "loader",
@@ -53,6 +55,7 @@ _EXPORTS = {
     "StorageTimeout": "errors",
     "TooManyErrors": "errors",
     "WorkerTimeout": "errors",
+    "WorkerDied": "errors",
     "BucketNotFound": "errors",
     "StateError": "errors",
     "StorageConfig": "storage.config",
@@ -60,6 +63,7 @@ _EXPORTS = {
 
 __all__ = [  # literal, so linters and type checkers see it; tests check it matches _EXPORTS
     "AccessDenied",
+    "Batched",
     "BucketNotFound",
     "Cache",
     "ChecksumError",
@@ -97,9 +101,11 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "StorageTimeout",
     "StorageUnavailable",
     "Store",
+    "Table",
     "to_device",
     "TooManyErrors",
     "World",
+    "WorkerDied",
     "WorkerTimeout",
     "__version__",
 ]
@@ -124,13 +130,16 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
         StorageTimeout,
         StorageUnavailable,
         TooManyErrors,
+        WorkerDied,
         WorkerTimeout,
     )
     from shardstream.format.manifest import Manifest, load_manifest
+    from shardstream.format.parquet import Table
     from shardstream.loader import make_loader
     from shardstream.loader.device import DevicePrefetcher, to_device
     from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
     from shardstream.pipeline.augment import RandomResizedCrop
+    from shardstream.pipeline.table import Batched
     from shardstream.plan.epoch import EpochPlan, plan_epoch
     from shardstream.plan.mix import MixPlan, plan_mix
     from shardstream.plan.topology import World

@@ -46,6 +46,14 @@ class EpochClock:
             self._reset(epoch)
             self._state[_RESUME], self._state[_RESUME_EPOCH] = _PENDING, epoch
 
+    def follow(self, epoch: int) -> None:
+        """A DataLoader worker loaded its own state, and its share of that pass (epoch - 1) is
+        over: the next pass is ``epoch``, unless another worker's state (``load(epoch - 1)``)
+        waits for that pass. Its workers load their states before any of them starts the pass."""
+        with self._lock:
+            if not (self._state[_RESUME] == _PENDING and self._state[_RESUME_EPOCH] == epoch - 1):
+                self._reset(epoch)
+
     @property
     def current(self) -> int:
         """The epoch of the pass in progress or last started; before any pass, the epoch set."""

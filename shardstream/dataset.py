@@ -22,18 +22,20 @@ import torch
 
 from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
-from shardstream.errors import ConfigError
+from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
+from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
+from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
-from shardstream.plan.epoch import EpochPlan
+from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
-from shardstream.plan.run import PassPlan, RunPlan, RunSettings
-from shardstream.plan.state import State
+from shardstream.plan.run import Cursor, PassPlan, RunPlan, RunSettings
+from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
@@ -61,6 +63,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     torch's default_collate), or None to drop the sample (counted in ``stats()["samples_filtered"]``;
     batches stay equal by repeating recent samples, as after skipped errors).
 
+    Parquet tables (``Table(url, columns=[...])``, a ``.parquet`` URL or glob, a folder of them)
+    stream the same way, a row group planned as a shard and a row as a sample; when every source
+    is a table and no per-sample transform is given, batches are columnar (a tensor per numeric
+    column), and ``transform=Batched(fn)`` hands ``fn`` each whole batch as a ``pyarrow.Table``
+    (docs/tables.md).
+
     The common options are keywords; rare ones come grouped as small frozen values documented in
     ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
     ``on_error=OnError(policy, tolerance)``, ``store=Store(options, config, read, cache)`` (where
@@ -71,13 +79,13 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        source: str | Manifest | Source | Sequence[Source],
+        source: str | Manifest | Table | Source | Sequence[Source],
         *,
         batch_size: int,
         shuffle: bool | Shuffle = True,
         seed: int = 0,
         decode: bool | Mapping[str, Callable[[bytes], Any]] | Decode = True,
-        transform: Callable[[dict[str, Any]], Any] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | Batched | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         mode: str = "drop",
         on_error: str | OnError = "raise",
@@ -88,6 +96,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     ):
         super().__init__()
         refuse_moved("ShardStream", moved)
+        seed = check_seed(seed)  # any integer (a numpy one kept as an int, for the JSON state); ConfigError otherwise
         self.store, self.schedule = store or Store(), schedule or Schedule()
         self.storage_options = dict(self.store.options or {})  # the stream's; a mix's Source may give its own
         self.storage, self.read = self.store.config, self.store.read
@@ -99,8 +108,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         # None: no shuffling at all (shards in manifest order, no buffer).
         self.shuffler: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.shuffle = self.shuffler is not None
-        self.transform, self.collate = transform, collate or default_collate
-        self._transform = source_transforms(self.sources, transform)  # a mix's per-source transforms, then this one
+        # Batched(fn): fn takes whole columnar batches of Parquet tables (pipeline/table.py), not samples.
+        self.batch_transform = transform.fn if isinstance(transform, Batched) else None
+        self.transform = None if isinstance(transform, Batched) else transform
+        self.collate = collate or default_collate
+        self._transform = source_transforms(self.sources, self.transform)  # a mix's per-source transforms, then this one
         self.on_error = OnError.of(on_error)
         manifests = self.sources.manifests
         # The documented default (options.Read): read-ahead where any shard is on remote storage.
@@ -110,7 +122,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decode = Decode.of(decode)
         decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
+        self.tables = [m for m in manifests if isinstance(m, TableManifest)]
+        self._images: dict[str, HFImage] = {}  # Hugging Face image columns, decoded like image fields
+        if self.decode.defaults and self.tables:
+            image = decoders.get("png")
+            self._images = {name: HFImage(image) for m in self.tables for name in image_columns(m)} if image is not None else {}
+            decoders.update({name: fn for name, fn in self._images.items() if name not in decoders})
         self.decoder = Decoder(decoders, self.decode.required, self.decode.alias)
+        # Columnar batches (pipeline/table.py): every source a table of one schema, no per-sample transform.
+        schemas = {tuple(m.columns if m.projection is None else [c for c in m.columns if c[0] in m.projection]) for m in self.tables}
+        per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
+        self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not per_sample
+        if self.batch_transform is not None and not self.columnar:
+            raise ConfigError(
+                "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
+                "with no Decode(decoders=..., required=...)"
+            )
         self._run = RunPlan(
             plan_sources(self.sources),
             RunSettings(  # settings that cannot work fail here
@@ -127,6 +154,15 @@ class ShardStream(torch.utils.data.IterableDataset):
             ),
         )
         self._loaded: State | None = None  # a loaded state: its pass continues it (a run by steps goes on from it)
+        # Loaded inside a DataLoader worker: StatefulDataLoader's snapshot of that worker, which goes
+        # on with its own batches (StatefulDataLoader deals on from where it stopped, not from worker 0).
+        self._loaded_in_worker = False
+        self._share_over = False  # ...and this worker's share of that pass was over (see _load_in_worker)
+        # This process's iterator: the pass it follows and the batches it yielded (None: no pass
+        # started here since its last iter(), set_epoch or load). In a worker, its own share.
+        self._cursor: Cursor | None = None
+        self._iterated_here = False  # iter() was called in this process (a copy sent to workers: not)
+        self.loader_workers: int | None = None  # the workers of the loader make_loader built (plan's default)
         # Shared with DataLoader workers (persistent ones too), so set_epoch and a loaded state reach them.
         self._clock = EpochClock()
         self._stats = StreamStats()
@@ -137,10 +173,17 @@ class ShardStream(torch.utils.data.IterableDataset):
             return None
         opened = ShardCache(cache.dir, cache.limit, verify=cache.verify)
         for m in manifests:
+            if isinstance(m, TableManifest):  # a table's row groups are read as ranges, not cached
+                continue
             if len(m.sizes):  # the smallest shard, and every one too large to cache (numpy, not a loop)
                 picks = {int(m.sizes.argmin()), *(int(i) for i in np.flatnonzero(m.sizes > opened.limit))}
                 opened.check_fits([(int(m.sizes[i]), m.shard_url(i)) for i in sorted(picks)])
         return opened
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cursor"], state["_iterated_here"] = None, False  # this process's own iteration, not the copy's
+        return state
 
     @classmethod
     def from_urls(cls, urls: str | Sequence[str], *, store: Store | None = None, threads: int = 8, **options: Any) -> ShardStream:
@@ -152,6 +195,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         refuse_moved("ShardStream.from_urls", {k: v for k, v in options.items() if k == "storage_options"})
         store = store or Store()
         patterns = [urls] if isinstance(urls, str) else list(urls)
+        if patterns and all(is_table_url(p) for p in patterns):  # Parquet files: their footers are enough (format/parquet.py)
+            return cls(Table(urls), store=store, **options)
         found = [u for p in patterns for u in expand_urls(p, store.options)]
         if not found:
             raise ConfigError(f"no shards match {urls!r}: check the pattern (brace ranges, glob) and the storage options")
@@ -167,22 +212,40 @@ class ShardStream(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass follow epoch ``epoch`` (same on every rank); later passes go on from it."""
         self._clock.set(epoch)
+        self._cursor = None
+
+    def _workers(self) -> int:
+        """Workers per rank a plan assumes when not told: in a DataLoader worker, its loader's; in
+        a pass, the pass's; between passes, those of the loader make_loader built, else the last pass's."""
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            return info.num_workers
+        return self._clock.workers if self._clock.started or self.loader_workers is None else self.loader_workers
 
     def plan(self, epoch: int | None = None, num_workers: int | None = None) -> EpochPlan | MixPlan:
         """The exact plan of a data epoch for this topology (pure: no I/O); ``num_workers`` is
         checked (ConfigError when some worker would have nothing to yield). A run by steps crosses
         data epochs: workers split each pass, the plan is the data epoch's. Without
-        ``num_workers``, with a loaded state waiting for this epoch, the summary also says how the
-        next pass resumes (with as many workers as the last pass had)."""
-        plan = self._run.report(self.epoch if epoch is None else epoch, num_workers)
-        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
+        ``num_workers``: the workers of the loader ``make_loader`` built over this dataset (else
+        as many as the last pass had); with a loaded state waiting for this epoch, the summary
+        also says how the next pass resumes."""
+        plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
+        if not self.tables:  # (a table's GETs are per projected column run and per footer: not counted there yet)
+            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
+    def check_workers(self, num_workers: int) -> None:
+        """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot
+        work (some would have nothing to yield): what ``plan(num_workers=...)`` checks, without
+        planning the epoch's shard order."""
+        self._run.check_workers(num_workers)
+
     def pass_plan(self, num_workers: int | None = None) -> PassPlan:
-        """How the next pass runs with ``num_workers`` workers per rank (default: as many as the
-        last pass had): what every (rank, worker) reads, and the state after n batches of it."""
-        workers = self._clock.workers if num_workers is None else num_workers
+        """How the next pass runs with ``num_workers`` workers per rank (default: those of the
+        loader make_loader built, else as many as the last pass had): what every (rank, worker)
+        reads, and the state after n batches of it."""
+        workers = self._workers() if num_workers is None else num_workers
         return self._run.pass_plan(self._clock.upcoming, workers, self._loaded, self._clock.upcoming_resumed)
 
     def resume_plan(self, num_workers: int | None = None) -> PassPlan | None:
@@ -205,11 +268,24 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # -- iteration (runs in each DataLoader worker) ---------------------------------------------
     def __iter__(self):
+        self._cursor, self._iterated_here = None, True  # until its pass starts, this process's state is that pass's start
+        share_over, self._share_over = self._share_over, False
+        return self._iterate(share_over)
+
+    def _iterate(self, share_over: bool = False):
+        if share_over and not (self._clock.upcoming_resumed or self._clock.current_resumed):
+            # Every worker's share was over (none waits for the pass, none runs it): this is the
+            # iterator StatefulDataLoader made over a finished pass and drops; it starts no pass.
+            return
         worker, num_workers = current_worker()
         rank = self.world.rank
         epoch, resumed = self._clock.start_pass(worker, num_workers)  # self.epoch is this pass's from here on
         plan = self._run.pass_plan(epoch, num_workers, self._loaded, resumed)
-        part = plan.worker(rank, worker)
+        # The DataLoader slot this worker fills: its own, or (StatefulDataLoader's own resume) the
+        # one that has it go on with its own batches.
+        slot = (worker - plan.received) % num_workers if resumed and self._loaded_in_worker else worker
+        part = plan.worker(rank, slot)
+        cursor = self._cursor = Cursor(plan, slot, num_workers)
         if worker == 0 and rank == 0:
             logger.info("%s", plan.summary())
         for fn in (*self.decoder.decoders.values(), self._transform):
@@ -220,12 +296,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
+        if self.columnar:
+            yield from self._columnar(part, epoch, counters, policy, stats, cursor)
+            return
         sources = [self._range_source(i, counters, buffers) for i in range(len(self.sources.manifests))]
-        samples = read_planned(
-            part,
-            lambda i, ranges: read_ranges(sources[i], ranges, policy=policy),
-            lambda i, ranges: read_scattered(sources[i], ranges, policy=policy),
-        )
+
+        def read(i: int, ranges: list[Any]) -> Any:
+            source = sources[i]
+            return table_rows(source, ranges, policy=policy) if isinstance(source, TableSource) else read_ranges(source, ranges, policy=policy)
+
+        def read_back(i: int, ranges: list[Any]) -> Any:
+            source = sources[i]
+            return table_rows(source, ranges, policy=policy) if isinstance(source, TableSource) else read_scattered(source, ranges, policy=policy)
+
+        samples = read_planned(part, read, read_back)
         decoder, transform = bind_per_sample(self.decoder, self._transform)
         samples = decode_samples(samples, decoder, policy)
         filtered = [0]
@@ -238,6 +322,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         )
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
+            cursor.taken = made  # counted as it is handed over: a state taken now includes it
             yield batch
         if policy.skipped or stats.refilled or filtered[0]:
             dropped = f" (and the transform dropped {filtered[0]})" if filtered[0] else ""
@@ -251,9 +336,44 @@ class ShardStream(torch.utils.data.IterableDataset):
                 stats.refilled,
             )
 
-    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource:
+    def _columnar(self, part: Any, epoch: int, counters: Any, policy: ErrorPolicy, stats: BatchStats, cursor: Cursor) -> Any:
+        """A pass of columnar batches (every source a table): the shuffle moves row refs, batches
+        are gathered from the held row groups (pipeline/table.py)."""
+        blocks = Blocks()
+        names = part.names
+        sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
+
+        def read(i: int, ranges: list[Any]) -> Any:
+            return table_refs(sources[i], ranges, blocks, policy=policy, name=names[i] if names else "")  # type: ignore[arg-type]
+
+        refs = read_planned(dataclasses.replace(part, names=None), read)
+        images, transform = self._images, self.batch_transform
+
+        def collate(batch: list[int]) -> Any:
+            rows = blocks.gather(batch)
+            return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
+
+        if not part.num_batches:
+            return
+        batches = batch_samples(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats)
+        for made, batch in enumerate(batches, 1):
+            counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
+            cursor.taken = made
+            yield batch
+
+    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource | TableSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
+        manifest = self.sources.manifests[i]
+        if isinstance(manifest, TableManifest):
+            return TableSource(
+                manifest,
+                storage_options=dict(own) if own is not None else self.storage_options,
+                counters=counters,
+                config=self.storage,
+                readahead_bytes=self.readahead[i],
+                read_size=self.read.read_size,
+            )
         return RangeSource(
             self.sources.manifests[i],
             storage_options=dict(own) if own is not None else self.storage_options,
@@ -272,19 +392,23 @@ class ShardStream(torch.utils.data.IterableDataset):
     def state_dict(self, batches: int | None = None, num_workers: int | None = None) -> dict[str, Any]:
         """The data position as a small JSON-serialisable dict (plan/state.py).
 
-        ``batches``: how many batches the training loop received in the current pass (its step
-        count within the loader epoch). Only the loop knows what it received (batches sitting in
-        prefetch queues are not consumed), so once a pass has started, give it: with your own
-        DataLoader, or iterating this dataset yourself. ``make_loader``'s loader counts for you:
+        Where this process iterates the dataset itself (no DataLoader workers, or inside one: how
+        StatefulDataLoader calls it), the state counts the batches it handed over. With your own
+        DataLoader's workers, the main process cannot see them: give ``batches``, how many
+        batches the training loop received in the current pass (a resumed pass counts from 0;
+        batches in prefetch queues are not consumed). ``make_loader``'s loader counts for you:
         prefer ``loader.state_dict()``. Every rank receives the same count, so rank 0's state is
         enough for all ranks. Before a pass starts: the state at its start (a loaded one, as loaded).
         """
-        if not self._clock.started:
-            return self.pass_plan(num_workers).state_after(batches or 0)
+        cursor = self._cursor
+        if cursor is not None and num_workers in (None, cursor.plan.topology.num_workers) and self._clock.current == cursor.plan.loader_epoch:
+            return cursor.state(batches)  # the pass this process iterates
+        if not self._clock.started or (cursor is None and (self._iterated_here or torch.utils.data.get_worker_info() is not None)):
+            return self.pass_plan(num_workers).state_after(batches or 0)  # the next pass, not started
         if batches is None:
             raise ConfigError(
-                "a pass over this ShardStream has started and only the training loop knows how many batches "
-                "it received: call state_dict(batches=STEPS_THIS_EPOCH), or use make_loader's loader.state_dict()"
+                "a pass over this ShardStream has started in DataLoader workers and only the training loop knows how many "
+                "batches it received: call state_dict(batches=STEPS_THIS_EPOCH), or use make_loader's loader.state_dict()"
             )
         workers = self._clock.workers if num_workers is None else num_workers
         plan = self._run.pass_plan(self._clock.current, workers, self._loaded, self._clock.current_resumed)
@@ -296,7 +420,63 @@ class ShardStream(torch.utils.data.IterableDataset):
         have delivered, in order. Another world size, worker count, batch size or shuffle buffer:
         the data epoch in progress is finished first (every sample not yet consumed, once; pad
         mode: at least once) in equal batches per rank, then fresh data epochs follow. Sets the
-        epoch to the state's. Raises StateError for a state of other data, seed, shuffle, mode,
-        schedule or version. Load it before the DataLoader starts its (persistent) workers."""
-        self._loaded = self._run.load(state)
-        self._clock.load(self._loaded.loader_epoch)
+        epoch to the state's; a state saved once its pass was over sets the next one (its pass
+        follows on; ``set_epoch`` with the state's epoch gives that pass, empty). Raises
+        StateError for a state of other data, seed, shuffle, mode, schedule or version. Load it
+        before the DataLoader starts its (persistent) workers.
+
+        ``state`` may also be a ``StatefulDataLoader``'s own ``state_dict()`` over this dataset:
+        its position is read from the snapshots of its workers (the furthest), so the next pass
+        may run on another number of workers (a new StatefulDataLoader, not loaded, or
+        ``make_loader``)."""
+        if "_snapshot" in state or "_num_yielded" in state:
+            state = self._from_stateful_dataloader(state)
+        loaded = self._loaded = self._run.load(state)
+        self._cursor = None
+        info = torch.utils.data.get_worker_info()
+        self._loaded_in_worker = info is not None
+        if info is not None:  # StatefulDataLoader's snapshot of this worker: it goes on with its own batches
+            self._load_in_worker(loaded, info.id, info.num_workers)
+            return
+        self._clock.load(loaded.loader_epoch)
+        if self._run.finished(loaded):
+            self._clock.set(loaded.loader_epoch + 1)
+
+    def _load_in_worker(self, loaded: State, worker: int, num_workers: int) -> None:
+        """Each worker holds only its own position: the pass goes on where every worker stood,
+        which needs the topology it was saved on; it is over when every worker's share is. Then
+        StatefulDataLoader drops the iterator it made over it (its workers' first) for a new one:
+        that first iterator starts no pass, so the next pass is the next epoch, wherever it runs."""
+        if loaded.last.topology != self._run.topology(num_workers):
+            raise StateError(
+                f"a DataLoader worker was given a state saved on {loaded.last.topology.describe()}, but it runs on "
+                f"{self._run.topology(num_workers).describe()}: a worker's own state resumes only on its topology. Load "
+                "the StatefulDataLoader's state into the dataset instead (dataset.load_state_dict(loader.state_dict())) "
+                "and iterate a new StatefulDataLoader without loading it: the pass then continues elastically"
+            )
+        plan = self._run.pass_plan(loaded.loader_epoch, num_workers, loaded, True)
+        if plan.worker(self.world.rank, (worker - plan.received) % num_workers).num_batches:
+            self._clock.load(loaded.loader_epoch)
+        else:
+            self._clock.follow(loaded.loader_epoch + 1)
+            self._share_over = True
+
+    def _from_stateful_dataloader(self, sdl: Mapping[str, Any]) -> dict[str, Any]:
+        """The position in a StatefulDataLoader's state_dict (torchdata 0.11): with no
+        workers, the dataset's own state; with K, the furthest of the K workers' (the one that
+        delivered the last batch received), moved on by the steps received since that snapshot."""
+        if "_num_yielded" in sdl:  # no workers: the dataset ran in the loop's process and counted
+            found = sdl.get("dataset_state")
+            if found is None:
+                raise StateError("this StatefulDataLoader state holds no dataset state: it was not saved over a ShardStream")
+            return found
+        snapshot = sdl["_snapshot"]
+        states = [w.get("dataset_state") for w in snapshot.get("_worker_snapshots", {}).values()]
+        if not states or any(s is None for s in states):
+            raise StateError("this StatefulDataLoader state holds no dataset state per worker: it was not saved over a ShardStream")
+        state = furthest(states)
+        since = int(sdl.get("_steps_since_snapshot", 0))
+        if since:
+            loaded = self._run.load(state)
+            state = self._run.pass_plan(loaded.loader_epoch, loaded.last.topology.num_workers, loaded, True).state_after(since)
+        return state

@@ -19,8 +19,15 @@
     ├── SampleError                  a sample that cannot be decoded (names URL, key and field)
     ├── TooManyErrors                on_error="skip" gave up: failures ran past the tolerance,
     │                                or a worker could read no sample at all
-    └── WorkerTimeout                a DataLoader worker sent no batch within the loader's bound
-                                     (names rank, worker, pid and its last step; also a TimeoutError)
+    ├── WorkerTimeout                a DataLoader worker sent no batch within the loader's bound
+    │                                (names rank, worker, pid and its last step; also a TimeoutError)
+    └── WorkerDied                   a DataLoader worker exited: killed by a signal (OOM, segfault)
+                                     or an exit code (names rank, worker, pid, signal, last step;
+                                     also a RuntimeError)
+
+A storage error met while reading a manifest (or a mix file) is raised as both: a ManifestError
+(a ConfigError) and the storage class of its cause, such as ``ManifestAccessDenied`` (``restated``
+below); either ``except`` catches it.
 
 Each message says what is wrong and where (path, line, shard URL, byte offset), so a user can
 act on it without a traceback. Callers catch the classes, never match message text. Every class
@@ -139,6 +146,72 @@ class WorkerTimeout(ShardstreamError, TimeoutError):
     the message names the rank, the worker, its pid and the last thing it was seen doing."""
 
 
+class WorkerDied(ShardstreamError, RuntimeError):
+    """A DataLoader worker exited while the loop waited on it (killed by a signal: the OOM killer's
+    SIGKILL, a SIGSEGV in native code; or an exit code): the message names the rank, the worker,
+    its pid, the signal or code and its last step. Also a RuntimeError, as DataLoader's own
+    "exited unexpectedly" was. ``worker``, ``pid`` and ``exitcode`` (negative:
+    the signal's number, as multiprocessing gives it) are None when rebuilt from the message."""
+
+    def __init__(self, message: str, *, worker: int | None = None, pid: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.worker, self.pid, self.exitcode = worker, pid, exitcode
+
+
 class BucketNotFound(StorageNotFound):
     """The bucket itself does not exist (S3's NoSuchBucket): a typo in the URL, or another endpoint
     or account than the one that holds it. Raised by ``storage.classify.storage_error``."""
+
+
+# -- a storage error met while doing something with its own contract -----------------------------
+# Reading a manifest can fail for any storage cause; the caller of ``ShardStream(...)`` or
+# ``load_manifest`` catches either the contract of the step (ManifestError) or the cause's class
+# (AccessDenied, StorageNotFound, NoCredentials, ...), as errors.md documents. The error raised is
+# both: a class per (step, cause), made here once, at import, so pickling (and DataLoader's hand-off
+# of a worker's exception) finds it by name in this module.
+_STORAGE_CLASSES: tuple[type[StorageError], ...] = (
+    StorageError,
+    StorageNotFound,
+    BucketNotFound,
+    AccessDenied,
+    NoCredentials,
+    StorageUnavailable,
+    StorageTimeout,
+    ChecksumError,
+)
+_BOTH: dict[tuple[type[ShardstreamError], type[StorageError]], type[StorageError]] = {}
+
+
+def _make_both(step: type[ShardstreamError], cause: type[StorageError]) -> type[StorageError]:
+    prefix = step.__name__.removesuffix("Error")
+    name = prefix + cause.__name__  # ManifestAccessDenied, ConfigStorageNotFound, ...
+    cls = type(
+        name,
+        (step, cause),
+        {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{cause.__name__} met while reading what a {step.__name__} is about: both classes catch it.",
+        },
+    )
+    globals()[name] = cls
+    return cls
+
+
+for _step in (ManifestError, ConfigError):
+    for _cause in _STORAGE_CLASSES:
+        _BOTH[(_step, _cause)] = _make_both(_step, _cause)
+del _step, _cause
+
+
+def restated(cause: StorageError, message: str, step: type[ShardstreamError] | None = None) -> StorageError:
+    """``cause`` said as ``message``: an error of ``cause``'s own storage class (its ``url``,
+    ``attempts``, ... kept) that is also a ``step`` error when given (``ManifestError`` while a manifest
+    is read; ``ConfigError`` for a mix file), so ``except AccessDenied`` and ``except ManifestError``
+    both catch it. A storage class of someone else's (a subclass made elsewhere) keeps its nearest
+    documented class."""
+    base = next(c for c in type(cause).__mro__ if c in _STORAGE_CLASSES)
+    cls = _BOTH[(step, base)] if step is not None else base
+    exc = cls(message)
+    exc.__dict__.update(cause.__dict__)
+    return exc

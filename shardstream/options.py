@@ -190,7 +190,8 @@ class Cache:
     """Keep remote shards on local disk for later epochs (LRU, shared by a node's workers and ranks).
 
     ``dir``: where; ``limit``: bytes of local disk it may use (at least the largest shard; give it
-    room for several per worker); ``verify``: check each fill against the manifest's sha256.
+    room for several per worker); ``verify``: check each fill against the manifest's sha256, and each
+    hit against the CRC-32 recorded at its fill (a damaged copy is dropped and fetched again).
     """
 
     dir: str

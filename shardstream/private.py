@@ -244,10 +244,11 @@ def abandon_pool(pool: Any) -> None:
     the pool's exit-time clean-up (the same join) is cancelled. Its two threads are then ended: the
     task thread at a sentinel, the result thread at the end of its pipe (the workers held its other
     write ends), each waited for a moment at most; left running, they could last until the
-    interpreter's exit. The pool itself is marked terminated, as ``terminate()`` marks it: a pool left
-    marked running writes to its change notifier when collected (``Pool.__del__``), at exit after that
-    pipe may be closed, and printed an ignored ``OSError: [Errno 9] Bad file descriptor`` traceback
-    under pack's one line (8 of 15 Ctrl-C runs)."""
+    interpreter's exit. The pool itself is marked terminated, as ``terminate()`` marks it: the pool is
+    in reference cycles (its cache holds the imap iterator, which holds the pool), so it is collected
+    whenever the garbage collector runs, at exit perhaps, where ``Pool.__del__`` of a pool still
+    marked running wrote to its change notifier's pipe, already closed, and printed an ignored
+    ``OSError: [Errno 9] Bad file descriptor`` traceback under pack's one line (8 of 15 Ctrl-C runs)."""
     from multiprocessing.pool import TERMINATE
 
     resolve("multiprocessing.pool.Pool._outqueue")

@@ -33,10 +33,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import ConfigError, ManifestError, StorageError
+from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
+from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
+from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
-from shardstream.plan.run import Sources
+from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -62,7 +64,7 @@ class Source:
     class instance, not a lambda.
     """
 
-    url: str | Sequence[str] | Manifest
+    url: str | Sequence[str] | Manifest | Table
     weight: float | None = None
     repeat: float | None = None
     samples: int | None = None
@@ -87,6 +89,8 @@ class Source:
             return self.url
         if isinstance(self.url, Manifest):
             return self.url.base_url or "manifest"
+        if isinstance(self.url, Table):
+            return self.url.label
         return ",".join(self.url)
 
 
@@ -191,6 +195,26 @@ class Mix:
             per_batch=per_batch,
         )
 
+    def report(
+        self,
+        *,
+        world_size: int = 1,
+        num_workers: int = 1,
+        batch_size: int = 1,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        per_batch: str = "spread",
+        mode: str = "drop",
+        steps: int | None = None,
+        samples_per_epoch: int | None = None,
+    ) -> EpochPlan | MixPlan:
+        """Data epoch ``epoch``'s plan as ``ShardStream.plan()`` makes it: through the stream's own
+        planner (``plan.run.RunPlan``, the same ``mode``, run length and worker check), for the CLI
+        tools that plan without a stream (``shardstream ls``)."""
+        settings = RunSettings(seed, shuffle, mode, per_batch, world_size, batch_size, 0, 0, steps, samples_per_epoch)
+        return RunPlan(plan_sources(self), settings).report(epoch, num_workers)
+
 
 def is_mix_url(url: str) -> bool:
     """A mix file by its name: .yaml/.yml, or .json other than a manifest (confirmed by its content)."""
@@ -273,7 +297,7 @@ def read_mix_file(url: str, storage_options: Mapping[str, Any] | None = None, co
     try:
         raw = storage.storage_call(url, lambda fs, path: fs.cat_file(path), storage_options, config)
     except StorageError as exc:
-        raise ConfigError(f"{url}: cannot read the mix file ({exc})") from exc
+        raise restated(exc, f"{url}: cannot read the mix file ({exc})", ConfigError) from exc  # also its storage class
     return parse_mix(raw, url)
 
 
@@ -302,6 +326,8 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: An
         try:
             manifests.append(resolve(s.url, opts))
         except (ConfigError, ManifestError) as exc:
+            if isinstance(exc, StorageError):  # keep both classes (ManifestAccessDenied, ...) and the url
+                raise restated(exc, f"mix source {s.label!r}: {exc}", ManifestError if isinstance(exc, ManifestError) else ConfigError) from exc
             raise type(exc)(f"mix source {s.label!r}: {exc}") from exc
     names = [s.label for s in sources]
     if len(set(names)) != len(names):
@@ -318,8 +344,11 @@ def resolve_manifest(
     parallel) to count its samples and find their offsets."""
     if isinstance(source, Manifest):
         return source
+    table = load_table(source, storage_options, config)
+    if table is not None:
+        return table
     if isinstance(source, str) and not is_shard_pattern(source):
-        return load_manifest(source, storage_options, config=config)
+        return load_root(source, storage_options, config)
     patterns = [source] if isinstance(source, str) else list(source)
     urls = [u for p in patterns for u in expand_urls(p, storage_options)]
     if not urls:
@@ -333,6 +362,9 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
     here: indexing them reads every shard, which ``ShardStream.from_urls`` does on request."""
     if isinstance(source, Manifest):
         return source
+    table = load_table(source, storage_options, config)
+    if table is not None:
+        return table
     if not isinstance(source, str) or is_shard_pattern(source):
         shown = source if isinstance(source, str) else "[...]"
         raise ConfigError(
@@ -340,7 +372,35 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
             f"ShardStream.from_urls({shown!r}, ...) to index them at start-up (one full read of every shard), "
             f"or write their manifest once with `shardstream index '{shown}' DEST` and pass DEST"
         )
-    return load_manifest(source, storage_options, config=config)
+    return load_root(source, storage_options, config)
+
+
+def load_table(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Manifest | None:
+    """A Parquet table's manifest when ``source`` is a ``Table`` or names Parquet files (a
+    ``.parquet`` URL or glob, or a list of them); None otherwise (format/parquet.py)."""
+    if isinstance(source, Table):
+        return open_table(source, storage_options, config=config, load=lambda url: load_manifest(url, storage_options, config=config))
+    urls = [source] if isinstance(source, str) else list(source) if isinstance(source, Sequence) else []
+    if not all(isinstance(u, str) for u in urls):
+        return None
+    if urls and all(is_table_url(u) for u in urls):
+        return open_table(Table(source), storage_options, config=config)
+    return None
+
+
+def load_root(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Manifest:
+    """A dataset root's manifest (its index.json: a tar dataset, or a table indexed by
+    ``shardstream index``); a folder without one that holds Parquet files is read as a table."""
+    try:
+        return load_manifest(url, storage_options, config=config)
+    except ManifestError as exc:
+        if not isinstance(exc.__cause__, StorageNotFound) or url.rstrip("/").endswith(".json"):
+            raise
+        try:
+            list_table_files(url, storage_options, config)
+        except (ConfigError, StorageError, OSError):  # no Parquet files there either: the manifest's error
+            raise exc from exc.__cause__
+        return open_table(Table(url), storage_options, config=config)
 
 
 def open_sources(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Mix:

@@ -19,6 +19,50 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# -- waits that scale with the machine's load ----------------------------------------------------
+# A loaded machine is slower, not broken: every fixed wait in the tests (a rank's start, a child's
+# exit, a subprocess's run) and every test's own bound (pytest-timeout) is stretched by the load
+# per core when the wait begins. Two DDP tests failed their 120 s start-up wait on a 2-core machine
+# running a whole suite (load about 2.5 per core) and passed alone.
+MAX_LOAD_FACTOR = 6.0
+
+
+def load_factor() -> float:
+    """How many times slower than idle this machine may be now: the 1-minute load average per core,
+    at least 1 and at most MAX_LOAD_FACTOR (1 where the platform has no load average)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_LOAD_FACTOR, max(1.0, load / max(1, cores)))
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` stretched by ``load_factor()``: the bound of any wait in a test."""
+    return seconds * load_factor()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's pytest-timeout bound (its ``timeout`` mark, else --timeout or the ini's) scaled
+    like every wait in it, as the test starts (run before pytest-timeout reads the bound)."""
+    marker = item.get_closest_marker("timeout")
+    base = None
+    if marker is not None:
+        base = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    if base is None:
+        base = item.config.getoption("timeout", None) or item.config.getini("timeout")
+    try:
+        base = float(base)
+    except (TypeError, ValueError):
+        base = 0.0
+    factor = load_factor()
+    if base > 0 and factor > 1:
+        rest = {k: v for k, v in (marker.kwargs.items() if marker is not None else ()) if k != "timeout"}
+        item.add_marker(pytest.mark.timeout(base * factor, **rest), append=False)
+    yield
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -164,7 +208,7 @@ def no_leaks():
     children = _child_pids()
     yield
     multiprocessing.active_children()  # reaps finished multiprocessing children
-    deadline = time.monotonic() + LEAK_GRACE_S
+    deadline = time.monotonic() + scaled(LEAK_GRACE_S)
     leaked = _leaked_threads(threads)
     if leaked:
         gc.collect()  # a dropped DataLoader iterator stops its workers when collected
@@ -195,14 +239,15 @@ def spawned_ranks(target, world: int, args: tuple):
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join(10)
+                p.join(scaled(10))
 
 
 def run_ranks(target, world: int, args: tuple, timeout: float = 180) -> None:
-    """Run ``target(rank, *args)`` on ``world`` ranks to the end; every rank must exit 0."""
+    """Run ``target(rank, *args)`` on ``world`` ranks to the end; every rank must exit 0 within
+    ``timeout`` seconds (scaled by the load)."""
     with spawned_ranks(target, world, args) as procs:
         for p in procs:
-            p.join(timeout=timeout)
+            p.join(timeout=scaled(timeout))
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
 
 
@@ -226,15 +271,15 @@ def launch_phase(target, world: int, work: str, phase: str, args: tuple) -> list
     with spawned_ranks(target, world, (world, store, *args, work, phase, ready)) as procs:
         if phase == "crash":
             for _ in range(world):
-                ready.get(timeout=120)
+                ready.get(timeout=scaled(120))
             for p in procs:
                 os.kill(p.pid, signal.SIGKILL)
             for p in procs:
-                p.join(timeout=30)
+                p.join(timeout=scaled(30))
             assert all(p.exitcode == -signal.SIGKILL for p in procs)
         else:
             for p in procs:
-                p.join(timeout=180)
+                p.join(timeout=scaled(180))
             assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     out = []
     for r in range(world):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from conftest import make_samples, write_dataset, write_image_folder
+from conftest import make_samples, scaled, write_dataset, write_image_folder
 from PIL import Image
 
 from shardstream import ShardStream, ShardWriter, World
@@ -182,7 +182,36 @@ def test_bench_reports_and_plots(packed, tmp_path, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| 0 ") or line.startswith("| 1 ")]
     assert len(rows) == 2 and all("samples/s" not in r for r in rows)
     assert "recommendation: num_workers=" in out and "give --step-ms" in out
-    assert Image.open(plot).size == (720, 420)
+    assert Image.open(plot).size == (1120, 440)
+
+
+def test_bench_measures_the_workers_memory_and_the_spread_over_repeats(tmp_path, capsys, monkeypatch):
+    # The table and plot said 0 MB for every worker count: getrusage(RUSAGE_CHILDREN) sees neither
+    # forkserver workers (not this process's children) nor live forked ones (not yet reaped).
+    from shardstream.cli import bench
+
+    write_image_folder(tmp_path / "src", classes=3, per_class=100, with_json=False)
+    pack(str(tmp_path / "src"), str(tmp_path / "ds"), label_from_dir=True, max_count=50)
+    drawn = []
+    original = bench.draw_plot
+    monkeypatch.setattr(bench, "draw_plot", lambda results, path, title="": drawn.append(results) or original(results, path, title))
+    plot = tmp_path / "p.png"
+    argv = ["bench", str(tmp_path / "ds"), "--workers", "2", "--batch-size", "2", "--seconds", "1.5", "--repeats", "2", "--plot", str(plot)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "medians of 2 runs per count" in out
+    (results,) = drawn
+    assert [r["workers"] for r in results] == [0, 1, 2] and all(r["repeats"] == 2 for r in results)
+    main_peak = [r["peak_rss_mb"] for r in results]
+    per_worker = [r["peak_worker_rss_mb"] for r in results]
+    total = [r["peak_total_rss_mb"] for r in results]
+    assert all(m > 50 for m in main_peak), main_peak  # a Python process with torch
+    assert per_worker[0] == 0 and per_worker[1] > 20 and per_worker[2] > 20, per_worker
+    assert total[0] >= main_peak[0] * 0.9 and total[0] < total[1] < total[2], total  # each worker adds its memory
+    for r in results:
+        low, high = r["samples_per_s_range"]
+        assert low <= r["samples_per_s"] <= high
+    assert Image.open(plot).size == (1120, 440)
 
 
 def test_bench_with_a_busy_training_step_advises_for_training(packed, capsys):
@@ -230,6 +259,112 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
         w.write({"__key__": "a", "cls": 0, "txt": "x"})
     exe = Path(sys.executable).with_name("shardstream")
     command = f"{shlex.quote(str(exe))} ls {shlex.quote(str(tmp_path / 'ds'))} | head -1"
-    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=scaled(120))
     assert done.stdout == f"{tmp_path / 'ds' / 'index.json'}\n"
     assert done.stderr == "" and done.returncode == 141
+
+
+def test_show_previews_an_npy_field_as_verify_deep_reads_it(tmp_path, capsys):
+    import numpy as np
+
+    samples = [{"__key__": f"a{i}", "npy": np.arange(12, dtype=np.float32).reshape(3, 4) + i, "cls": i} for i in range(3)]
+    write_dataset(tmp_path / "d", samples=samples)
+    assert main(["verify", str(tmp_path / "d"), "--deep"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "d"), "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("array shape=(3, 4) dtype=float32") == 2 and "unreadable" not in out
+
+
+def _stream_keys(url, **kwargs):
+    ds = ShardStream(str(url), batch_size=5, shuffle=False, world=World(0, 1), **kwargs)
+    return [k for b in ds for k in b["__key__"]]
+
+
+def test_merge_lists_shard_paths_that_exist_however_the_parts_are_spelled(tmp_path, monkeypatch, capsys):
+    # docs/cli.md's `shardstream merge ./all ./day-01 ./day-02`: siblings of DEST, spelled with ./
+    # from the working directory (the manifest listed ./all/./day-01/...: nothing streamed).
+    monkeypatch.chdir(tmp_path)
+    days = [make_samples(25, seed=d) for d in range(3)]
+    for d, samples in enumerate(days):
+        for s in samples:
+            s["__key__"] = f"d{d}-{s['__key__']}"
+    write_dataset(tmp_path / "day-01", samples=days[0], max_count=10)
+    write_dataset(tmp_path / "day-02", samples=days[1], max_count=10)
+    write_dataset(tmp_path / "all" / "day-03", samples=days[2], max_count=10)
+    every = [s["__key__"] for samples in days for s in samples]
+    assert main(["merge", "./all", "./day-01", "./day-02"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "all" / "index.json").read_text())
+    assert all(Path(p).is_absolute() and Path(p).exists() for p in doc["shards"]["path"]), doc["shards"]["path"]
+    assert _stream_keys("./all") == every[:50]
+    # Every spelling of a part under DEST (./, ../, file://, absolute) is stored relative to DEST; a
+    # sibling by its absolute path; DEST named as a part (growing it) in another spelling still counts.
+    assert main(["merge", "all", f"file://{tmp_path}/all", "./all/../all/day-03/"]) == 0
+    capsys.readouterr()
+    doc = json.loads((tmp_path / "all" / "index.json").read_text())
+    assert doc["shards"]["path"][-3:] == ["day-03/shard-000000.tar", "day-03/shard-000001.tar", "day-03/shard-000002.tar"]
+    assert _stream_keys(tmp_path / "all") == every
+    # The merged dataset moves as a whole where its parts are under it; a merged DEST elsewhere
+    # (not a parent of the parts) reads them all by absolute path.
+    assert main(["merge", str(tmp_path / "elsewhere" / "m"), "./all/day-03", "day-02"]) == 0
+    capsys.readouterr()
+    assert _stream_keys(tmp_path / "elsewhere" / "m") == every[50:] + every[25:50]
+    assert main(["merge", "./all2", "./all", "./day-01"]) == 1
+    assert "is listed by both" in capsys.readouterr().err  # the same shard, spelled two ways, is one shard
+
+
+def test_merge_on_s3_normalises_part_urls_and_refuses_local_shards(s3, tmp_path, capsys):
+    bucket, options, _ = s3
+    endpoint = ["--endpoint-url", options["endpoint_url"]]
+    samples = make_samples(30)
+    write_dataset(f"s3://{bucket}/all/a", samples=samples[:15], max_count=10, storage_options=options)
+    write_dataset(f"s3://{bucket}/all/b", samples=samples[15:], max_count=10, storage_options=options)
+    assert main(["merge", f"s3://{bucket}/all/./", f"s3://{bucket}/all/./a", f"s3://{bucket}/all/x/../b/", *endpoint]) == 0
+    capsys.readouterr()
+    from shardstream.format.manifest import load_manifest
+    from shardstream.options import Store
+
+    manifest = load_manifest(f"s3://{bucket}/all", options)
+    assert list(manifest.paths) == ["a/shard-000000.tar", "a/shard-000001.tar", "b/shard-000000.tar", "b/shard-000001.tar"]
+    assert _stream_keys(f"s3://{bucket}/all", store=Store(options=options)) == [s["__key__"] for s in samples]
+    write_dataset(tmp_path / "local", n=5)
+    assert main(["merge", f"s3://{bucket}/all2", str(tmp_path / "local"), *endpoint]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a remote manifest cannot list local shards" in err
+
+
+def test_an_unknown_profile_is_one_line_naming_it_and_where_profiles_are_read(s3, tmp_path, monkeypatch, capsys):
+    bucket, options, _ = s3
+    config = tmp_path / "aws-config"
+    config.write_text("[profile good]\nregion = us-east-1\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    url = write_dataset(f"s3://{bucket}/p", n=10, storage_options=options)
+    write_dataset(tmp_path / "local", n=10)
+    flags = ["--endpoint-url", options["endpoint_url"]]
+    commands = [
+        ["ls", url],
+        ["show", url],
+        ["verify", url],
+        ["bench", url, "--workers", "0", "--batch-size", "5", "--seconds", "0.2"],
+        ["pack", str(tmp_path / "local"), f"s3://{bucket}/packed", "--no-progress"],
+        ["index", f"{url}/*.tar", f"s3://{bucket}/indexed"],
+        ["merge", f"s3://{bucket}/merged", url],
+    ]
+    for argv in commands:
+        assert main([*argv, *flags, "--profile", "nope"]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert "AWS profile 'nope' not found" in err and str(config) in err and "'good'" in err, err
+        assert main([*argv, *flags, "--profile", "good"]) == 0, argv  # a profile that exists works
+        capsys.readouterr()
+    # The Python API: a ConfigError (a mistake in the options, never retried), at the first use.
+    from shardstream.errors import ConfigError
+    from shardstream.options import Store
+
+    with pytest.raises(ConfigError, match="AWS profile 'nope' not found"):
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options={**options, "profile": "nope"}))
+    monkeypatch.setenv("AWS_PROFILE", "gone")  # the same for the environment's profile
+    with pytest.raises(ConfigError, match="AWS AWS_PROFILE 'gone' not found"):
+        ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options))

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from conftest import rank_results, run_ranks, write_dataset
+from conftest import rank_results, run_ranks, scaled, write_dataset
 
 
 def _rank_main(rank: int, world: int, store: str, source: str, options: dict, out: str) -> None:
@@ -20,7 +20,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, ou
     import shardstream
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=scaled(60)))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     dataset = shardstream.ShardStream(source, batch_size=4, seed=7, shuffle=shardstream.Shuffle(20), store=shardstream.Store(options=options))
     loader = shardstream.make_loader(dataset, num_workers=2)

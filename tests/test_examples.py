@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import free_port, write_image_folder
+from conftest import free_port, scaled, write_image_folder
 
 from shardstream.write.pack import pack
 
@@ -49,7 +49,7 @@ def _train(data: Path | None, checkpoint: Path, workers: int, *more: str) -> str
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -165,7 +165,7 @@ def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch
         capture_output=True,
         text=True,
         env=env,
-        timeout=280,
+        timeout=scaled(280),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):

@@ -8,7 +8,7 @@ import multiprocessing
 import os
 
 import s3fs
-from conftest import write_dataset
+from conftest import scaled, write_dataset
 
 from shardstream import ShardStream, Store, World, make_loader
 from shardstream.storage import fs as storage
@@ -57,8 +57,8 @@ def test_forked_children_start_from_the_parents_session(s3, monkeypatch):
     queue = ctx.Queue()
     child = ctx.Process(target=_child_session, args=(queue, options, id(session)))
     child.start()
-    assert queue.get(timeout=60) is True  # the very object the parent made (and warmed)
-    child.join(60)
+    assert queue.get(timeout=scaled(60)) is True  # the very object the parent made (and warmed)
+    child.join(scaled(60))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "rotated")  # credentials resolve again under a new environment
     assert storage.shared_s3_session(options) is not session
 

@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from conftest import launch_phase, make_samples, rank_results, run_ranks
+from conftest import launch_phase, make_samples, rank_results, run_ranks, scaled
 
 from shardstream import Schedule, ShardStream, ShardWriter, Source, World
 from shardstream.options import Shuffle
@@ -25,7 +25,7 @@ def _rank_main(rank: int, world: int, store: str, local: str, remote: str, optio
     from shardstream import Source
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=scaled(60)))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     sources = [Source(local, weight=0.6, name="disk"), Source(remote, weight=0.4, name="s3", storage_options=options)]
     result: dict = {}
@@ -106,7 +106,7 @@ def _preempted_rank(rank: int, world: int, store: str, local: str, work: str, ph
     import shardstream
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=scaled(60)))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     dataset = shardstream.ShardStream(mix(local), schedule=Schedule(steps=STEPS), **SETTINGS)
     loader = shardstream.make_loader(dataset, num_workers=2, persistent_workers=True, log_interval=None, pin_memory=False)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import make_samples
+from conftest import make_samples, scaled
 
 import shardstream
 from shardstream import ShardWriter, load_manifest
@@ -282,12 +282,12 @@ def test_interrupted_pack_leaves_nothing_complete_and_rerun_completes(tmp_path, 
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_reaches_it)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None, "pack finished before it could be interrupted"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and b"no manifest was written" in err
     assert not (dest / "index.json").exists()
@@ -312,12 +312,12 @@ def test_ctrl_c_with_a_process_pool_prints_one_line(tmp_path):
     dest = tmp_path / "dest"
     cmd = [sys.executable, "-m", "shardstream", "pack", str(src), str(dest), "--max-count", "20", "--no-progress", "--workers", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_ctrl_c_reaches_it)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + scaled(90)
     while not list(dest.glob("shard-*.tar")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None, "pack finished before it could be interrupted"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=scaled(60))
     lines = [line for line in err.decode().splitlines() if line.strip()]
     assert proc.returncode == 130 and len(lines) == 1 and "no manifest was written" in lines[0], err.decode()
     assert not (dest / "index.json").exists()

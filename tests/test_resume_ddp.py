@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from conftest import launch_phase, make_samples
+from conftest import launch_phase, make_samples, scaled
 
 from shardstream import ShardStream, ShardWriter, Store, make_loader
 from shardstream.options import Shuffle
@@ -28,7 +28,7 @@ def _rank_main(rank: int, world: int, store: str, source: str, options: dict, wo
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=scaled(60)))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = make_loader(ShardStream(source, **SETTINGS, store=Store(options=options)), num_workers=2, log_interval=None)

@@ -55,3 +55,36 @@ def test_memory_is_bounded_by_the_buffer():
 def test_no_buffer_passes_through():
     chunks = chunks_of(30, 4)
     assert list(shuffle_samples(iter(chunks), buffer_size=1, initial=1, rng=random.Random(0))) == chunks
+
+
+def _push_by_swap_and_pop(items, buffer_size, initial, rng):
+    """The shuffle's rule spelled out one item at a time (append, swap with a random slot, pop),
+    as the planner's simulation of a worker depends on it."""
+    buf, out, grow = [], [], False
+    initial = max(1, min(initial, buffer_size))
+    for item in items:
+        buf.append(item)
+        n = len(buf)
+        if n < initial:
+            continue
+        if n < buffer_size:
+            grow = not grow
+            if grow:
+                continue
+        i = int(rng.random() * n)
+        buf[i], buf[-1] = buf[-1], buf[i]
+        out.append(buf.pop())
+    rng.shuffle(buf)
+    return out + buf
+
+
+@pytest.mark.parametrize("n,chunk,buffer,initial", [(500, 7, 32, 3), (1000, 100, 50, 50), (300, 1, 10, 1), (64, 64, 64, 6)])
+def test_full_buffer_fast_path_is_the_same_shuffle(n, chunk, buffer, initial):
+    from shardstream.plan.shuffle import cut_stream
+
+    chunks = [list(range(a, min(n, a + chunk))) for a in range(0, n, chunk)]
+    got = [x for c in shuffle_samples(chunks, buffer_size=buffer, initial=initial, rng=random.Random(9)) for x in c]
+    assert got == _push_by_swap_and_pop(range(n), buffer, initial, random.Random(9))
+    for outputs in (0, 1, n // 3, n - 1):  # the planner's cut (limit >= 0) agrees with the stream
+        cut = cut_stream(n, outputs, buffer_size=buffer, initial=initial, rng=random.Random(9))
+        assert sorted(got[outputs:]) == sorted(cut.buffered + list(range(cut.taken, n)))

@@ -8,7 +8,7 @@ import argparse
 from .options import add_storage_arguments, storage_config_from, storage_options_from, writer_deadline_help
 
 NAME = "index"
-HELP = "write a shardstream manifest for existing tar shards without rewriting them"
+HELP = "write a shardstream manifest for existing tar shards (or Parquet files) without rewriting them"
 EPILOG = """examples:
   shardstream index './wds/train-{000000..000099}.tar' ./wds
   shardstream index 's3://bucket/laion/*.tar' s3://bucket/laion/index.json --threads 16
@@ -19,6 +19,9 @@ relative to DEST's directory when they are under it (however either is spelled: 
 absolute or file://), else as absolute paths or full URLs. Each shard's offsets go to a sidecar
 (SHARD.idx beside it, or offsets/NNNNNN.idx under DEST for shards elsewhere), written before the
 manifest.
+  shardstream index 's3://bucket/table/*.parquet' s3://bucket/table
+writes a Parquet table's manifest (kind "parquet") from the files' footers alone (no data page
+read): inputs all .parquet URLs or globs, or one folder holding .parquet files and no tar shards.
   shardstream index --upgrade s3://bucket/old-dataset
 turns a version-1 manifest (offsets inline) into version 2 in place, without reading the shards.
 """
@@ -54,5 +57,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("index needs SHARDS... DEST")
         args.dest = args.shards.pop()
     manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config)
-    print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
+    files = getattr(manifest, "files", None)  # a Parquet table (format/parquet.py)
+    if files is not None:
+        print(f"indexed a Parquet table: {len(files)} files, {len(manifest.counts)} row groups, {manifest.total_samples} rows; manifest: {url}")
+    else:
+        print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
     return 0

@@ -12,7 +12,8 @@ EPILOG = """examples:
   shardstream merge s3://bucket/train s3://bucket/train/day-01 s3://bucket/train/day-02
   shardstream merge ./all ./all ./all/day-03        # grow ./all by one more part
 Shard paths are stored relative to DEST when a part lies under DEST (keep parts in DEST's
-sub-folders for a dataset that can be moved as a whole), else as full URLs. A shard listed twice
+sub-folders for a dataset that can be moved as a whole), else as full URLs (local shards by their
+absolute path), whichever way the paths are spelled (./day-01, day-01, /abs/day-01). A shard listed twice
 is refused. The merged manifest is written last, atomically.
 """
 

@@ -46,7 +46,7 @@ def writer_deadline_help(reads: str) -> str:
 
     return (
         f"give up on {reads} after this long across its retries (default {DEFAULT_STORAGE.deadline:g}); "
-        f"each upload is retried by botocore, up to {DEFAULT_STORAGE.max_attempts} tries"
+        f"each upload is retried by botocore, up to {DEFAULT_STORAGE.upload_attempts} tries"
     )
 
 
@@ -78,6 +78,24 @@ def storage_config_from(args: argparse.Namespace):
     if not roots and deadline is None:
         return DEFAULT_STORAGE
     return StorageConfig(allow_roots=roots, **({"deadline": deadline} if deadline is not None else {}))
+
+
+def load_dataset_manifest(url: str, storage_options: dict, config):
+    """``load_manifest``, where a missing manifest over an interrupted pack's shards says so ("run
+    pack again to complete it"), not that the shards want ``shardstream index``: indexed, part of
+    the samples would train as if they were the whole dataset."""
+    from shardstream.errors import ManifestError, StorageNotFound
+    from shardstream.format.manifest import load_manifest, manifest_url
+    from shardstream.write.writer import refuse_interrupted_pack
+
+    try:
+        return load_manifest(url, storage_options, config=config)
+    except ManifestError as exc:
+        if not isinstance(exc.__cause__, StorageNotFound):
+            raise
+        target = manifest_url(url)
+        refuse_interrupted_pack(target.rsplit("/", 1)[0] if "/" in target else ".", storage_options, config=config)
+        raise
 
 
 def human_bytes(n: float) -> str:

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from .options import add_storage_arguments, human_bytes, storage_config_from, storage_options_from
+from .options import add_storage_arguments, human_bytes, load_dataset_manifest, storage_config_from, storage_options_from
 
 NAME = "verify"
 HELP = "check every shard: exists, size, sha256, sample count, offsets (--deep: decode every field)"
@@ -28,10 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardstream.format.manifest import load_manifest
+    from shardstream.format.parquet import refuse_table
     from shardstream.tools.verify import verify_dataset
 
-    manifest = load_manifest(args.url, storage_options_from(args), config=storage_config_from(args))
+    manifest = load_dataset_manifest(args.url, storage_options_from(args), storage_config_from(args))
+    refuse_table(manifest, "shardstream verify")
     bar = None
     lock = threading.Lock()
     if not args.no_progress and sys.stderr.isatty():

@@ -2,7 +2,7 @@
 and the worker -> main process hand-off of batches.
 
 The dataset batches inside its workers, so the loader's batch_size is None; ``len(loader)`` is the
-number of batches per rank per epoch. The loader never changes the dataset: a worker learns its
+number of batches per rank in a pass (an epoch; after ``load_state_dict``, the rest of it). The loader never changes the dataset: a worker learns its
 number and index from ``get_worker_info``, and the hand-off packing runs in the loader's
 ``collate_fn``, which DataLoader calls in the worker on each batch the dataset yields.
 
@@ -36,6 +36,7 @@ from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
     DEFAULT_TIMEOUT,
     WorkerStart,
+    check_main_guarded,
     check_picklable,
     context,
     resolve_start_method,
@@ -43,7 +44,7 @@ from shardstream.loader.workers import (
     warm_forkserver,
     watched,
 )
-from shardstream.plan.run import PassPlan
+from shardstream.plan.run import Cursor
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 
 logger = logging.getLogger(__name__)
@@ -295,7 +296,8 @@ class ShardLoader(webdataset.WebLoader):
     ``.map(...)`` and the other fluid stages) around a ``ShardStream``; build it with
     ``make_loader``, which sets its defaults.
 
-    - ``len(loader)``: the batches each rank gets this epoch, the same on every rank.
+    - ``len(loader)``: the batches each rank gets in this pass, the same on every rank (after
+      ``load_state_dict``, the rest of the resumed epoch; whole epochs after it).
     - ``set_epoch(n)``, ``stats()``: the dataset's, reached from here.
     - ``state_dict()`` / ``load_state_dict(state)``: the data position, counted in batches this
       loop received (``to_device`` subtracts the one it holds copied ahead); see Resume.
@@ -331,12 +333,27 @@ class ShardLoader(webdataset.WebLoader):
             "timeout": timeout,
             "first_timeout": first_batch_timeout,
             "semaphores": None,
+            "method": None,  # how this pass's workers start, for WorkerDied's message
         }
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
-        self._pass: tuple[PassPlan, list[int]] | None = None  # the last pass's plan, and [batches received in it]
+        self._cursor: Cursor | None = None  # the last pass's plan, and the batches the loop received in it
+        self._in_pass = False  # a pass of this loader is being iterated (its generator is open)
+        dataset.loader_workers = self.num_workers  # what dataset.plan() and its summary assume
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        """Batches this pass yields per rank: the one in progress, else the next (after
+        ``load_state_dict``, the rest of the resumed pass; then whole passes again)."""
+        current = self._current()
+        if current is not None and self._in_pass:
+            return current.plan.batches_per_rank
+        return self.dataset.pass_plan(self.num_workers).batches_per_rank if self.dataset._clock.upcoming_resumed else len(self.dataset)
+
+    def _current(self) -> Cursor | None:
+        """The loop's cursor in the pass in progress (or just over), None before one starts."""
+        cursor = self._cursor
+        if cursor is not None and cursor.plan.loader_epoch == self.dataset.epoch and self.dataset._clock.started:
+            return cursor
+        return None
 
     def __iter__(self):
         interval = self.log_interval
@@ -346,8 +363,8 @@ class ShardLoader(webdataset.WebLoader):
         plan = self.dataset.pass_plan(self.num_workers)
         if plan.loaded is not None:
             logger.info("%s", plan.summary())
-        received = [0]
-        self._pass = (plan, received)
+        cursor = self._cursor = Cursor(plan)
+        self._in_pass = True
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
         self._watch["semaphores"] = None
@@ -355,7 +372,7 @@ class ShardLoader(webdataset.WebLoader):
             self._start_workers()
         try:
             for batch in super().__iter__():
-                received[0] += 1
+                cursor.taken += 1
                 yield batch
                 if interval and next_log is not None and time.monotonic() >= next_log:
                     next_log = time.monotonic() + interval
@@ -364,6 +381,9 @@ class ShardLoader(webdataset.WebLoader):
             if self.persistent_workers:
                 self._forget_workers()  # a failed pass leaves no half-dead workers for the next one
             raise
+        finally:
+            if self._cursor is cursor:
+                self._in_pass = False
 
     def iterator1(self):
         """One pass through the pipeline (webdataset's DataPipeline calls this). With no workers the
@@ -394,6 +414,9 @@ class ShardLoader(webdataset.WebLoader):
                     logger.info("shardstream: DataLoader workers start with %s: %s", method, why)
                 check_picklable(method, why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)
+        self._watch["method"] = method
+        if method != "fork":
+            check_main_guarded(method)  # a worker would run the script's unguarded loop again
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
@@ -411,16 +434,17 @@ class ShardLoader(webdataset.WebLoader):
     @property
     def received(self) -> int:
         """Batches the loop received in the current pass (0 before it starts)."""
-        return self._pass[1][0] if self._pass is not None and self._pass[0].loader_epoch == self.dataset.epoch else 0
+        current = self._current()
+        return current.taken if current is not None else 0
 
     def state_dict(self, batches: int | None = None) -> dict[str, Any]:
         """The data position (torchdata ``Stateful``): small, JSON-serialisable, versioned. It
         counts the batches this loop received in the current pass; ``batches`` overrides that
         count (``to_device`` passes it, less the batch it holds copied ahead). Every rank receives
         the same count, so rank 0's state is enough for all. See ``ShardStream.load_state_dict``."""
-        if self._pass is not None and self._pass[0].loader_epoch == self.dataset.epoch:
-            plan, received = self._pass
-            return plan.state_after(received[0] if batches is None else batches)
+        current = self._current()
+        if current is not None:
+            return current.state(batches)
         return self.dataset.pass_plan(self.num_workers).state_after(batches or 0)  # the next pass, not started
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -428,7 +452,7 @@ class ShardLoader(webdataset.WebLoader):
         (exactly, or elastically on another topology). Persistent workers already started are
         replaced, so they see the state."""
         self.dataset.load_state_dict(state)
-        self._pass = None
+        self._cursor = None
         self._forget_workers()
 
     def _forget_workers(self) -> None:
@@ -475,7 +499,8 @@ def make_loader(
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
-    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch). Every
+    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch; ``in_order``
+    must stay True: exact resume counts batches in the order they come). Every
     ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
     level; ``loader.stats()`` reads them any time. The dataset is not changed.
 
@@ -498,11 +523,17 @@ def make_loader(
     unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
     its last step. Workers die with their rank process, whatever the start method.
     """
-    dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
     if kwargs.pop("timeout", None):
         raise ConfigError(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
             "keywords, in seconds); DataLoader's timeout is set from them"
+        )
+    if kwargs.get("in_order", True) is not True:
+        raise ConfigError(
+            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, which "
+            "names the same batches again only when they arrive in order (with in_order=False a fast worker's "
+            "batches overtake a slow one's, and a resume would repeat some and skip others)"
         )
     if kwargs.get("multiprocessing_context") is not None:
         if start_method != "auto":

@@ -14,26 +14,50 @@ the held batch is delivered again after a resume, whatever the state holds (one 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 
 def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``obj`` with every tensor in it moved to ``device``: tensors at any depth of dicts (and other
+    mappings), lists, tuples and namedtuples, the containers rebuilt as their own types; any other
+    value (strings, numbers, bytes, arrays) is left as it is. A container with no tensor in it is
+    returned as is, not copied."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, dict):
-        return {k: move_to(v, device, non_blocking) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and obj and any(isinstance(v, torch.Tensor) for v in obj):
-        return type(obj)(move_to(v, device, non_blocking) for v in obj)
+    if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
+        return obj
+    if isinstance(obj, Mapping):
+        moved = {k: move_to(v, device, non_blocking) for k, v in obj.items()}
+        if all(moved[k] is v for k, v in obj.items()):
+            return obj
+        if type(obj) is dict:
+            return moved
+        try:
+            return type(obj)(moved)  # type: ignore[call-arg]  # OrderedDict and the like; a plain dict where the type will not take one
+        except TypeError:
+            return moved
+    if isinstance(obj, (list, tuple)):
+        items = [move_to(v, device, non_blocking) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if hasattr(obj, "_fields"):  # a namedtuple: its fields, positionally
+            return type(obj)(*items)
+        if type(obj) in (list, tuple):
+            return type(obj)(items)
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items if isinstance(obj, list) else tuple(items)
     return obj
 
 
 def _record(obj: Any, stream: torch.cuda.Stream) -> None:
     if isinstance(obj, torch.Tensor):
         obj.record_stream(stream)
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for v in obj.values():
             _record(v, stream)
     elif isinstance(obj, (list, tuple)):

@@ -22,10 +22,14 @@ otherwise blocks for good flushing its queue to a reader that is gone.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import logging
 import multiprocessing
 import os
 import pickle
+import re
 import select
 import signal
 import sys
@@ -33,9 +37,10 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import resource_tracker
+from types import FrameType
 from typing import Any
 
-from shardstream.errors import ConfigError, WorkerTimeout
+from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
 from shardstream.private import finalizer_registry as _registry
 from shardstream.private import (
     forkserver_preload,
@@ -174,6 +179,58 @@ def check_picklable(method: str, why: str, **parts: Any) -> None:
             ) from exc
 
 
+def check_main_guarded(method: str) -> None:
+    """ConfigError when workers that start with ``method`` (forkserver, spawn) are about to start
+    from the top level of the main script, outside ``if __name__ == "__main__":``. Such a worker
+    imports the script again (as ``__mp_main__``) and runs its top-level code: it builds the stream
+    and starts workers of its own, which multiprocessing refuses, and the loop would only see
+    DataLoader's "worker exited unexpectedly". Said here, before any worker starts. A script whose
+    source cannot be read or parsed is not judged."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path:  # an interactive session, python -c: nothing is imported again
+        return
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
+        frame = frame.f_back
+    if frame is None:  # called from a function the script's guard (or another module) called
+        return
+    line = frame.f_lineno
+    guards = _main_guards(path)
+    if guards is None or any(first <= line <= last for first, last in guards):
+        return
+    raise ConfigError(
+        f"{path}, line {line}: DataLoader workers start here from the script's top level, and a worker started with "
+        f"{method} imports the script again and would run this code too (then fail starting workers of its own): "
+        f"add `if __name__ == '__main__':` around your training code (workers start from {method} here, see docs/training.md)"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
+    """The line ranges of the top-level ``if __name__ == "__main__":`` blocks of the script at
+    ``path`` (None: unreadable or not Python); read once per script, not at every pass."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return tuple((n.lineno, n.end_lineno or n.lineno) for n in tree.body if isinstance(n, ast.If) and _tests_main(n.test))
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether an ``if`` test compares ``__name__`` with ``"__main__"`` (either way round, maybe within an and/or)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            if any(isinstance(p, ast.Name) and p.id == "__name__" for p in parts) and any(
+                isinstance(p, ast.Constant) and p.value == "__main__" for p in parts
+            ):
+                return True
+    return False
+
+
 # -- in the worker --------------------------------------------------------------------------------
 def die_with_parent(main_pid: int, forked: bool) -> None:
     """In a worker, first thing: be killed when the rank goes. ``main_pid`` is the rank's pid: the
@@ -285,12 +342,22 @@ def unlink_semaphores(mark: int) -> int:
 
 
 # -- in the main process: the watchdog ------------------------------------------------------------
-def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first_timeout: float | None, semaphores: int | None = None) -> Any:
+def watched(
+    batches: Any,
+    *,
+    stats: Any,
+    rank: int,
+    timeout: float | None,
+    first_timeout: float | None,
+    semaphores: int | None = None,
+    method: str | None = None,
+) -> Any:
     """Yield ``batches`` (a DataLoader iterator) with every wait bounded: ``first_timeout`` for the
     first batch, ``timeout`` for each later one (None: unbounded). A wait past its bound raises
-    WorkerTimeout naming the worker that owes the next batch and its last step. With
+    WorkerTimeout naming the worker that owes the next batch and its last step; a worker that
+    died raises WorkerDied (DataLoader's own error says only "exited unexpectedly"). With
     ``semaphores`` (a ``semaphores_mark()``), the names of the semaphores made since are unlinked
-    once every worker has started."""
+    once every worker has started. ``method``: how the workers started (for the message)."""
     workers = iterator_workers(batches)
     if workers is None:  # no worker processes: nothing to watch
         yield from batches
@@ -311,7 +378,10 @@ def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first
                 return
             except RuntimeError as exc:
                 if not is_iterator_timeout(exc):
+                    died = _died(batches, stats, rank, str(exc), method) if str(exc).startswith(_DIED) else None
                     _shut_down(batches)
+                    if died is not None:
+                        raise died from exc
                     raise
                 if left is not None and left <= STATUS_CHECK_S:
                     message = _late_worker(batches, stats, rank, bound or 0, time.monotonic() - started)
@@ -325,6 +395,65 @@ def watched(batches: Any, *, stats: Any, rank: int, timeout: float | None, first
             unlink_semaphores(semaphores)
             semaphores = None
         yield batch
+
+
+# DataLoader's words for a worker gone: "DataLoader worker (pid(s) 4711, 4712) exited unexpectedly"
+# (its liveness check) and "DataLoader worker (pid 4711) is killed by signal: Killed." (SIGCHLD).
+_DIED = "DataLoader worker (pid"
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "SIGKILL comes from the kernel's OOM killer (dmesg says so) or a kill -9: if memory ran out, "
+    "lower num_workers, Shuffle(buffer) or prefetch_factor",
+    signal.SIGSEGV: "SIGSEGV is a crash in native code, such as a decoder or a C extension a transform calls: run with num_workers=0 to see where",
+    signal.SIGBUS: "SIGBUS in a worker usually means shared memory ran out (/dev/shm, 64 MB in a default container): enlarge it",
+    signal.SIGABRT: "SIGABRT: native code aborted; the worker's output above says why",
+}
+
+
+def _died(it: Any, stats: Any, rank: int, message: str, method: str | None) -> WorkerDied | None:
+    """WorkerDied for the workers DataLoader's ``message`` names (their pids), or for every worker
+    that has exited when it names none; None if none is found dead."""
+    pids = {int(p) for p in re.findall(r"\d+", message.split(")", 1)[0])}
+    found = []
+    for w, proc in enumerate(iterator_workers(it) or []):
+        if pids and proc.pid not in pids:
+            continue
+        proc.join(STATUS_CHECK_S if proc.pid in pids else 0)  # its exit code (a forkserver's child: sent by the server)
+        if proc.exitcode is not None:
+            found.append((w, proc))
+    if not found:
+        return None
+    lines = []
+    for w, proc in found:
+        code = proc.exitcode
+        hint = None
+        if code < 0:
+            try:
+                sig = signal.Signals(-code)
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            else:
+                how, hint = f"was killed by {sig.name}", _SIGNAL_HINTS.get(sig)
+        else:
+            how = f"exited with code {code}"
+        line = stats.worker_line(w)
+        if line is not None and line[0] == proc.pid:
+            _, ago, made, what = line
+            where = f"after {made} batches this pass; its last step, {ago:.0f} s ago: {what}"
+        else:
+            where = "before it started its pass"
+            if code > 0 and method is not None and method != "fork":
+                hint = _unguarded_hint(method)
+        lines.append(f"worker {w} (pid {proc.pid}) {how} {where}" + (f". {hint}" if hint else ""))
+    first = found[0][1]
+    return WorkerDied(f"rank {rank}: DataLoader " + "; ".join(lines), worker=found[0][0], pid=first.pid, exitcode=first.exitcode)
+
+
+def _unguarded_hint(method: str) -> str:
+    return (
+        f"A worker started with {method} imports the script again; if its training code is not under "
+        "`if __name__ == '__main__':`, the worker runs it and fails: add `if __name__ == '__main__':` around your "
+        f"training code (workers start from {method} here, see docs/training.md)"
+    )
 
 
 def _shut_down(batches: Any) -> None:

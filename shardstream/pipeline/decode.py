@@ -390,6 +390,8 @@ class Decoder:
             try:
                 sample[ext] = fn(sample[ext])
             except Exception as exc:  # a decoder may raise anything on corrupt bytes
+                if not isinstance(sample[ext], (bytes, bytearray, memoryview)):
+                    continue  # a Parquet row's str or number under a name that has a decoder: kept as it is
                 raise SampleError(
                     sample.get("__url__", "?"), sample.get("__key__", "?"), f"cannot decode field {ext!r}: {type(exc).__name__}: {exc}"
                 ) from exc

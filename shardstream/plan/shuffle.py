@@ -52,7 +52,8 @@ class BufferShuffler(Generic[T]):
         rand = self.rng.random
         initial, size, grow = self.initial, self.buffer_size, self.grow
         taken = 0
-        for item in items:
+        stream = iter(items)
+        for item in stream:
             taken += 1
             buf.append(item)
             n = len(buf)
@@ -67,6 +68,20 @@ class BufferShuffler(Generic[T]):
             buf[i], buf[-1] = buf[-1], buf[i]
             out.append(buf.pop())
             if len(out) == limit:
+                break
+            if limit < 0 and n == size:
+                # Full: from here on every item goes in and one comes out. The same draws and the
+                # same buffer as append, swap and pop (slot i takes the item; i == n - 1 is the item
+                # itself), at half the work per item.
+                last, append = n - 1, out.append
+                for item in stream:
+                    taken += 1
+                    i = int(rand() * n)
+                    if i == last:
+                        append(item)
+                    else:
+                        append(buf[i])
+                        buf[i] = item
                 break
         self.grow = grow
         return taken

@@ -6,7 +6,7 @@ environment variables are honoured by botocore itself), and adds what fsspec lac
 of a finished file and clear errors for a destination that is missing or refuses access.
 
 Every filesystem made here follows ``StorageConfig`` (timeouts; for S3 botocore's standard retry
-mode, which retries transient causes only, with ``max_attempts`` tries and s3fs's own retry loop
+mode, which retries transient causes only, with ``upload_attempts`` tries and s3fs's own retry loop
 off so tries do not multiply). Reads go through ``ranges.py``, which retries itself, and so does
 a pack's destination check (``check_destination_writable``).
 """
@@ -55,17 +55,20 @@ def make_storage_options(
 
 def bound_options(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
     """``storage_options`` with ``config``'s policy written into them, as ``get_fs(url, options,
-    config)`` applies it: for S3, botocore's standard retry mode with ``config.max_attempts`` tries
+    config)`` applies it: for S3, botocore's standard retry mode with ``config.upload_attempts`` tries
     per request, and ``config``'s timeouts. A later ``get_fs(url, options)`` with no config (code
     that takes only storage options, such as ``write_manifest``) then follows ``config`` too, and
-    gets the same cached filesystem. Options the user set explicitly win."""
+    gets the same cached filesystem. Options the user set explicitly win. (Uploads keep the full
+    timeouts: the deadline, which reads' timeouts are cut to, does not bound them.)"""
     protocol = fsspec.utils.get_protocol(url)
     options = dict(storage_options or {})
     if protocol in ("file", "local"):
         return options
     if protocol in ("s3", "s3a"):
         config_kwargs = dict(options.get("config_kwargs") or {})
-        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "standard"})
+        config_kwargs.setdefault("retries", {"max_attempts": config.upload_attempts, "mode": "standard"})
+        config_kwargs.setdefault("connect_timeout", config.connect_timeout)
+        config_kwargs.setdefault("read_timeout", config.read_timeout)
         options["config_kwargs"] = config_kwargs
     return config.fs_options(options, protocol)
 
@@ -79,6 +82,8 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         require_hf(url)
     options = bound_options(url, storage_options, config)
     if protocol in ("s3", "s3a"):
+        if "session" not in options:
+            check_profile(options.get("profile"))
         # Every S3 filesystem shares the session, the readers' own too (their options already
         # carry a retry policy: before, those made a session, and parsed botocore's models, per
         # process: 0.4-0.8 s of each DataLoader worker's CPU).
@@ -90,6 +95,32 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
         fs.retries = 1  # botocore retries (transient causes only); s3fs's loop would multiply them
         return fs, path
     return url_to_fs(url, **options)
+
+
+_profiles: dict[tuple, frozenset[str]] = {}
+
+
+def check_profile(profile: str | None) -> None:
+    """Raise ConfigError naming ``profile`` (or ``AWS_PROFILE``'s) and the files profiles are read
+    from when neither holds it: botocore raised ProfileNotFound deep inside the first request, a
+    traceback. The profiles are read once per set of ``AWS_*`` variables."""
+    source = "profile"
+    if not profile:
+        profile, source = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"), "AWS_PROFILE"
+    if not profile:
+        return
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    known = _profiles.get(key)
+    if known is None:
+        import botocore.session
+
+        known = _profiles[key] = frozenset(botocore.session.Session(profile=None).available_profiles)
+    if profile not in known:
+        files = f"{os.environ.get('AWS_CONFIG_FILE', '~/.aws/config')} and {os.environ.get('AWS_SHARED_CREDENTIALS_FILE', '~/.aws/credentials')}"
+        raise ConfigError(
+            f"AWS {source} {profile!r} not found: profiles are read from {files} (AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE), "
+            f"which hold {', '.join(repr(p) for p in sorted(known)) or 'none'}"
+        )
 
 
 def require_hf(url: str) -> None:
@@ -265,7 +296,7 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
     (``storage_call``: a filesystem of the same options that makes one try per call, as for
     reads, and ``retry.call`` around it): a permanent failure (no such bucket,
     denied, no credentials) fails at once, a transient one (refused, timeout, 5xx, throttling) is
-    retried with backoff while ``config.max_attempts`` and ``config.deadline`` allow, and the error
+    retried with backoff until ``config.deadline`` (and ``config.max_attempts``, if set), and the error
     says how many tries were made in how long."""
     if is_local(fs):
         os.makedirs(path, exist_ok=True)
@@ -286,8 +317,8 @@ def storage_call(
     """``fn(fs, path)`` for ``url`` under ``config``. On remote storage ``fs`` makes one try per
     call (botocore's retries off, ``config``'s timeouts: ``StorageConfig.fs_options``) and the call
     runs under shardstream's retry policy (``retry.call``): a transient failure (refused, timeout,
-    5xx, throttling) is retried with backoff while ``config.max_attempts`` and ``config.deadline``
-    allow, a permanent one fails at once, and either becomes a StorageError naming ``url``, the
+    5xx, throttling) is retried with backoff until ``config.deadline`` (and ``config.max_attempts``,
+    if set), a permanent one fails at once, and either becomes a StorageError naming ``url``, the
     cause, and the tries and time it took (a missing object: ``StorageNotFound``, a
     FileNotFoundError). Local paths: ``fn`` runs once, its errors as they are."""
     began = time.monotonic()

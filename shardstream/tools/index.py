@@ -11,6 +11,14 @@ under DEST, ``offsets/NNNNNN.idx`` under DEST for shards elsewhere (nothing is w
 shards shardstream does not own). ``upgrade_manifest`` turns a version-1 manifest (offsets
 inline) into version 2 the same way, without reading a shard.
 
+``write_index`` refuses shards an interrupted pack left (``write.writer.interrupted_pack``: its
+marker or a temporary file in a shard's folder or DEST): indexed, they read as a complete dataset
+of part of the samples; ``pack`` again completes it.
+
+Parquet files (``.parquet`` URLs or globs, or a folder holding them and no tar shards) get a table
+manifest instead (``kind: "parquet"``, format/parquet.py): built from their footers alone, so a
+large table is not footered again at every start.
+
 Both take ``config`` (a ``StorageConfig``): every listing, read and manifest load follows its
 retry policy and deadline (``upgrade_manifest``'s manifest also its ``allow_roots``), and the
 sidecars and the manifest are uploaded with its timeouts and tries.
@@ -26,11 +34,13 @@ from shardstream.errors import DestinationError, SourceError
 from shardstream.format.compression import is_shard_name
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
+from shardstream.format.parquet import TableManifest, index_table, is_table_url, list_table_files, rebased
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import PATTERN_CHARS
+from shardstream.write.writer import refuse_interrupted_pack
 
 
 def _canonical(url: str) -> str:
@@ -86,15 +96,26 @@ def write_index(
     threads: int = 8,
     overwrite: bool = False,
     config: StorageConfig = DEFAULT_STORAGE,
-) -> tuple[Manifest, str]:
+) -> tuple[Manifest | TableManifest, str]:
     """Index the shards that ``pattern`` names (one input or several) and write their manifest at
     ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL.
     ``config``: the storage policy of every listing, read and upload (see the module docstring)."""
     check_dataset_root(dest)
-    urls = shard_urls(pattern, storage_options, config=config)
+    inputs = [pattern] if isinstance(pattern, str) else list(pattern)
+    table = _table_inputs(inputs, storage_options, config)
+    urls = [] if table else shard_urls(pattern, storage_options, config=config)
     url = dest if dest.endswith(".json") else storage.join(dest, MANIFEST_NAME)
+    for folder in _folders([*urls, url]):  # an interrupted pack's shards are part of a dataset: never index them
+        refuse_interrupted_pack(folder, storage_options, config=config)
     if storage_call(url, lambda fs, path: fs.exists(path), storage_options, config) and not overwrite:
         raise DestinationError(f"{url} exists; pass --overwrite to replace it")
+    if table:
+        found = index_table([_canonical(u) for u in inputs], storage_options, config=config, threads=threads)
+        tm = rebased(found, _canonical(url).rsplit("/", 1)[0])
+        write_manifest(tm, url, storage.bound_options(url, storage_options, config))
+        tm.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
+        tm.storage_options = dict(storage_options or {})
+        return tm, url
     manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads, config=config)
     canonical = _canonical(url)
     base = canonical.rsplit("/", 1)[0] + "/"
@@ -104,6 +125,22 @@ def write_index(
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
     manifest.storage_options = dict(storage_options or {})
     return manifest, url
+
+
+def _table_inputs(inputs: list[str], storage_options: Mapping[str, Any] | None, config: StorageConfig) -> bool:
+    """True when the inputs are a Parquet table: .parquet URLs or globs, or one folder of .parquet files and no tar shards."""
+    if all(is_table_url(u) for u in inputs):
+        return True
+    if len(inputs) != 1 or any(c in inputs[0] for c in PATTERN_CHARS) or is_shard_name(inputs[0]):
+        return False
+    try:
+        list_table_files(inputs[0], storage_options, config)
+    except Exception:  # noqa: BLE001 - not a folder of Parquet files: indexed as shards (with their errors)
+        return False
+    try:
+        return not shard_urls(inputs, storage_options, config=config)
+    except SourceError:
+        return True
 
 
 def upgrade_manifest(
@@ -120,6 +157,19 @@ def upgrade_manifest(
     _place_sidecars(manifest)
     write_manifest(manifest, url, storage.bound_options(url, storage_options, config))
     return manifest, url, True
+
+
+def _folders(urls: Sequence[str]) -> list[str]:
+    """The folders holding ``urls``, and the dataset root above a numbered prefix folder
+    (``ROOT/07/shard-000007.tar``: ``write.writer.shard_name``), where a pack keeps its marker."""
+    folders: dict[str, None] = {}
+    for u in urls:
+        folder = u.rsplit("/", 1)[0] if "/" in u else "."
+        folders[folder] = None
+        head, _, last = folder.rpartition("/")
+        if last.isdigit() and head:
+            folders[head] = None
+    return list(folders)
 
 
 def _place_sidecars(manifest: Manifest) -> None:

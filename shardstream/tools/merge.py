@@ -2,7 +2,10 @@
 
 Nothing is copied: the merged manifest lists every part's shards (and offset sidecars) in part
 order, by a path relative to DEST where the part lies under DEST (``DEST/day-01/...``), else by
-its full URL. A shard listed twice (the same part given twice, overlapping parts) is refused.
+its full URL (a local shard by its absolute path). Both sides are normalised first (``./``, ``..``,
+relative, absolute and ``file://`` spellings of one local path alike), so ``merge ./all ./day-01``
+lists ``/abs/day-01/...`` and ``merge ./all ./all/day-01`` lists ``day-01/...``. A shard listed
+twice (the same part given twice, or spelled two ways; overlapping parts) is refused.
 Version-1 parts get their sidecars written next to their shards first. The merged manifest is
 written last and atomically, like any other: DEST's dataset changes in one step.
 
@@ -13,11 +16,14 @@ and the manifest is uploaded with its timeouts and tries.
 
 from __future__ import annotations
 
+import os
+import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardstream.errors import DestinationError, ManifestError
+from shardstream.errors import ConfigError, DestinationError, ManifestError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, load_manifest, manifest_url, write_manifest
+from shardstream.format.parquet import refuse_table
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import storage_call
@@ -41,10 +47,12 @@ def merge_datasets(
     if not parts:
         raise ValueError("merge needs at least one part")
     check_dataset_root(dest)
-    url = manifest_url(dest)
+    remote_dest = "://" in _canonical(dest)
+    url = manifest_url(_canonical(dest) if remote_dest else dest)  # s3://b/all/./ is s3://b/all (a local path resolves itself)
     base = url.rsplit("/", 1)[0]
-    part_urls = [manifest_url(p) for p in parts]
-    if url not in part_urls and not overwrite and storage_call(url, lambda fs, path: fs.exists(path), storage_options, config):
+    part_urls = [manifest_url(_canonical(p)) for p in parts]  # s3://b/all/./day-01/ reads s3://b/all/day-01
+    grows = _canonical(url) in {_canonical(p) for p in part_urls}
+    if not grows and not overwrite and storage_call(url, lambda fs, path: fs.exists(path), storage_options, config):
         raise DestinationError(f"{url} already holds a dataset; list it as a part to grow it, or pass --overwrite")
     shards: list[ShardInfo] = []
     where: dict[str, str] = {}
@@ -54,6 +62,7 @@ def merge_datasets(
     skipped: dict[str, Any] = {"count": 0, "items": []}
     for n, part_url in enumerate(part_urls):
         part = load_manifest(part_url, storage_options, config=config)
+        refuse_table(part, "shardstream merge")
         if n == 0:
             label_map = part.label_map
             label_counts = dict(part.label_counts) if part.label_counts is not None else None
@@ -70,7 +79,12 @@ def merge_datasets(
         skipped["count"] += int(part.skipped.get("count", 0))
         skipped["items"] = (skipped["items"] + list(part.skipped.get("items", [])))[:MAX_SKIPPED_LISTED]
         for i in range(len(part.paths)):
-            shard_url = part.shard_url(i)
+            shard_url = _canonical(part.shard_url(i))
+            if remote_dest and "://" not in shard_url:
+                raise ConfigError(
+                    f"{part_url}: its shards are local files ({shard_url}) and the merged manifest {url} is not: "
+                    "a remote manifest cannot list local shards (upload the part first, or merge into a local DEST)"
+                )
             if shard_url in where:
                 raise ManifestError(f"{shard_url} is listed by both {where[shard_url]} and {part_url}: a shard may appear once in a dataset")
             where[shard_url] = part_url
@@ -93,7 +107,22 @@ def merge_datasets(
     return manifest, url
 
 
+def _canonical(url: str) -> str:
+    """One spelling per location: a local path absolute and normalised (``./x``, ``x``, ``a/../x``,
+    ``file:///.../x`` alike), a remote URL with its ``.``/``..`` segments and doubled slashes resolved."""
+    if url.startswith("file://"):
+        url = url[len("file://") :]
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+    return os.path.abspath(url)
+
+
 def _relative(target: str, base: str) -> str:
+    """``target`` as the merged manifest at ``base`` lists it: relative to ``base`` when under it,
+    else its canonical URL or absolute path (never a relative path that would climb or resolve
+    against the wrong directory)."""
+    target, base = _canonical(target), _canonical(base)
     prefix = base.rstrip("/") + "/"
     return target[len(prefix) :] if target.startswith(prefix) else target
 

@@ -131,10 +131,8 @@ def describe_field(ext: str, data: bytes, width: int = 60) -> str:
         if kind == "npy":
             import numpy as np
 
-            buf = io.BytesIO(data)
-            version = np.lib.format.read_magic(buf)
-            shape, _, dtype = np.lib.format._read_array_header(buf, version)  # type: ignore[attr-defined]  # header only
-            return f"array shape={tuple(shape)} dtype={dtype}"
+            array = np.load(io.BytesIO(data), allow_pickle=False)  # public API; no pickled objects
+            return f"array shape={tuple(array.shape)} dtype={array.dtype}"
         if kind == "npz":
             import numpy as np
 

@@ -153,20 +153,25 @@ def pack_source(
             in_flight=in_flight,
             config=config,
         )
-    with ShardWriter(
-        dest,
-        max_count=max_count,
-        max_size=max_size,
-        prefix=prefix,
-        prefixes=prefixes,
-        storage_options=storage_options,
-        overwrite=overwrite,
-        label_map=listing.label_map,
-        config=config,
-    ) as writer:
+    with (
+        ShardWriter(
+            dest,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            label_map=listing.label_map,
+            config=config,
+        ) as writer,
+        # closed first on an error or Ctrl-C: its pool is stopped (and collected) before the writer
+        # cleans up, not whenever the generator happens to be collected (at exit its pipes were gone)
+        contextlib.closing(_load_all(items, workers, storage_options, config)) as loaded,
+    ):
         for where, what in listing.errors:
             writer.skip(where, what)
-        for (where, _), (ok, a, b) in zip(items, _load_all(items, workers, storage_options, config)):
+        for (where, _), (ok, a, b) in zip(items, loaded):
             try:
                 if not ok:
                     raise SourceError(a, b)
@@ -289,17 +294,20 @@ def _pack_tasks(
     results in shard order, write the manifest last (``ShardWriter.close``)."""
     options = dict(storage_options or {})
     keys: set[str] = set()
-    with ShardWriter(
-        dest,
-        max_count=max_count,
-        max_size=max_size,
-        prefix=prefix,
-        prefixes=prefixes,
-        storage_options=options,
-        overwrite=overwrite,
-        label_map=label_map,
-        config=config,
-    ) as writer:
+    with (
+        ShardWriter(
+            dest,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=options,
+            overwrite=overwrite,
+            label_map=label_map,
+            config=config,
+        ) as writer,
+        contextlib.ExitStack() as stack,
+    ):
         for where, what in errors:
             writer.skip(where, what)
         tasks = (
@@ -316,7 +324,8 @@ def _pack_tasks(
             )
             for i, r in enumerate(cut_shards(len(units), max_count))
         )
-        for result in run_tasks(executor, tasks, in_flight=in_flight):
+        # (closed at once on an error: its running tasks end before the writer cleans up)
+        for result in stack.enter_context(contextlib.closing(run_tasks(executor, tasks, in_flight=in_flight))):
             for where, what in result.skipped:
                 writer.skip(where, what)
             clash = next((k for k in result.keys if k in keys), None)

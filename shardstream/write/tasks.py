@@ -22,8 +22,8 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,7 @@ def cut_shards(count: int, max_count: int) -> list[range]:
     return [range(a, min(a + max_count, count)) for a in range(0, count, max_count)]
 
 
-def run_tasks(executor: Executor | None, tasks: Iterable[ShardTask], *, in_flight: int = DEFAULT_IN_FLIGHT) -> Iterator[ShardResult]:
+def run_tasks(executor: Executor | None, tasks: Iterable[ShardTask], *, in_flight: int = DEFAULT_IN_FLIGHT) -> Generator[ShardResult, None, None]:
     """Results in task order; at most ``in_flight`` tasks submitted ahead. ``None`` runs them here."""
     if executor is None:
         for task in tasks:
@@ -186,3 +186,6 @@ def run_tasks(executor: Executor | None, tasks: Iterable[ShardTask], *, in_fligh
     finally:
         for fut in pending:
             fut.cancel()
+        # Tasks already running finish before the caller cleans up after the failure (a shard
+        # published after that would be left in a destination no longer marked as unfinished).
+        wait([fut for fut in pending if not fut.cancelled()])

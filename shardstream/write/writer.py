@@ -6,20 +6,31 @@ a sample are adjacent and sorted; headers are deterministic, so the same samples
 bytes. Each shard is published atomically (temp file then rename, or one S3 upload), and the
 manifest is written last, only when the writer closes without an error: an interrupted pack leaves
 nothing that looks complete.
+
+While a pack runs, its destination holds a marker (``PACK_MARKER``), written before the first
+shard and removed once the manifest is written: whatever stops the pack (an error, Ctrl-C, kill -9,
+a lost machine), the shards it left read as an unfinished pack (``interrupted_pack``), which
+``shardstream index`` and ``ls`` refuse to take for a dataset ("run pack again to complete it").
+A pack (a ``with ShardWriter`` block) that fails with an error removes the destination it made
+(a local folder that did not exist, an S3 prefix that held no object) with everything it wrote
+there; a destination that existed before keeps the shards written so far beside the marker (pack
+again to complete it), or loses the marker too where no shard was written.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any, BinaryIO
 
-from shardstream.errors import ConfigError, DestinationError, SourceError
+from shardstream.errors import AccessDenied, ConfigError, DestinationError, ManifestError, SourceError
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, write_manifest
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
@@ -35,6 +46,7 @@ DEFAULT_MAX_SIZE = 256 * 1000**2
 MAX_SKIPPED_LISTED = 100
 _FLUSH_BYTES = 1 << 20
 _PARTIAL_MARK = ".partial-"
+PACK_MARKER = ".shardstream-packing"  # in the destination while a pack runs: removed once its manifest is written
 
 
 def shard_name(stem: str, index: int, prefixes: int = 1) -> str:
@@ -50,9 +62,51 @@ def shard_name(stem: str, index: int, prefixes: int = 1) -> str:
 
 
 def _is_leftover(name: str) -> bool:
-    """A temporary file of an interrupted pack: a shard's (``.partial-``), or a sidecar's or the
-    manifest's (``write_bytes_atomic``'s ``.tmp-``)."""
-    return _PARTIAL_MARK in name or ".tmp-" in name
+    """A file of an interrupted pack that is no shard: a shard's temporary file (``.partial-``), a
+    sidecar's or the manifest's (``write_bytes_atomic``'s ``.tmp-``), or the pack's marker."""
+    return _PARTIAL_MARK in name or ".tmp-" in name or name == PACK_MARKER
+
+
+def interrupted_pack(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, entries: list[str] | None = None
+) -> str | None:
+    """What shows that the folder ``url`` holds an unfinished pack (its marker, or a temporary file
+    of a shard, sidecar or manifest), or None. ``entries``: the folder's names, when already listed
+    (else one listing, under ``config``'s retry policy; a folder that does not exist holds none)."""
+    if entries is None:
+        if url.split("://", 1)[0] in ("http", "https", "hf"):  # no pack writes there
+            return None
+
+        def names(fs: Any, path: str) -> list[str]:
+            try:
+                return [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False, refresh=True)]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        try:
+            entries = storage.storage_call(url, names, storage_options, config)
+        except AccessDenied:  # credentials that may read objects but not list them: nothing to tell
+            return None
+    names_ = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+    if PACK_MARKER in names_:
+        return f"the marker {PACK_MARKER} of a pack that has not finished"
+    leftover = next((e for e in names_ if _is_leftover(e)), None)
+    if leftover is not None:
+        return f"{leftover!r}, a temporary file of a pack that has not finished"
+    return None
+
+
+def refuse_interrupted_pack(
+    url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, entries: list[str] | None = None
+) -> None:
+    """Raise ManifestError when the folder ``url`` holds an unfinished pack (``interrupted_pack``):
+    its shards are part of a dataset, and a manifest over them would train as if complete."""
+    evidence = interrupted_pack(url, storage_options, config=config, entries=entries)
+    if evidence is not None:
+        raise ManifestError(
+            f"{url} holds the shards of an interrupted pack ({evidence}), not a finished dataset: "
+            "run pack again to complete it (same source and destination; no --overwrite needed)"
+        )
 
 
 def encode_members(key: str, fields: Mapping[str, bytes]) -> tuple[list[bytes], int]:
@@ -85,8 +139,8 @@ class ShardWriter:
 
     ``config`` (``StorageConfig``): the storage policy. The destination check made here (one
     listing of the bucket) runs under shardstream's retry policy, bounded by ``config.deadline``
-    and ``config.max_attempts``; each upload (a shard, a sidecar, the manifest) is retried by
-    botocore's standard retry mode, up to ``config.max_attempts`` tries, with ``config``'s timeouts.
+    (and ``config.max_attempts``, if set); each upload (a shard, a sidecar, the manifest) is retried
+    by botocore's standard retry mode, up to ``config.upload_attempts`` tries, with ``config``'s timeouts.
     """
 
     def __init__(
@@ -123,7 +177,9 @@ class ShardWriter:
         self.fs, self.root = storage.get_fs(self.dest, storage_options, config)
         self._local = storage.is_local(self.fs)
         self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar(" + re.escape(SIDECAR_SUFFIX) + ")?")
+        self._created = False  # set by _prepare_destination: the destination did not exist (no object under it)
         self._stale = self._prepare_destination(overwrite)
+        self._mark_in_progress()
         if not self._local:
             reclaim_temp_partials()
         self.shards: list[ShardInfo] = []
@@ -141,12 +197,17 @@ class ShardWriter:
 
     # -- destination ---------------------------------------------------------------------------
     def _prepare_destination(self, overwrite: bool) -> list[str]:
-        """Refuse or clean the destination; returns old shard paths to delete once we succeed."""
+        """Refuse or clean the destination; returns old shard paths to delete once we succeed.
+        Sets ``_created`` when there was no destination: no local folder (the check makes it),
+        no object under the remote prefix."""
+        if self._local:
+            self._created = not os.path.lexists(self.root)
         storage.check_destination_writable(self.fs, self.root, storage_options=self.storage_options, config=self.config)
         try:
             entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
         except FileNotFoundError:
             entries = []
+            self._created = self._created or not self._local
         url = storage.full_url(self.fs, self.root)
         ours = [e for e in entries if self._shard_re.fullmatch(e) or _is_leftover(e)]
         foreign = [e for e in entries if e not in ours and e != MANIFEST_NAME]
@@ -177,6 +238,47 @@ class ShardWriter:
             if _is_leftover(path):
                 self.fs.rm_file(path)
         return [p for p in stale if not _is_leftover(p)]
+
+    def _mark_in_progress(self) -> None:
+        """Write the pack's marker (``PACK_MARKER``) before any shard: removed by ``close`` once the
+        manifest is written, it tells a pack that stopped halfway from a dataset."""
+        if self._local:
+            os.makedirs(self.root, exist_ok=True)
+        doc = {"pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        storage.write_bytes_atomic(self.fs, storage.join(self.root, PACK_MARKER), json.dumps(doc).encode())
+
+    def _ours(self) -> list[str]:
+        """Paths under the root (and its prefix folders) that a pack writes: shards, sidecars, leftovers."""
+        try:
+            entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return []
+        ours = [e for e in entries if self._shard_re.fullmatch(e) or _is_leftover(e)]
+        for folder in [e for e in entries if e.isdigit()]:
+            inside = self._prefix_entries(folder) or []
+            ours += [f"{folder}/{e}" for e in inside if self._shard_re.fullmatch(e) or _is_leftover(e)]
+        return [storage.join(self.root, e) for e in ours]
+
+    def _clean_up_failed(self) -> None:
+        """After a failure: a destination this writer made loses everything the pack wrote, itself
+        included; one that existed keeps the marker beside any shard left there (pack again to
+        complete it), and loses it where nothing else of a pack is left."""
+        ours = self._ours()
+        marker = storage.join(self.root, PACK_MARKER)
+        if not self._created and any(p != marker for p in ours):
+            return
+        for path in ours:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+        if self._local and self._created:
+            folders = {os.path.dirname(p) for p in ours} - {self.root}
+            for folder in sorted(folders, reverse=True) + [self.root]:
+                try:
+                    os.rmdir(folder)  # only an empty folder: another writer's file keeps it
+                except OSError:
+                    pass
 
     def _prefix_entries(self, folder: str) -> list[str] | None:
         """The names in a prefix directory of the root, or None when ``folder`` is not a directory."""
@@ -329,13 +431,19 @@ class ShardWriter:
         )
         # (options carrying the config: the manifest goes through this writer's own filesystem)
         write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), storage.bound_options(self.dest, self.storage_options, self.config))
+        try:
+            self.fs.rm_file(storage.join(self.root, PACK_MARKER))  # the pack is complete
+        except FileNotFoundError:
+            pass
         manifest.base_url = self.dest
         manifest.storage_options = dict(self.storage_options)
         self.manifest = manifest
         return manifest
 
     def abort(self) -> None:
-        """Drop the shard in progress; no manifest is written."""
+        """Drop the shard in progress; no manifest is written. What the pack published is removed
+        (with the destination folder where this writer made it), or stays marked as unfinished
+        (see the module docstring)."""
         self._closed = True
         if self._file is not None:
             self._file.close()
@@ -346,6 +454,10 @@ class ShardWriter:
             except FileNotFoundError:
                 pass
             self._tmp_path = None
+        try:
+            self._clean_up_failed()
+        except Exception as exc:  # noqa: BLE001 - the failure being reported matters more; the marker stays
+            logger.warning("%s: could not remove what the failed pack wrote (%s); its marker says it is unfinished", self.dest, exc)
 
     @property
     def label_counts(self) -> dict[str, int] | None:
@@ -393,4 +505,14 @@ def reclaim_temp_partials(tmpdir: str | None = None) -> int:
     return removed
 
 
-__all__ = ["ShardWriter", "encode_members", "check_key", "shard_name", "DEFAULT_MAX_COUNT", "DEFAULT_MAX_SIZE"]
+__all__ = [
+    "ShardWriter",
+    "encode_members",
+    "check_key",
+    "shard_name",
+    "interrupted_pack",
+    "refuse_interrupted_pack",
+    "PACK_MARKER",
+    "DEFAULT_MAX_COUNT",
+    "DEFAULT_MAX_SIZE",
+]

@@ -1,0 +1,392 @@
+"""Read planned row ranges of Parquet tables (``format/parquet.py``): as per-row sample dicts, or as
+row refs gathered into columnar batches.
+
+A range (row group g, rows [a, b)) reads row group g's projected column chunks once (consecutive
+ranges of one row group share the read: a resumed worker's read-back of single rows costs a read
+per row group, not per row), with read-ahead across row groups when ``readahead_bytes`` is set.
+
+Two shapes out, from one plan:
+
+- ``table_rows``: lists of ``{"__key__": "FILE:ROW", "__url__": file URL, column: value, ...}``,
+  so a table mixes with tar sources and every per-sample stage works on it.
+- ``table_refs``: lists of ints, one per row (``block << 32 | row``), into ``Blocks``, the Arrow
+  row groups a worker holds. The shuffle (``continue_samples``, the same state machine as for
+  samples, so exact resume holds) moves these ints, not dicts; ``Blocks.gather`` takes a batch's
+  rows from the held row groups with Arrow ``take`` (a slice when they are consecutive) and frees
+  a row group once none of its rows is left to deliver. ``columnar_batch`` turns the gathered
+  Arrow table into tensors (zero-copy for fixed-width columns without nulls).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardstream.errors import ConfigError, SampleError, ShardFormatError, StorageError
+from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_bytes, read_group
+from shardstream.pipeline.batch import Batch, stack_tensors
+from shardstream.plan.epoch import Range
+from shardstream.policy import ErrorPolicy
+from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.storage.readahead import Prefetcher
+
+CHUNK = 1024  # rows per list handed on
+# Tensors viewing Arrow's read-only memory: torch warns once per process, as raised from here (a
+# filter set once: a catch_warnings per batch cost more than the batch's tensors).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=r"shardstream\.pipeline\.table")
+BLOCK_BITS = 32
+ROW_MASK = (1 << BLOCK_BITS) - 1
+HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
+
+
+def image_columns(m: TableManifest) -> list[str]:
+    """The columns holding Hugging Face images (``struct<bytes, path>``) that this table reads."""
+    wanted = m.projection
+    return [n for n, t in m.columns if HF_IMAGE.fullmatch(t) and (wanted is None or n in wanted)]
+
+
+class HFImage:
+    """Decode a Hugging Face image value (``{"bytes": ..., "path": ...}``, or plain bytes) with an image decoder."""
+
+    def __init__(self, decode: Callable[[bytes], Any]):
+        self.decode = decode
+
+    def __call__(self, value: Any) -> Any:
+        data = value.get("bytes") if isinstance(value, dict) else value
+        if data is None:
+            raise ValueError(f"the image holds no bytes (only a path: {value.get('path') if isinstance(value, dict) else None!r})")
+        return self.decode(data)
+
+
+@dataclass(frozen=True)
+class Batched:
+    """``ShardStream(table, transform=Batched(fn))``: ``fn`` takes each whole batch of a Parquet
+    table stream as a ``pyarrow.Table`` (its rows in the batch's order) and returns the batch, in
+    place of per-row samples and the default columnar batch (a DataModule's ``transform(df)``)."""
+
+    fn: Callable[[Any], Any]
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ConfigError(f"Batched(fn): fn must be callable, got {type(self.fn).__name__}")
+
+
+class TableSource:
+    """Where a worker's row ranges come from: the table, storage options, counters, read-ahead."""
+
+    def __init__(
+        self,
+        manifest: TableManifest,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        counters: Any = None,
+        config: StorageConfig = DEFAULT_STORAGE,
+        readahead_bytes: int = 0,
+        read_size: int = 4 << 20,
+    ):
+        self.manifest = manifest
+        self.storage_options = storage_options
+        self.counters = counters
+        self.config = config
+        self.readahead_bytes = readahead_bytes
+        self.read_size = read_size
+
+    def runs(self, g: int) -> list[tuple[int, int]]:
+        m = self.manifest
+        metadata = footer_for(m, int(m.group_file[g]), self.storage_options, config=self.config, counters=self.counters)
+        return group_runs(metadata, int(m.group_index[g]), m.projection)
+
+    def opener(self, g: int):
+        """Open row group g's projected runs as one stream of bytes (for the read-ahead)."""
+
+        def open_it():
+            runs = self.runs(g)
+            url = self.manifest.file_url(int(self.manifest.group_file[g]))
+            pending = list(runs)
+
+            def read(n: int) -> Any:
+                while pending:
+                    a, b = pending.pop(0)
+                    return read_bytes(url, a, b, self.storage_options, config=self.config, counters=self.counters)
+                return b""
+
+            return read, _noop
+
+        return open_it
+
+
+def _noop() -> None:
+    pass
+
+
+def _groups(ranges: Sequence[Range]) -> list[int]:
+    """The row groups the ranges read, in order, consecutive repeats once."""
+    out: list[int] = []
+    for r in ranges:
+        if not out or out[-1] != r.shard:
+            out.append(r.shard)
+    return out
+
+
+def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolicy | None) -> Iterator[tuple[Range, Any, bool]]:
+    """``(range, its row group as an Arrow table, new)`` per range, in order; ``new``: the first range
+    of a row group read (consecutive ranges of a row group share one read). A row group that
+    cannot be read goes to ``policy`` (raised, or its ranges' rows skipped and counted)."""
+    ranges = list(ranges)
+    groups = _groups(ranges)
+    prefetcher = None
+    if source.readahead_bytes > 0 and groups:
+        prefetcher = Prefetcher([source.opener(g) for g in groups], block_size=source.read_size, max_bytes=source.readahead_bytes)
+    m = source.manifest
+    try:
+        k = -1
+        current: Any = None
+        failed = False
+        for n, rng in enumerate(ranges):
+            if rng.stop > int(m.counts[rng.shard]) or rng.start < 0 or rng.start >= rng.stop:
+                raise ValueError(f"range {rng} outside {m.group_name(rng.shard)} of {int(m.counts[rng.shard])} rows")
+            new = k < 0 or groups[k] != rng.shard
+            if new:
+                k += 1
+                current, failed = None, False
+                if source.counters is not None:
+                    source.counters.step(f"reading {m.group_name(rng.shard)}")
+                try:
+                    fetch = None
+                    if prefetcher is not None:
+                        read = prefetcher.reader(k)
+
+                        def fetch(runs: list[tuple[int, int]], read: Any = read) -> list[Any]:
+                            return [read(b - a) for a, b in runs]
+
+                    current = read_group(m, rng.shard, source.storage_options, config=source.config, counters=source.counters, fetch=fetch)
+                except (ShardFormatError, StorageError) as exc:
+                    if policy is None:
+                        raise
+                    failed = True
+                    lost = 0
+                    for later in ranges[n:]:  # this range and the ones after it in the same row group
+                        if later.shard != rng.shard:
+                            break
+                        lost += len(later)
+                    policy.failed(exc, lost=lost)
+                    continue
+            elif failed:
+                continue
+            yield rng, current, new
+            if policy is not None:
+                policy.ok()
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+
+
+def table_rows(source: TableSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
+    """The rows of the ranges as sample dicts (``__key__`` ``FILE:ROW``, ``__url__``, one field per column), lists of at most CHUNK."""
+    m = source.manifest
+    for rng, table, _ in read_groups(source, ranges, policy):
+        f = int(m.group_file[rng.shard])
+        url, path = m.file_url(f), m.files[f]
+        first = int(m.group_first_row[rng.shard])
+        for a in range(rng.start, rng.stop, CHUNK):
+            b = min(rng.stop, a + CHUNK)
+            rows = table.slice(a, b - a).to_pylist()
+            for i, row in enumerate(rows, first + a):
+                row["__key__"] = f"{path}:{i}"
+                row["__url__"] = url
+            yield rows
+
+
+def _is_number(t: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_integer(t) or pa.types.is_floating(t))
+
+
+class Rows:
+    """A batch's rows, gathered: per column a numpy array (numbers without nulls: a view of Arrow's
+    memory when the rows are consecutive) or an Arrow array; ``schema`` is the table's."""
+
+    __slots__ = ("schema", "columns", "sources")
+
+    def __init__(self, schema: Any, columns: list[Any], sources: list[str] | None):
+        self.schema, self.columns, self.sources = schema, columns, sources
+
+    def to_arrow(self) -> Any:
+        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy)."""
+        import pyarrow as pa
+
+        arrays = [pa.array(c) if isinstance(c, np.ndarray) else c for c in self.columns]
+        return pa.Table.from_arrays(arrays, schema=self.schema)
+
+
+class Blocks:
+    """The Arrow row groups a worker holds while rows of theirs wait in the shuffle buffer or the
+    batch being made; ``gather(refs)`` takes a batch's rows. A row group is freed once every row
+    ref of it was gathered; the last batch's stay, and once a gather repeats rows (the last
+    batches refilled after skipped rows, ``batch_samples``) nothing is freed any more.
+
+    Each row group is held as columns: numbers without nulls as numpy views of Arrow's memory
+    (a batch's rows are then a numpy take, or a slice when consecutive: no copy), the rest as
+    Arrow arrays (an Arrow take: on plain arrays, never on a chunked one, which would join its
+    chunks first)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, tuple[Any, list[Any]]] = {}
+        self.left: dict[int, int] = {}
+        self.next = 0
+        self.names: dict[int, str] = {}
+        self._last: dict[int, tuple[Any, list[Any]]] = {}
+        self._refilling = False
+
+    def add(self, table: Any, rows: int, name: str = "") -> int:
+        """Hold ``table`` for ``rows`` refs to come; returns its block number."""
+        b = self.next
+        self.next += 1
+        columns = []
+        for column in table.combine_chunks().columns:
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            if _is_number(array.type) and array.null_count == 0:
+                columns.append(array.to_numpy(zero_copy_only=True))
+            else:
+                columns.append(array)
+        self.tables[b], self.left[b], self.names[b] = (table.schema, columns), rows, name
+        return b
+
+    def more(self, b: int, rows: int) -> None:
+        self.left[b] += rows
+
+    def gather(self, refs: Sequence[int]) -> Rows:
+        """The rows ``refs`` point at, in ref order (and each row's source name when the blocks carry names: a mix)."""
+        import pyarrow as pa
+
+        arr = np.fromiter(refs, dtype=np.int64, count=len(refs))
+        ids, rows = arr >> BLOCK_BITS, arr & ROW_MASK
+        first = int(ids[0])
+        if (ids == first).all():
+            used, counts = [first], [len(refs)]
+            schema, held = self._block(first)
+            start = int(rows[0])
+            if int(rows[-1]) - start == len(rows) - 1 and (len(rows) < 2 or bool((np.diff(rows) == 1).all())):
+                columns = [c[start : start + len(rows)] if isinstance(c, np.ndarray) else c.slice(start, len(rows)) for c in held]
+            else:
+                index = None
+                columns = []
+                for c in held:
+                    if isinstance(c, np.ndarray):
+                        columns.append(c[rows])
+                    else:
+                        index = pa.array(rows) if index is None else index
+                        columns.append(c.take(index))
+            names = [self.names[first]] * len(rows) if self.names[first] else None
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
+            used = uniq.tolist()
+            blocks = [self._block(b)[1] for b in used]
+            schema = self._block(used[0])[0]
+            order = np.argsort(inverse, kind="stable")  # refs grouped by block, in ref order within each
+            bounds = np.searchsorted(inverse[order], np.arange(len(used) + 1))
+            where = [order[bounds[i] : bounds[i + 1]] for i in range(len(used))]  # positions in the batch, per block
+            picks = [rows[w] for w in where]  # rows in each block
+            back = None
+            columns = []
+            for k, first_held in enumerate(blocks[0]):
+                if isinstance(first_held, np.ndarray) and all(isinstance(bl[k], np.ndarray) for bl in blocks):
+                    out = np.empty(len(rows), dtype=first_held.dtype)
+                    for bl, w, p in zip(blocks, where, picks):
+                        out[w] = bl[k][p]
+                    columns.append(out)
+                else:
+                    back = pa.array(np.argsort(order)) if back is None else back
+                    parts = [pa.array(bl[k][p]) if isinstance(bl[k], np.ndarray) else bl[k].take(pa.array(p)) for bl, p in zip(blocks, picks)]
+                    columns.append(pa.concat_arrays(parts).take(back))
+            counts = np.diff(bounds).tolist()
+            names = [self.names[used[i]] for i in inverse.tolist()] if self.names[used[0]] else None
+        if not self._refilling and any(b not in self.tables for b in used):
+            self._refilling = True  # rows gathered before come again (batches refilled after skipped rows): free nothing from now on
+        if not self._refilling:
+            self._last = {}
+        for b, n in zip(used, counts):
+            self._last[b] = self._block(b)
+            left = self.left.get(b)
+            if left is not None:
+                left -= int(n)
+                if left <= 0:
+                    del self.tables[b], self.left[b]
+                else:
+                    self.left[b] = left
+        return Rows(schema, columns, names)
+
+    def _block(self, b: int) -> tuple[Any, list[Any]]:
+        found = self.tables.get(b)
+        return found if found is not None else self._last[b]
+
+
+def table_refs(
+    source: TableSource, ranges: Sequence[Range], blocks: Blocks, *, policy: ErrorPolicy | None = None, name: str = ""
+) -> Iterator[list[int]]:
+    """The rows of the ranges as row refs into ``blocks`` (one block per row group read), lists of at most CHUNK."""
+    block = -1
+    for rng, table, new in read_groups(source, ranges, policy):
+        if new:
+            block = blocks.add(table, len(rng), name)
+        else:
+            blocks.more(block, len(rng))
+        base = block << BLOCK_BITS
+        for a in range(rng.start, rng.stop, CHUNK):
+            yield list(range(base + a, base + min(rng.stop, a + CHUNK)))
+
+
+def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
+    """One column of a batch (an Arrow array): a tensor for fixed-width numbers without nulls
+    (zero-copy from Arrow), a 2-D tensor for fixed-size lists of them (embeddings), decoded images
+    (stacked when they share a shape) for image columns, else a list of Python values."""
+    import pyarrow as pa
+    import torch
+
+    t = column.type
+    if image is not None:
+        values = [image(v) for v in column.to_pylist()]
+        if values and all(isinstance(v, torch.Tensor) for v in values) and all(v.shape == values[0].shape for v in values):
+            return stack_tensors(values)
+        return values
+    if column.null_count == 0:
+        if pa.types.is_integer(t) or pa.types.is_floating(t):
+            return torch.from_numpy(column.to_numpy(zero_copy_only=True))
+        if pa.types.is_boolean(t):
+            return torch.from_numpy(column.to_numpy(zero_copy_only=False))
+        if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
+            values = column.flatten()
+            if values.null_count == 0:
+                return torch.from_numpy(values.to_numpy(zero_copy_only=True).reshape(len(column), t.list_size))
+    return column.to_pylist()
+
+
+def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Batch:
+    """A batch's rows as a Batch of columns: numbers as tensors sharing the gathered memory, the
+    rest by ``column_value``; a mix's batch also says ``__source__`` per row. Tensors of
+    consecutive rows share Arrow's read-only memory (torch's warning about that is silenced for
+    this module: writing to them is the user's error either way)."""
+    import torch
+
+    out = Batch()
+    for name, column in zip(rows.schema.names, rows.columns):
+        if isinstance(column, np.ndarray):
+            out[name] = torch.from_numpy(column)
+            continue
+        try:
+            out[name] = column_value(column, images.get(name))
+        except SampleError:
+            raise
+        except Exception as exc:
+            if name not in images:
+                raise
+            raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
+    if rows.sources is not None:
+        out["__source__"] = rows.sources
+    return out
