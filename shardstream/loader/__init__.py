@@ -45,6 +45,7 @@ from shardstream.loader.workers import (
     watched,
 )
 from shardstream.plan.run import Cursor
+from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 
 logger = logging.getLogger(__name__)
 
@@ -286,8 +287,6 @@ class UnpackStage:
 
 def _in_process(dataset: Any, collate: Callable[[Any], Any], pin: bool, pin_device: str) -> Any:
     """Batches of ``dataset`` iterated in this process: what DataLoader does with no workers."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
     for batch in dataset:
         batch = collate(batch)
         yield pin_memory(batch, pin_device) if pin else batch
@@ -378,7 +377,7 @@ class ShardLoader(webdataset.WebLoader):
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
         self._watch["semaphores"] = None
-        if self.num_workers > 0 and (not self.persistent_workers or self.pipeline[0]._iterator is None):
+        if self.num_workers > 0 and (not self.persistent_workers or loader_iterator(self.pipeline[0]) is None):
             self._start_workers()
         try:
             for batch in super().__iter__():
@@ -436,10 +435,10 @@ class ShardLoader(webdataset.WebLoader):
             self.channels.prepare_workers()  # new workers inherit the last pass's segments
 
     def _workers_alive(self) -> bool:
-        it = self.pipeline[0]._iterator
+        it = loader_iterator(self.pipeline[0])
         if it is None:
             return True
-        return all(w.is_alive() for w in it._workers)  # (statuses are all down between passes)
+        return all(w.is_alive() for w in iterator_workers(it) or [])  # (statuses are all down between passes)
 
     @property
     def received(self) -> int:
@@ -469,9 +468,9 @@ class ShardLoader(webdataset.WebLoader):
         # The wrapped DataLoader keeps persistent workers in ``_iterator``; shutting it down here, in
         # the process that started them, stops them now (and leaves its ``__del__`` nothing to do,
         # wherever it runs), and the next pass starts workers holding the dataset as it is now.
-        it, self.pipeline[0]._iterator = self.pipeline[0]._iterator, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        it = drop_loader_iterator(self.pipeline[0])
+        if it is not None:
+            shutdown_workers(it)
         if self.channels is not None:
             self.channels.forget(set(self.channels.mapped))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import logging
 import multiprocessing
 import os
@@ -34,13 +35,25 @@ import signal
 import sys
 import threading
 import time
-from _multiprocessing import sem_unlink
 from collections.abc import Callable
-from multiprocessing import resource_tracker, synchronize, util
+from multiprocessing import resource_tracker
 from types import FrameType
 from typing import Any
 
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
+from shardstream.private import finalizer_registry as _registry
+from shardstream.private import (
+    forkserver_preload,
+    forkserver_running,
+    is_iterator_timeout,
+    iterator_workers,
+    owed_worker,
+    python_threads,
+    sem_unlink,
+    semaphore_finalizers,
+    set_iterator_timeout,
+    shutdown_workers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +110,7 @@ def native_threads() -> int:
     not running Python code now. Threads Python started take the lock in question only while
     holding the GIL, as ``fork()`` does, so they cannot hold it at a fork; a native thread entering
     Python takes it before the GIL. Where /proc is missing every other thread counts."""
-    python = len(sys._current_frames())  # threads running Python code: threading's and _thread's alike
+    python = python_threads()  # threads running Python code: threading's and _thread's alike
     try:
         return len(os.listdir("/proc/self/task")) - python
     except OSError:
@@ -120,10 +133,8 @@ def context(method: str) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
     (and the main module, as it does by default), so a worker starts without importing them."""
     if method == "forkserver":
-        from multiprocessing import forkserver
-
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet: preload counts
-            preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+        if not forkserver_running():  # not started yet: preload counts
+            preload = forkserver_preload()
             multiprocessing.set_forkserver_preload([*preload, *(m for m in PRELOAD if m not in preload)])
     return multiprocessing.get_context(method)
 
@@ -137,7 +148,7 @@ def warm_forkserver() -> threading.Thread | None:
     raises what it raises. Returns the thread (None: already running)."""
     from multiprocessing import forkserver
 
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+    if forkserver_running():
         return None
     context("forkserver")  # its preload list, before the server starts
 
@@ -179,7 +190,8 @@ def check_main_guarded(method: str) -> None:
     path = getattr(main, "__file__", None)
     if main is None or not path:  # an interactive session, python -c: nothing is imported again
         return
-    frame: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
         frame = frame.f_back
     if frame is None:  # called from a function the script's guard (or another module) called
@@ -309,10 +321,6 @@ class WorkerStart:
 # POSIX semaphore in /dev/shm, unlinked when it is collected or by the resource tracker, which a
 # kill -9 of the process group kills too. Once every worker has started (opened them all), the
 # names are no longer needed: they are unlinked then, and the objects work on through their handles.
-def _registry() -> dict[Any, Any]:
-    return getattr(util, "_finalizer_registry", {})  # multiprocessing's finalizers, by (priority, order)
-
-
 def semaphores_mark() -> int:
     """Before a DataLoader iterator is made: the point after which its semaphores are registered."""
     return max((key[1] for key in list(_registry())), default=-1)
@@ -322,11 +330,7 @@ def unlink_semaphores(mark: int) -> int:
     """Unlink the names of the semaphores made since ``mark`` (their finalizers cancelled, the resource
     tracker told): nothing of them stays in /dev/shm, whatever happens to this process. Returns how many."""
     done = 0
-    cleanup = getattr(synchronize.SemLock, "_cleanup", None)
-    for key, fin in list(_registry().items()):
-        if key[1] <= mark or cleanup is None or getattr(fin, "_callback", None) is not cleanup:
-            continue
-        name = fin._args[0]
+    for name, fin in semaphore_finalizers(mark):
         fin.cancel()
         try:
             sem_unlink(name)
@@ -354,8 +358,8 @@ def watched(
     died raises WorkerDied (DataLoader's own error says only "exited unexpectedly"). With
     ``semaphores`` (a ``semaphores_mark()``), the names of the semaphores made since are unlinked
     once every worker has started. ``method``: how the workers started (for the message)."""
-    workers = getattr(batches, "_workers", None)
-    if workers is None or not hasattr(batches, "_timeout"):  # no worker processes: nothing to watch
+    workers = iterator_workers(batches)
+    if workers is None:  # no worker processes: nothing to watch
         yield from batches
         return
     started = time.monotonic()
@@ -366,14 +370,14 @@ def watched(
         waiting = time.monotonic()
         while True:
             left = None if bound is None else bound - (time.monotonic() - waiting)
-            batches._timeout = STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001)
+            set_iterator_timeout(batches, STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001))
             try:
                 batch = next(batches)
                 break
             except StopIteration:
                 return
             except RuntimeError as exc:
-                if not str(exc).startswith("DataLoader timed out"):
+                if not is_iterator_timeout(exc):
                     died = _died(batches, stats, rank, str(exc), method) if str(exc).startswith(_DIED) else None
                     _shut_down(batches)
                     if died is not None:
@@ -410,7 +414,7 @@ def _died(it: Any, stats: Any, rank: int, message: str, method: str | None) -> W
     that has exited when it names none; None if none is found dead."""
     pids = {int(p) for p in re.findall(r"\d+", message.split(")", 1)[0])}
     found = []
-    for w, proc in enumerate(getattr(it, "_workers", [])):
+    for w, proc in enumerate(iterator_workers(it) or []):
         if pids and proc.pid not in pids:
             continue
         proc.join(STATUS_CHECK_S if proc.pid in pids else 0)  # its exit code (a forkserver's child: sent by the server)
@@ -457,8 +461,7 @@ def _shut_down(batches: Any) -> None:
     ``__del__``, they are stopped when the exception's traceback is collected, a reference cycle
     in which the index queues are finalized first: the "stop" each worker is sent never reaches it,
     and DataLoader waits 5 s for each one before killing it (10 s per failed pass with 2 workers)."""
-    if hasattr(batches, "_shutdown_workers"):
-        batches._shutdown_workers()
+    shutdown_workers(batches)
 
 
 def _has_started(stats: Any, index: int, proc: Any) -> bool:
@@ -467,12 +470,12 @@ def _has_started(stats: Any, index: int, proc: Any) -> bool:
 
 
 def _late_worker(it: Any, stats: Any, rank: int, bound: float, elapsed: float) -> str:
-    info = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1))
-    worker = info[0] if info else None
-    which = [worker] if worker is not None else list(range(len(it._workers)))
+    worker = owed_worker(it)
+    workers = iterator_workers(it) or []
+    which = [worker] if worker is not None else list(range(len(workers)))
     lines = []
     for w in which:
-        proc = it._workers[w]
+        proc = workers[w]
         line = stats.worker_line(w)
         if line is None or line[0] != proc.pid:
             lines.append(

@@ -28,6 +28,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from shardstream.errors import BucketNotFound, ConfigError, DestinationError, StorageNotFound
+from shardstream.private import cached_s3_filesystems
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import call
@@ -201,7 +202,7 @@ def _stash_filesystems() -> None:
     uses them. The parent drops the references again right after the fork."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
-        _inherited[:] = list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
+        _inherited[:] = cached_s3_filesystems(s3fs)
 
 
 def _unstash_filesystems() -> None:

@@ -34,6 +34,7 @@ from typing import Any, Protocol, TypeVar
 
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
+from shardstream.private import s3_call
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -117,7 +118,7 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     extra = {"VersionId": version} if version else {}
 
     async def get(a: int, b: int, out: bytearray, got: list[int]) -> None:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
+        resp = await s3_call(fs, "get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
         body = resp["Body"]
         view = memoryview(out)
         try:
@@ -185,7 +186,7 @@ class _S3fsBody:
         room = self._room = asyncio.Event()
         body = None
         try:
-            resp = await fs._call_s3("get_object", **params)
+            resp = await s3_call(fs, "get_object", **params)
             body = resp["Body"]
             while True:
                 while True:
