@@ -31,7 +31,7 @@ from shardstream.pipeline.batch import BatchStats, batch_samples, default_collat
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import PlannedReads, RangeSource, read_ranges, read_scattered
-from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, columnar_batch, image_columns, table_refs, table_rows
+from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, batch_refs, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
@@ -372,7 +372,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _columnar(self, part: Any, epoch: int, counters: Any, policy: ErrorPolicy, stats: BatchStats, cursor: Cursor) -> Any:
         """A pass of columnar batches (every source a table): the shuffle moves row refs, batches
         are gathered from the held row groups (pipeline/table.py)."""
-        blocks = Blocks()
+        blocks = Blocks(pad=self.mode == "pad")
         names = part.names
         sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
 
@@ -382,13 +382,13 @@ class ShardStream(torch.utils.data.IterableDataset):
         refs = read_planned(dataclasses.replace(part, names=None), read)
         images, transform = self._images, self.batch_transform
 
-        def collate(batch: list[int]) -> Any:
+        def collate(batch: Any) -> Any:
             rows = blocks.gather(batch)
             return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
 
         if not part.num_batches:
             return
-        batches = batch_samples(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats)
+        batches = batch_refs(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats, pad=self.mode == "pad")
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
             cursor.taken = made

@@ -293,7 +293,7 @@ def stack_arrays(values: list[Any]):
     return out
 
 
-def _finish(chunks: Iterator[list[dict[str, Any]]], left: int) -> None:
+def finish_upstream(chunks: Iterator[list[dict[str, Any]]], left: int) -> None:
     """Run the upstream stages to their end after the last batch, so that the checks they make
     after their last sample (the manifest's count, the shard's sha256) are not skipped. The
     plan gives each worker exactly its batches' samples, so nothing is normally left."""
@@ -341,7 +341,7 @@ def batch_samples(
             start += batch_size
             made += 1
             if made == num_batches:
-                _finish(chunks, len(pending) - start)
+                finish_upstream(chunks, len(pending) - start)
                 return
         del pending[:start]
     if made < num_batches:

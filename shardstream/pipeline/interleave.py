@@ -24,6 +24,7 @@ from shardstream.plan.run import WorkerPlan
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024  # samples per list handed on (the stages after this one loop over lists)
+REPEAT = 1 << 62  # on a row ref (pipeline/table.py): the plan's repeat of a row, __valid__ False
 
 
 def _tagged(chunks: Iterable[list[dict[str, Any]]], name: str) -> Iterator[list[dict[str, Any]]]:
@@ -64,15 +65,27 @@ def merge_sources(
 
 def _marked(chunks: Iterable[list[Any]], valid: int | np.ndarray | None) -> Iterable[list[Any]]:
     """Pad mode: each sample gets ``"__valid__"``, False for the layout's repeats (positions past
-    the epoch's end), before the shuffle moves them. ``valid``: how many samples, from the first,
-    are originals, or one bool per sample; None (drop mode): samples pass as they are. Marked by
-    position: a sample skipped under ``on_error="skip"`` shifts the marks after it by one."""
+        the epoch's end), before the shuffle moves them. ``valid``: how many samples, from the first,
+        are originals, or one bool per sample; None (drop mode): samples pass as they are. Row refs
+    (int64 arrays: columnar table batches) are marked with the ``REPEAT`` bit instead. Marked by
+        position: a sample skipped under ``on_error="skip"`` shifts the marks after it by one."""
     if valid is None:
         yield from chunks
         return
     flags = valid.tolist() if isinstance(valid, np.ndarray) else None
     k = 0
     for chunk in chunks:
+        if isinstance(chunk, np.ndarray):  # row refs (pipeline/table.py): a repeat's ref carries the REPEAT bit
+            at = np.arange(k, k + len(chunk))
+            if isinstance(valid, np.ndarray):
+                original = np.zeros(len(chunk), dtype=bool)
+                inside = at < len(valid)
+                original[inside] = valid[at[inside]]
+            else:
+                original = at < valid
+            k += len(chunk)
+            yield np.where(original, chunk, chunk | REPEAT)
+            continue
         for sample in chunk:
             if isinstance(sample, dict):  # (samples as read are dicts; a planner's simulation reads other records)
                 sample["__valid__"] = (k < len(flags) and flags[k]) if flags is not None else k < valid

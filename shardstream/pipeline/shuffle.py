@@ -23,19 +23,28 @@ T = TypeVar("T")
 def shuffle_samples(
     chunks: Iterable[list[T]], *, buffer_size: int, initial: int, rng: Any, buffer: list[T] | None = None, grow: bool = False
 ) -> Iterator[list[T]]:
-    """Yield every item of the incoming lists (and of ``buffer``) exactly once, shuffled, as lists."""
+    """Yield every item of the incoming lists (and of ``buffer``) exactly once, shuffled, as lists.
+    Row refs come as int64 arrays (the columnar table path) and go out as arrays, shuffled by
+    ``BufferShuffler.push_array``: the same order as the lists' loop, at a fraction of its cost."""
     if buffer_size <= 1:
         yield from chunks
         return
     shuffler = BufferShuffler(buffer_size, initial, rng, buffer=buffer, grow=grow)
+    arrays = False
     for chunk in chunks:
+        if isinstance(chunk, np.ndarray):
+            arrays = True
+            got = shuffler.push_array(chunk)
+            if len(got):
+                yield got
+            continue
         out: list[T] = []
         shuffler.push(chunk, out)
         if out:
             yield out
     rest = shuffler.drain()
     if rest:
-        yield rest
+        yield np.asarray(rest, dtype=np.int64) if arrays else rest  # type: ignore[misc]
 
 
 def continue_samples(

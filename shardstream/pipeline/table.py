@@ -19,28 +19,30 @@ Two shapes out, from one plan:
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shardstream.errors import ConfigError, SampleError, ShardFormatError, StorageError
+from shardstream.errors import ConfigError, SampleError, ShardFormatError, StorageError, TooManyErrors
 from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_bytes, read_group
-from shardstream.pipeline.batch import Batch, stack_tensors
+from shardstream.pipeline.batch import Batch, BatchStats, finish_upstream, stack_tensors
+from shardstream.pipeline.interleave import REPEAT
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.readahead import Prefetcher
 
+logger = logging.getLogger(__name__)
+
 CHUNK = 1024  # rows per list handed on
-# Tensors viewing Arrow's read-only memory: torch warns once per process, as raised from here (a
-# filter set once: a catch_warnings per batch cost more than the batch's tensors).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning, module=r"shardstream\.pipeline\.table")
 BLOCK_BITS = 32
 ROW_MASK = (1 << BLOCK_BITS) - 1
+REF_MASK = REPEAT - 1  # a ref without its REPEAT bit (pad mode's mark of a repeated row)
 HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
 
 
@@ -212,10 +214,10 @@ class Rows:
     """A batch's rows, gathered: per column a numpy array (numbers without nulls: a view of Arrow's
     memory when the rows are consecutive) or an Arrow array; ``schema`` is the table's."""
 
-    __slots__ = ("schema", "columns", "sources")
+    __slots__ = ("schema", "columns", "sources", "valid")
 
-    def __init__(self, schema: Any, columns: list[Any], sources: list[str] | None):
-        self.schema, self.columns, self.sources = schema, columns, sources
+    def __init__(self, schema: Any, columns: list[Any], sources: list[str] | None, valid: np.ndarray | None = None):
+        self.schema, self.columns, self.sources, self.valid = schema, columns, sources, valid
 
     def to_arrow(self) -> Any:
         """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy)."""
@@ -236,7 +238,8 @@ class Blocks:
     Arrow arrays (an Arrow take: on plain arrays, never on a chunked one, which would join its
     chunks first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pad: bool = False) -> None:
+        self.pad = pad  # pad mode: gather says which rows are the plan's repeats (Rows.valid)
         self.tables: dict[int, tuple[Any, list[Any]]] = {}
         self.left: dict[int, int] = {}
         self.next = 0
@@ -265,7 +268,11 @@ class Blocks:
         """The rows ``refs`` point at, in ref order (and each row's source name when the blocks carry names: a mix)."""
         import pyarrow as pa
 
-        arr = np.fromiter(refs, dtype=np.int64, count=len(refs))
+        arr = refs if isinstance(refs, np.ndarray) else np.fromiter(refs, dtype=np.int64, count=len(refs))
+        valid = None
+        if self.pad:
+            valid = (arr & REPEAT) == 0
+            arr = arr & REF_MASK
         ids, rows = arr >> BLOCK_BITS, arr & ROW_MASK
         first = int(ids[0])
         if (ids == first).all():
@@ -285,14 +292,14 @@ class Blocks:
                         columns.append(c.take(index))
             names = [self.names[first]] * len(rows) if self.names[first] else None
         else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
-            used = uniq.tolist()
+            lo = int(ids.min())
+            present = np.bincount(ids - lo)  # a batch's rows come from a few recent blocks
+            used = (np.flatnonzero(present) + lo).tolist()
             blocks = [self._block(b)[1] for b in used]
             schema = self._block(used[0])[0]
-            order = np.argsort(inverse, kind="stable")  # refs grouped by block, in ref order within each
-            bounds = np.searchsorted(inverse[order], np.arange(len(used) + 1))
-            where = [order[bounds[i] : bounds[i + 1]] for i in range(len(used))]  # positions in the batch, per block
+            where = [np.flatnonzero(ids == b) for b in used]  # positions in the batch, per block
             picks = [rows[w] for w in where]  # rows in each block
+            order = np.concatenate(where)
             back = None
             columns = []
             for k, first_held in enumerate(blocks[0]):
@@ -305,8 +312,8 @@ class Blocks:
                     back = pa.array(np.argsort(order)) if back is None else back
                     parts = [pa.array(bl[k][p]) if isinstance(bl[k], np.ndarray) else bl[k].take(pa.array(p)) for bl, p in zip(blocks, picks)]
                     columns.append(pa.concat_arrays(parts).take(back))
-            counts = np.diff(bounds).tolist()
-            names = [self.names[used[i]] for i in inverse.tolist()] if self.names[used[0]] else None
+            counts = [len(w) for w in where]
+            names = [self.names[b] for b in ids.tolist()] if self.names[used[0]] else None
         if not self._refilling and any(b not in self.tables for b in used):
             self._refilling = True  # rows gathered before come again (batches refilled after skipped rows): free nothing from now on
         if not self._refilling:
@@ -320,7 +327,7 @@ class Blocks:
                     del self.tables[b], self.left[b]
                 else:
                     self.left[b] = left
-        return Rows(schema, columns, names)
+        return Rows(schema, columns, names, valid)
 
     def _block(self, b: int) -> tuple[Any, list[Any]]:
         found = self.tables.get(b)
@@ -329,8 +336,9 @@ class Blocks:
 
 def table_refs(
     source: TableSource, ranges: Sequence[Range], blocks: Blocks, *, policy: ErrorPolicy | None = None, name: str = ""
-) -> Iterator[list[int]]:
-    """The rows of the ranges as row refs into ``blocks`` (one block per row group read), lists of at most CHUNK."""
+) -> Iterator[np.ndarray]:
+    """The rows of the ranges as row refs into ``blocks`` (one block per row group read): an int64
+    array per range (the shuffle and the batches take arrays whole, see ``batch_refs``)."""
     block = -1
     for rng, table, new in read_groups(source, ranges, policy):
         if new:
@@ -338,8 +346,69 @@ def table_refs(
         else:
             blocks.more(block, len(rng))
         base = block << BLOCK_BITS
-        for a in range(rng.start, rng.stop, CHUNK):
-            yield list(range(base + a, base + min(rng.stop, a + CHUNK)))
+        yield np.arange(base + rng.start, base + rng.stop, dtype=np.int64)
+
+
+def batch_refs(
+    chunks: Iterable[Any], *, batch_size: int, num_batches: int, collate: Callable[[np.ndarray], Any], stats: BatchStats, pad: bool
+) -> Iterator[Any]:
+    """``batch_samples`` for row refs (int64 arrays, or lists in a mix): exactly ``num_batches``
+    batches of ``batch_size`` refs, each an array slice handed to ``collate``; refilled the same
+    way when rows were skipped (from the last full batch and the rest, in order; in pad mode the
+    copies carry the REPEAT bit, as ``batch._repeat`` marks a sample's copy)."""
+    pending = np.empty(0, dtype=np.int64)
+    recent = pending
+    made = 0
+    chunks = iter(chunks)
+    for chunk in chunks:
+        refs = chunk if isinstance(chunk, np.ndarray) else np.asarray(chunk, dtype=np.int64)
+        pending = np.concatenate([pending, refs]) if len(pending) else refs
+        start = 0
+        while len(pending) - start >= batch_size:
+            recent = pending[start : start + batch_size]
+            yield collate(recent)
+            start += batch_size
+            made += 1
+            if made == num_batches:
+                finish_upstream(chunks, len(pending) - start)
+                return
+        pending = pending[start:]
+    if made < num_batches:
+        pool = np.concatenate([recent, pending])
+        if not len(pool):
+            raise TooManyErrors(
+                f"no sample could be read for this worker: all of its samples failed and were skipped, "
+                f"so its {num_batches} batches cannot be filled (see the warnings above for why)"
+            )
+        missing = (num_batches - made) * batch_size - len(pending)
+        stats.refilled += missing
+        logger.warning("repeating %d samples to keep %d equal batches (samples were skipped or filtered)", missing, num_batches)
+        copies = pool[np.arange(missing) % len(pool)]
+        every = np.concatenate([pending, copies | REPEAT if pad else copies])
+        for a in range(0, len(every), batch_size):
+            yield collate(every[a : a + batch_size])
+
+
+_READ_ONLY_SEEN = False  # torch warned (silenced) about a read-only array once in this process
+
+
+def tensor_of(array: np.ndarray) -> Any:
+    """``torch.from_numpy(array)``, sharing its memory, without torch's "not writable" warning for
+    Arrow's read-only buffers: torch gives that warning once per process (TORCH_WARN_ONCE), so
+    the first read-only array goes through a ``catch_warnings`` that ignores it and later ones go
+    straight through (every one while ``torch.set_warn_always(True)``). The user's own warning
+    filters are left as they are, and no other warning is hidden."""
+    import torch
+
+    global _READ_ONLY_SEEN
+    if array.flags.writeable or (_READ_ONLY_SEEN and not torch.is_warn_always_enabled()):
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        tensor = torch.from_numpy(array)
+    if not array.flags.writeable:
+        _READ_ONLY_SEEN = True
+    return tensor
 
 
 def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
@@ -357,27 +426,28 @@ def column_value(column: Any, image: Callable[[Any], Any] | None = None) -> Any:
         return values
     if column.null_count == 0:
         if pa.types.is_integer(t) or pa.types.is_floating(t):
-            return torch.from_numpy(column.to_numpy(zero_copy_only=True))
+            return tensor_of(column.to_numpy(zero_copy_only=True))
         if pa.types.is_boolean(t):
-            return torch.from_numpy(column.to_numpy(zero_copy_only=False))
+            return tensor_of(column.to_numpy(zero_copy_only=False))
         if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
             values = column.flatten()
             if values.null_count == 0:
-                return torch.from_numpy(values.to_numpy(zero_copy_only=True).reshape(len(column), t.list_size))
+                return tensor_of(values.to_numpy(zero_copy_only=True).reshape(len(column), t.list_size))
     return column.to_pylist()
 
 
 def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Batch:
     """A batch's rows as a Batch of columns: numbers as tensors sharing the gathered memory, the
-    rest by ``column_value``; a mix's batch also says ``__source__`` per row. Tensors of
-    consecutive rows share Arrow's read-only memory (torch's warning about that is silenced for
-    this module: writing to them is the user's error either way)."""
+    rest by ``column_value``; a mix's batch also says ``__source__`` per row, a pad-mode batch
+    ``__valid__`` (a bool tensor, False for the plan's repeats, as per-row batches carry it).
+    Tensors of consecutive rows are read-only views of Arrow's memory (``tensor_of``: torch's
+    warning about that never reaches the user; a batch is read, or copied before writing)."""
     import torch
 
     out = Batch()
     for name, column in zip(rows.schema.names, rows.columns):
         if isinstance(column, np.ndarray):
-            out[name] = torch.from_numpy(column)
+            out[name] = tensor_of(column)
             continue
         try:
             out[name] = column_value(column, images.get(name))
@@ -389,4 +459,6 @@ def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Ba
             raise SampleError("?", "?", f"cannot decode image column {name!r}: {type(exc).__name__}: {exc}") from exc
     if rows.sources is not None:
         out["__source__"] = rows.sources
+    if rows.valid is not None:
+        out["__valid__"] = torch.from_numpy(rows.valid)  # (a fresh, writable array)
     return out

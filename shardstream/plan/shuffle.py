@@ -16,7 +16,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -86,11 +88,72 @@ class BufferShuffler(Generic[T]):
         self.grow = grow
         return taken
 
+    def push_array(self, items: np.ndarray) -> np.ndarray:
+        """``push`` for row refs (an int64 array in, the outputs as one out): the same outputs, the
+        same buffer and the same RNG state after, as ``push`` over ``items.tolist()``. Until the
+        buffer is full the items go through ``push``; from there on every item's draw comes from
+        one numpy MT19937 run on the Python RNG's state (``random.random()`` and numpy's
+        ``Generator.random()`` make a double from the same two 32-bit outputs), and the
+        swaps are resolved at once (``_full_step``): ~10x less CPU per row than the loop."""
+        out: list[Any] = []
+        size, pos, n = self.buffer_size, 0, len(items)
+        while pos < n and len(self.buffer) < size - 1:
+            step = size - 1 - len(self.buffer)  # no item of these can find the buffer full
+            self.push(items[pos : pos + step].tolist(), out)
+            pos = min(n, pos + step)
+        if pos == n:
+            return np.asarray(out, dtype=np.int64)
+        rest = items[pos:]
+        buf = self.buffer if isinstance(self.buffer, np.ndarray) else np.asarray(self.buffer, dtype=np.int64)
+        slots = (draw_uniform(self.rng, len(rest)) * size).astype(np.int64)  # int(rand() * n), as push draws
+        full = _full_step(buf, rest, slots, size - 1)
+        self.buffer = buf  # type: ignore[assignment]  # a full buffer of refs stays an array
+        return np.concatenate([np.asarray(out, dtype=np.int64), full]) if out else full
+
     def drain(self) -> list[T]:
         """The end of the input: what is left, in a random order."""
         buf, self.buffer = self.buffer, []
+        if isinstance(buf, np.ndarray):
+            buf = buf.tolist()
         self.rng.shuffle(buf)
         return buf
+
+
+def draw_uniform(rng: random.Random, count: int) -> np.ndarray:
+    """The next ``count`` values of ``rng.random()`` as one array, and ``rng`` advanced past them
+    (numpy's MT19937 started from the Python generator's state, and its state handed back)."""
+    version, internal, gauss = rng.getstate()
+    bits = np.random.MT19937()
+    bits.state = {"bit_generator": "MT19937", "state": {"key": np.array(internal[:624], dtype=np.uint32), "pos": internal[624]}}
+    values = np.random.Generator(bits).random(count)
+    state = bits.state["state"]
+    rng.setstate((version, (*state["key"].tolist(), int(state["pos"])), gauss))
+    return values
+
+
+def _full_step(buf: np.ndarray, items: np.ndarray, slots: np.ndarray, last: int) -> np.ndarray:
+    """The full buffer's loop over ``items`` at once: item j draws slot ``slots[j]``; slot ``last``
+    hands the item itself out, any other hands out what the slot holds (what it held before, or
+    the latest item drawn into it) and keeps item j. ``buf`` ends as the loop leaves it."""
+    out = items.copy()
+    moved = np.flatnonzero(slots != last)
+    if len(moved):
+        keys = slots[moved]
+        if last <= np.iinfo(np.uint16).max:
+            keys = keys.astype(np.uint16)  # numpy's stable sort of 16-bit keys is a radix sort
+        by_slot = moved[np.argsort(keys, kind="stable")]  # grouped by slot, in item order within
+        s = slots[by_slot]
+        first = np.ones(len(s), dtype=bool)
+        first[1:] = s[1:] != s[:-1]
+        got = np.empty(len(s), dtype=np.int64)
+        got[first] = buf[s[first]]  # a slot's first draw: what it held
+        later = np.flatnonzero(~first)
+        got[later] = items[by_slot[later - 1]]  # later ones: the item drawn into it before
+        out[by_slot] = got
+        final = np.ones(len(s), dtype=bool)
+        final[:-1] = first[1:]
+        buf[s[final]] = items[by_slot[final]]
+    return out
 
 
 @dataclass

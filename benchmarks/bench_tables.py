@@ -1,0 +1,371 @@
+"""Parquet tables into torch batches: shardstream's columnar path against pyarrow's own reader (the
+floor) and the peers, each in a venv of its own, interleaved, medians of CPU-time rates.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_tables.py [--rows 10000000] [--files 8]
+        [--group 131072] [--batch 256,4096] [--workers 0,2] [--repeats 3] [--where local,s3]
+        [--latency 0.03] [--max-seconds 20] [--only floor,shardstream,...]
+
+Contenders (a fresh process each pass, in the venv named by ``--NAME-python``):
+
+- ``floor``: ``pyarrow.parquet.ParquetFile(f).iter_batches(batch_size, columns)``, each column
+  ``torch.from_numpy``: no shuffle, no plan, nothing else (workers: files dealt round-robin);
+- ``shardstream`` / ``shardstream-shuffled``: ``ShardStream(Table(files, columns=...),
+  batch_size, shuffle=False | Shuffle(10000))``, columnar batches, through ``make_loader``;
+- ``polars``: a DataModule's way, ``pl.scan_parquet(files).slice(offset, B).collect()`` per batch,
+  then ``torch.from_numpy`` per column (workers: batches dealt round-robin);
+- ``litdata``: ``index_parquet_dataset`` once, then ``StreamingDataset(item_loader=ParquetLoader())``
+  and ``StreamingDataLoader`` (spawned workers);
+- ``datasets``: ``load_dataset("parquet", data_files=..., streaming=True).with_format("torch")``
+  under torch's ``DataLoader``.
+
+Peers' venvs (torch 2.13.0 CPU shared from the project's venv through a ``.pth`` file, so no other
+torch is installed; each peer's own pyarrow/numpy come first):
+
+    python -m venv /tmp/tb-venv-polars && echo $SITE > /tmp/tb-venv-polars/lib/python3.11/site-packages/zz_torch.pth
+    /tmp/tb-venv-polars/bin/pip install polars==2.1.0     # and litdata==0.2.76, datasets==5.2.0 alike
+
+The table: ``--rows`` rows of 7 float32 columns and one int64 in ``--files`` files of row groups of
+``--group`` rows, in /dev/shm (warm page cache: the figures are the loaders' CPU, not a disk's).
+``--where s3`` serves the same files from a moto server behind ``latency_proxy.py`` (``--latency``
+seconds before each request). Every pass reads 8 columns, or 2 for the projected read check.
+
+Rates are rows per CPU second (this process and its workers): the machine these run on is shared
+and loaded, where wall time measures the neighbours. A pass stops after ``--max-seconds`` of wall
+time (a slow peer's rate is then over the rows it delivered). The report prints one line per
+contender and setting with the median, the ratio to the floor, and for shardstream its
+``stats()`` bytes against the projected columns' chunk bytes (from the footers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+COLUMNS = [f"f{i}" for i in range(7)] + ["label"]
+SHUFFLE = 10_000
+CONTENDERS = ("floor", "shardstream", "shardstream-shuffled", "polars", "litdata", "datasets")
+
+
+def cpu_seconds() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+
+def make_table(root: str, rows: int, files: int, group: int) -> list[str]:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(root, exist_ok=True)
+    paths, per = [], -(-rows // files)
+    for f in range(files):
+        first, n = f * per, min(per, rows - f * per)
+        rng = np.random.default_rng(f)
+        table = pa.table({**{c: rng.random(n, dtype=np.float32) for c in COLUMNS[:7]}, "label": np.arange(first, first + n, dtype=np.int64)})
+        path = os.path.join(root, f"part-{f:03d}.parquet")
+        pq.write_table(table, path, row_group_size=group)
+        paths.append(path)
+    return paths
+
+
+def projected_bytes(paths: list[str], columns: list[str]) -> int:
+    """The projected columns' chunk bytes, from the footers: what a projected read must not exceed
+    (plus each footer once)."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                if chunk.path_in_schema in columns:
+                    total += chunk.total_compressed_size
+    return total
+
+
+# -- one pass, in the contender's venv ------------------------------------------------------------
+
+
+def storage(args) -> dict:
+    return {"endpoint_url": args.endpoint} if args.endpoint else {}
+
+
+def urls(args) -> list[str]:
+    return json.loads(args.urls)
+
+
+def floor_batches(args, columns):
+    import pyarrow.parquet as pq
+    import torch
+
+    class Floor(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            mine = urls(args)[info.id :: info.num_workers] if info else urls(args)
+            fs = None
+            if args.endpoint:
+                import s3fs
+
+                fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": args.endpoint})
+            for url in mine:
+                with fs.open(url, "rb", block_size=8 << 20) if fs else open(url, "rb") as f:
+                    for batch in pq.ParquetFile(f).iter_batches(batch_size=args.batch, columns=columns):
+                        yield {c: torch.from_numpy(batch.column(c).to_numpy()) for c in columns}
+
+    return torch.utils.data.DataLoader(Floor(), batch_size=None, num_workers=args.workers)
+
+
+def shardstream_batches(args, columns, shuffled: bool):
+    sys.path.insert(0, REPO)
+    from shardstream import ShardStream, Shuffle, Store, Table, World, make_loader
+
+    store = Store(options=storage(args)) if args.endpoint else Store()
+    ds = ShardStream(
+        Table(urls(args), columns=columns),
+        batch_size=args.batch,
+        shuffle=Shuffle(SHUFFLE) if shuffled else False,
+        world=World(0, 1),
+        store=store,
+    )
+    assert ds.columnar
+    if args.workers == 0:
+        return ds, ds
+    return make_loader(ds, num_workers=args.workers, pin_memory=False, log_interval=None), ds
+
+
+def polars_batches(args, columns):
+    import polars as pl
+    import torch
+
+    options = {"aws_endpoint_url": args.endpoint, "aws_allow_http": "true", "aws_region": "us-east-1"} if args.endpoint else None
+    files = urls(args)
+    total = pl.scan_parquet(files, storage_options=options).select(pl.len()).collect().item()
+
+    class Slices(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            k, n = (info.id, info.num_workers) if info else (0, 1)
+            lazy = pl.scan_parquet(files, storage_options=options).select(columns)
+            for offset in range(k * args.batch, total, n * args.batch):
+                frame = lazy.slice(offset, args.batch).collect()
+                yield {c: torch.from_numpy(frame[c].to_numpy()) for c in columns}
+
+    return torch.utils.data.DataLoader(Slices(), batch_size=None, num_workers=args.workers)
+
+
+def litdata_batches(args, columns):
+    from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming.item_loader import ParquetLoader
+
+    ds = StreamingDataset(args.litdata_dir, item_loader=ParquetLoader(), shuffle=False)
+    kw = {"multiprocessing_context": "spawn"} if args.workers else {}
+    return StreamingDataLoader(ds, batch_size=args.batch, num_workers=args.workers, **kw)
+
+
+def datasets_batches(args, columns):
+    import torch
+    from datasets import load_dataset
+
+    kw = {"storage_options": {"client_kwargs": {"endpoint_url": args.endpoint}}} if args.endpoint else {}
+    ds = load_dataset("parquet", data_files=urls(args), streaming=True, split="train", columns=columns, **kw)
+    return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=args.batch, num_workers=args.workers)
+
+
+def one_pass(args) -> dict:
+    import torch.utils.data  # noqa: F401  (imports before the clock, for every contender alike)
+
+    columns = COLUMNS[: args.columns]
+    name = args.name
+    t, c = time.perf_counter(), cpu_seconds()
+    ds = None
+    if name == "floor":
+        loader = floor_batches(args, columns)
+    elif name.startswith("shardstream"):
+        loader, ds = shardstream_batches(args, columns, name.endswith("shuffled"))
+    elif name == "polars":
+        loader = polars_batches(args, columns)
+    elif name == "litdata":
+        loader = litdata_batches(args, columns)
+    elif name == "datasets":
+        loader = datasets_batches(args, columns)
+    else:
+        raise SystemExit(f"no contender {name}")
+    rows, first, deadline = 0, None, t + args.max_seconds
+    key = columns[0]
+    it = iter(loader)
+    for batch in it:
+        if first is None:
+            first = time.perf_counter() - t
+        rows += len(batch[key])
+        if time.perf_counter() > deadline:
+            break
+    del it  # workers stop (and are reaped, their CPU counted) before the clock stops
+    wall, cpu = time.perf_counter() - t, cpu_seconds() - c
+    out = {"rows": rows, "wall": wall, "cpu": cpu, "first": first or 0.0}
+    if ds is not None and args.workers == 0:
+        stats = ds.stats()
+        out["bytes_read"], out["requests"] = stats.get("bytes_read", 0), stats.get("requests", 0)
+    return out
+
+
+def version(name: str) -> str:
+    import importlib.metadata as md
+
+    if name.startswith("shardstream"):
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    package = {"floor": "pyarrow", "polars": "polars", "litdata": "litdata", "datasets": "datasets"}[name]
+    return f"{package} {md.version(package)}, pyarrow {md.version('pyarrow')}, torch {md.version('torch')}"
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def run(python: str, *args: str, env: dict | None = None, timeout: float = 900) -> str:
+    done = subprocess.run([python, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{python} {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--group", type=int, default=131_072)
+    parser.add_argument("--batch", default="256,4096")
+    parser.add_argument("--workers", default="0,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--where", default="local")
+    parser.add_argument("--latency", type=float, default=0.03)
+    parser.add_argument("--max-seconds", type=float, default=20.0)
+    parser.add_argument("--only", default=",".join(CONTENDERS))
+    parser.add_argument("--data", default="/dev/shm/bench-tables")
+    for peer in ("polars", "litdata", "datasets"):
+        parser.add_argument(f"--{peer}-python", default=f"/tmp/tb-venv-{peer}/bin/python")
+    # internal: one pass (or an index) in the venv the driver chose
+    parser.add_argument("--pass", dest="name")
+    parser.add_argument("--index-litdata")
+    parser.add_argument("--urls")
+    parser.add_argument("--endpoint")
+    parser.add_argument("--columns", type=int, default=8)
+    parser.add_argument("--litdata-dir")
+    parser.add_argument("--version")
+    args = parser.parse_args()
+    if args.version:
+        print(version(args.version))
+        return
+    if args.index_litdata:
+        from litdata import index_parquet_dataset
+
+        index_parquet_dataset(args.index_litdata)
+        print("indexed")
+        return
+    if args.name:
+        args.batch, args.workers = int(args.batch), int(args.workers)
+        print(json.dumps(one_pass(args)))
+        return
+
+    rows_tag = f"{args.rows}-{args.files}-{args.group}"
+    root = os.path.join(args.data, rows_tag)
+    if not os.path.exists(os.path.join(root, "done")):
+        make_table(root, args.rows, args.files, args.group)
+        open(os.path.join(root, "done"), "w").close()
+    paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".parquet"))
+    names = [n for n in args.only.split(",") if n]
+    pythons = {n: getattr(args, f"{n}_python", sys.executable) for n in names}
+    if "litdata" in names:  # litdata's index.json in a copy of its own (a folder with index.json is a shardstream manifest)
+        lit = os.path.join(args.data, rows_tag + "-litdata")
+        if not os.path.exists(os.path.join(lit, "index.json")):
+            os.makedirs(lit, exist_ok=True)
+            for p in paths:
+                target = os.path.join(lit, os.path.basename(p))
+                if not os.path.exists(target):
+                    os.link(p, target)
+            run(pythons["litdata"], "--index-litdata", lit)
+    print(f"# {args.rows} rows x 8 columns in {len(paths)} files, row groups of {args.group}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(unset)')}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for n in names:
+        print(f"# {n}: {run(pythons[n], '--version', n)}")
+    projected = {8: projected_bytes(paths, COLUMNS), 2: projected_bytes(paths, COLUMNS[:2])}
+
+    servers = []
+    try:
+        places: list[tuple[str, list[str], str | None]] = []
+        for where in args.where.split(","):
+            if where == "local":
+                places.append(("local", paths, None))
+            elif where == "s3":
+                sys.path.insert(0, HERE)
+                import boto3
+                from common import start_moto, stop  # type: ignore[import-not-found]
+                from latency_proxy import start_proxy  # type: ignore[import-not-found]
+
+                proc, endpoint = start_moto()
+                servers.append(lambda proc=proc: stop(proc))
+                client = boto3.client("s3", endpoint_url=endpoint)
+                client.create_bucket(Bucket="bench")
+                for p in paths:
+                    client.upload_file(p, "bench", f"t/{os.path.basename(p)}")
+                proxy = start_proxy(endpoint, args.latency)
+                url, _ = proxy.__enter__()
+                servers.append(lambda proxy=proxy: proxy.__exit__(None, None, None))
+                places.append(("s3", [f"s3://bench/t/{os.path.basename(p)}" for p in paths], url))
+        results: dict[tuple, list[dict]] = {}
+        for where, files, endpoint in places:
+            for batch in args.batch.split(","):
+                for workers in args.workers.split(","):
+                    for _ in range(args.repeats):
+                        for n in names:  # interleaved: each repeat runs every contender once
+                            if where == "s3" and n == "litdata":
+                                continue  # (litdata's S3 Parquet needs its own index upload: left out)
+                            extra = ["--litdata-dir", os.path.join(args.data, rows_tag + "-litdata")] if n == "litdata" else []
+                            extra += ["--endpoint", endpoint] if endpoint else []
+                            try:
+                                flags = ["--urls", json.dumps(files), "--batch", batch, "--workers", workers, "--max-seconds", str(args.max_seconds)]
+                                got = json.loads(run(pythons[n], "--pass", n, *flags, *extra))
+                            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                                print(f"# {n} {where} batch {batch} workers {workers}: {str(exc).strip().splitlines()[-1]}", flush=True)
+                                continue
+                            results.setdefault((where, int(batch), int(workers), n), []).append(got)
+                # the projected read: 2 of 8 columns, shardstream alone, bytes against the chunks'
+                if "shardstream" in names and workers == args.workers.split(",")[0]:
+                    extra = ["--endpoint", endpoint] if endpoint else []
+                    flags = ["--urls", json.dumps(files), "--batch", batch, "--workers", "0", "--columns", "2", "--max-seconds", "600"]
+                    got = json.loads(run(sys.executable, "--pass", "shardstream", *flags, *extra))
+                    print(
+                        f"# projected read ({where}, batch {batch}): 2 of 8 columns, bytes_read {got['bytes_read']:,} "
+                        f"for {projected[2]:,} chunk bytes (+{got['bytes_read'] - projected[2]:,} footers; "
+                        f"all 8 columns: {projected[8]:,}), {got['requests']} requests",
+                        flush=True,
+                    )
+        head = f"{'where':6} {'batch':>5} {'workers':>7} {'contender':22} {'M rows/CPU-s':>12} {'x floor':>7} {'M rows/s wall':>13}"
+        print(f"{head} {'rows':>10}  runs (M rows/CPU-s)")
+        for (where, batch, workers, n), runs in sorted(results.items()):
+            rate = statistics.median(r["rows"] / r["cpu"] for r in runs) / 1e6
+            wall = statistics.median(r["rows"] / r["wall"] for r in runs) / 1e6
+            floor = results.get((where, batch, workers, "floor"))
+            ratio = rate / (statistics.median(r["rows"] / r["cpu"] for r in floor) / 1e6) if floor else float("nan")
+            each = ", ".join(f"{r['rows'] / r['cpu'] / 1e6:.2f}" for r in runs)
+            rows = statistics.median(r["rows"] for r in runs)
+            print(f"{where:6} {batch:5d} {workers:7d} {n:22} {rate:12.2f} {ratio:7.2f} {wall:13.2f} {rows:10.0f}  {each}")
+    finally:
+        for close in reversed(servers):
+            close()
+
+
+if __name__ == "__main__":
+    main()
