@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 
 import pytest
 import torch
@@ -67,9 +66,14 @@ def test_collate_batches_nested_structures_like_torch():
     assert json_field == [{"i": 1}, {"i": 2}]  # decoded JSON objects stay per sample
 
 
+def x_y(sample):
+    """(model input, label): module level, so it pickles for forkserver workers."""
+    return torch.tensor([sample["cls"]] * 3), sample["cls"]
+
+
 def test_tuples_for_model_x_y_through_real_workers(tmp_path):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
-    ds = ShardStream(root, batch_size=4, transform=lambda s: (torch.tensor([s["cls"]] * 3), s["cls"]), world=World(0, 1))
+    ds = ShardStream(root, batch_size=4, transform=x_y, world=World(0, 1))
     batches = list(make_loader(ds, num_workers=2))
     assert len(batches) == 10
     for x, y in batches:
@@ -130,12 +134,11 @@ def test_plain_dataloader_with_batch_size_none(tmp_path):
     assert sorted(keys_of(batches)) == sorted(f"s{i:06d}" for i in range(40))
 
 
-def test_the_jsonl_captions_example_trains(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    try:
-        import train_jsonl_captions
-    finally:
-        sys.path.pop(0)
+def test_the_jsonl_captions_example_trains(tmp_path, monkeypatch):
+    # on the path while it runs: its forkserver workers import the example's transform by name
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import train_jsonl_captions
+
     result = train_jsonl_captions.main([str(tmp_path / "out"), "--synthetic", "120", "--epochs", "2", "--batch-size", "8", "--workers", "2"])
     assert result["filtered"] == 2 * 12  # every 10th pair has no caption, in each of 2 epochs
     assert result["batches"] == 120 // 8 and result["losses"][1] < result["losses"][0]
