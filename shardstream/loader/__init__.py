@@ -512,7 +512,7 @@ def make_loader(
 
     ``start_method`` says how workers start, one way for the whole process: ``"auto"`` (the
     default) is ``"forkserver"`` unless the environment variable ``SHARDSTREAM_START_METHOD`` names
-    another, and the first loader of a process fixes it for every later "auto" one (see
+    another, and the first "auto" loader of a process fixes it for every later one (see
     ``shardstream.loader.workers``: ``fork()`` copies one thread of a process that has many, and
     can deadlock the child). ``"fork"``, ``"forkserver"`` or ``"spawn"`` ask for one (so does
     DataLoader's ``multiprocessing_context``). Workers that are not forked receive the dataset

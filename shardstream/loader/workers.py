@@ -9,7 +9,8 @@ guessing: workers start from ``forkserver`` (what Python 3.14 chooses by default
 single-threaded server process started once (fork+exec) that forks each worker, which receives
 the dataset pickled (a few KB). ``fork`` and ``spawn`` are there when asked for, by
 ``make_loader(start_method=...)`` or ``SHARDSTREAM_START_METHOD``; the first loader of a process
-fixes the method for every later one that does not ask, so a run never changes method mid-way.
+that does not ask fixes the method for every later one, and a loader keeps its method for all its
+passes, so a run never changes method mid-way.
 With persistent workers (make_loader's default) workers start once, not every epoch.
 
 Life. Each worker reports its steps on the rank's board (stats.py). The loader bounds every wait
@@ -60,17 +61,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 ENV_START_METHOD = "SHARDSTREAM_START_METHOD"  # read by make_loader when start_method="auto"
-_process_method: str | None = None  # the start method of this process's loaders, fixed by the first one
+_process_method: str | None = None  # what "auto" means in this process, fixed by its first "auto" loader
 
 
 def resolve_start_method(start_method: str) -> tuple[str, str]:
     """(the start method, why) for ``make_loader``'s ``start_method``, decided once per process.
 
     ``"auto"`` (the default) is ``forkserver`` (what Python 3.14 chooses by default on Linux),
-    unless ``SHARDSTREAM_START_METHOD`` names another; whatever the first loader of the process
-    settles on (by "auto" or by asking) is the method of every later "auto" loader, so a run never
-    changes method between passes or loaders. A later loader that asks for another method gets
-    it, with a warning: one process then starts workers two ways."""
+    unless ``SHARDSTREAM_START_METHOD`` names another (read once, by the first "auto" loader of the
+    process): every later "auto" loader gets the same, so a run never changes method between
+    passes or loaders. A loader that asks for a method gets it; one asking for another than the
+    process's "auto" loaders chose is warned that one process then starts workers two ways."""
     global _process_method
     if start_method not in START_METHODS:
         raise ConfigError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
@@ -96,7 +97,7 @@ def resolve_start_method(start_method: str) -> tuple[str, str]:
             return method, why
     if method == "fork" and not hasattr(os, "fork"):
         raise ConfigError("start_method='fork': this platform has no fork()")
-    if _process_method is None:
+    if start_method == "auto":
         _process_method = method
     return method, why
 
