@@ -7,6 +7,11 @@ webdataset, each in a venv of its own, and against the floor, interleaved, media
 
 ``--baseline``: another checkout of shardstream (main before a change, say) runs as one more
 contender in this venv; ``--keep`` keeps the data in ``--workdir`` for the next run.
+``--writer shardstream,webdataset``: who writes the tar shards (default shardstream's
+``ShardWriter``); ``webdataset`` writes them with webdataset's ``TarWriter`` (in the webdataset
+venv: a pax header with a float mtime before every member) and indexes them in place with
+``shardstream index``, as docs/from-webdataset.md says. With several writers, shardstream (and
+the baseline) run once per writer's shards, interleaved; webdataset reads the first writer's.
 
 Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 is the CPU wheel):
 
@@ -83,6 +88,22 @@ def make_tars(root: str, n: int) -> None:
     with ShardWriter(root, max_count=SHARD_SAMPLES, overwrite=True) as w:
         for key, payload, label in samples(n):
             w.write_encoded(key, {"bin": payload, "json": label})
+
+
+def make_wds_tars(root: str, n: int) -> None:
+    """The same samples written by webdataset's TarWriter, shards of SHARD_SAMPLES."""
+    import webdataset as wds
+
+    os.makedirs(root, exist_ok=True)
+    writer = None
+    for i, (key, payload, label) in enumerate(samples(n)):
+        if i % SHARD_SAMPLES == 0:
+            if writer is not None:
+                writer.close()
+            writer = wds.TarWriter(os.path.join(root, f"shard-{i // SHARD_SAMPLES:06d}.tar"))
+        writer.write({"__key__": key, "bin": payload, "json": label})
+    if writer is not None:
+        writer.close()
 
 
 def _litdata_items(span: tuple[int, int]):
@@ -205,13 +226,19 @@ def run(python: str, *args: str) -> str:
     return lines[-1] if lines else ""
 
 
-def build(data: str, n: int, pythons: dict[str, str]) -> None:
+def build(data: str, n: int, pythons: dict[str, str], writer: str = "shardstream") -> None:
     stamp = os.path.join(data, f"built-{n}")
     if os.path.exists(stamp):
         return
     shutil.rmtree(data, ignore_errors=True)
     os.makedirs(data)
-    digests = {"tars": run(pythons["shardstream"], "--make", "tars", "--data", data, "--samples", str(n))}
+    if writer == "webdataset":
+        digests = {"tars": run(pythons["webdataset"], "--make", "wdstars", "--data", data, "--samples", str(n))}
+        tars = os.path.join(data, "tars")
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(REPO)}
+        subprocess.run([pythons["shardstream"], "-m", "shardstream", "index", tars, tars], check=True, capture_output=True, env=env)
+    else:
+        digests = {"tars": run(pythons["shardstream"], "--make", "tars", "--data", data, "--samples", str(n))}
     if "litdata" in pythons:
         digests["litdata"] = run(pythons["litdata"], "--make", "litdata", "--data", data, "--samples", str(n))
     if len(set(digests.values())) != 1:
@@ -229,6 +256,7 @@ def main() -> None:
     parser.add_argument("--litdata-python", default="/tmp/venv-litdata/bin/python")
     parser.add_argument("--webdataset-python", default="/tmp/venv-wds/bin/python")
     parser.add_argument("--only", default="floor,shardstream,litdata,webdataset")
+    parser.add_argument("--writer", default="shardstream", help="who writes the tar shards: shardstream, webdataset, or both (comma-separated)")
     parser.add_argument(
         "--baseline", help="another checkout of shardstream (say, main before a change), run as one more contender, 'baseline', in this venv"
     )
@@ -244,7 +272,8 @@ def main() -> None:
         REPO = args.repo
 
     if args.make:
-        (make_tars if args.make == "tars" else make_litdata)(os.path.join(args.data, args.make), args.samples)
+        maker = {"tars": make_tars, "wdstars": make_wds_tars, "litdata": make_litdata}[args.make]
+        maker(os.path.join(args.data, "tars" if args.make == "wdstars" else args.make), args.samples)
         print(digest(args.samples))
         return
     if args.version:
@@ -268,20 +297,34 @@ def main() -> None:
         pythons["baseline"] = sys.executable
         repos["baseline"] = ["--repo", os.path.abspath(args.baseline)]
     versions = {name: run(pythons[name], "--version", "shardstream" if name == "baseline" else name, *repos.get(name, [])) for name in names}
-    build(args.workdir, args.samples, {k: v for k, v in pythons.items() if k in ("shardstream", "litdata")})
+    writers = args.writer.split(",")
+    if "webdataset" in writers and "webdataset" not in pythons:
+        if not os.path.exists(args.webdataset_python):
+            raise SystemExit(f"{args.webdataset_python} not found: --writer webdataset writes with webdataset's TarWriter in that venv")
+        pythons["webdataset"] = args.webdataset_python
+    for i, writer in enumerate(writers):
+        builders = ("shardstream", "webdataset") + (("litdata",) if i == 0 else ())
+        build(
+            os.path.join(args.workdir, writer),
+            args.samples,
+            {k: v for k, v in pythons.items() if k in builders and k in names + ["shardstream", "webdataset"]},
+            writer,
+        )
+    # Contenders: shardstream (and the baseline) once per writer's shards, the others on the first writer's.
+    contenders = [(name, w) for name in names for w in (writers if name in ("shardstream", "baseline") else writers[:1])]
     try:
         rows = []
         for workers in [int(w) for w in args.workers.split(",")]:
-            results: dict[str, list[dict[str, float]]] = {name: [] for name in names if not (name == "floor" and workers)}
+            results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in contenders if not (c[0] == "floor" and workers)}
             for _ in range(args.repeats):
-                for name in results:  # interleaved
+                for name, writer in results:  # interleaved
                     result = json.loads(
                         run(
                             pythons[name],
                             "--run",
                             name,
                             "--data",
-                            args.workdir,
+                            os.path.join(args.workdir, writer),
                             "--workers",
                             str(workers),
                             "--samples",
@@ -291,26 +334,31 @@ def main() -> None:
                     )
                     if not args.samples - max(1, workers) * BATCH < result["samples"] <= args.samples:  # (partial batches dropped or not)
                         raise SystemExit(f"{name} delivered {result['samples']} samples")
-                    results[name].append(result)
-            for name, runs in results.items():
+                    results[name, writer].append(result)
+            for (name, writer), runs in results.items():
                 rows.append(
                     (
                         workers,
                         name,
+                        writer,
                         statistics.median(r["samples"] / r["wall"] for r in runs),
                         statistics.median(r["cpu"] / r["samples"] * 1e6 for r in runs),
                         statistics.median(r["first"] for r in runs),
                         [r["samples"] / r["wall"] for r in runs],
                     )
                 )
-        floor = next(rate for w, name, rate, *_ in rows if name == "floor") if "floor" in names else None
+        floor = next(rate for w, name, _, rate, *_ in rows if name == "floor") if "floor" in names else None
         print("| num_workers | loader | samples/s | shardstream / it | of floor | CPU us/sample | first batch s | all runs (samples/s) |")
         print("|---|---|---|---|---|---|---|---|")
-        for workers, name, rate, cpu, first, each in rows:
-            ours = next((r for w, n, r, *_ in rows if w == workers and n == "shardstream"), None)
+        for workers, name, writer, rate, cpu, first, each in rows:
+            # shardstream on the same writer's shards, else on the first writer's
+            ours = next((r for w, n, wr, r, *_ in rows if w == workers and n == "shardstream" and wr == writer), None)
+            ours = ours or next((r for w, n, wr, r, *_ in rows if w == workers and n == "shardstream"), None)
             label = f"{name} {versions[name]}".strip() if name != "floor" else "floor (in-memory list)"
             if name == "baseline":
                 label = f"shardstream {versions[name]} (--baseline)"
+            if name in ("shardstream", "baseline") and writers != ["shardstream"]:
+                label += f", {writer}-written shards"
             vs = f"{ours / rate:.2f}x" if ours else ""
             of_floor = f"{rate / floor:.2f}" if floor else ""
             print(

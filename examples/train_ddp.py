@@ -148,12 +148,10 @@ def main() -> None:
                 save_checkpoint(path, model, optimizer, batches_in.state_dict(), rank)
             tick = time.perf_counter()
         elapsed = time.perf_counter() - started
-        # counts/gathered stay referenced until main() returns, after destroy_process_group: with
-        # gloo, a worker thread that drops the last reference to a collective's Python tensors
-        # while the interpreter exits aborts the process (torch 2.13).
         counts = torch.tensor([batches], dtype=torch.int64, device=device)  # nccl gathers device tensors only
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
+        let_go(counts, *gathered)
         say(
             f"[rank {rank}] epoch {epoch}: {batches} batches, {samples} samples, {samples / elapsed:.0f} samples/s, "
             f"waited {wait:.2f}s for data ({100 * wait / elapsed:.0f}%), loss {float(loss_sum) / max(batches, 1):.3f}, "
@@ -163,6 +161,22 @@ def main() -> None:
             per_rank = [int(g) for g in gathered]
             say(f"epoch {epoch}: batches per rank {per_rank} ({'equal' if len(set(per_rank)) == 1 else 'UNEQUAL'})")
     dist.destroy_process_group()
+
+
+def let_go(*tensors: torch.Tensor, timeout: float = 10.0) -> None:
+    """Wait until the backend's threads hold none of ``tensors`` (used by a collective that returned).
+
+    gloo's worker thread drops its references to a collective's tensors a moment after ``wait()``
+    returns, and dropping one takes the GIL (torch keeps a tensor's Python object alive while C++
+    holds it). If that moment falls after the interpreter began to exit, CPython ends the thread
+    with pthread_exit, and its unwinding through a C++ destructor aborts the rank: "terminate called
+    without an active exception" (1 demo run in 25; gdb: pt_gloo_runloop in ~AsyncAllgatherWork ->
+    decref_pyobject -> take_gil -> PyThread_exit_thread). A use count back to 1 (this Python
+    reference alone) means no thread will touch them again. ``Tensor._use_count`` is private: torch
+    has no public way to ask."""
+    deadline = time.monotonic() + timeout
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def say(line: str) -> None:

@@ -47,6 +47,14 @@ class CaptionTransform:
         self.size = size
         self.rng = torch.Generator()
 
+    def __getstate__(self) -> dict:
+        # what a worker started from forkserver or spawn receives: a pickled torch.Generator fails
+        # to load there ("unable to resize file", torch 2.13), and bind() seeds the worker's own
+        return {"size": self.size}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
     def bind(self, epoch: int, rank: int, worker: int) -> None:
         self.rng.manual_seed(hash((epoch, rank, worker)) & 0xFFFFFFFF)
 

@@ -98,9 +98,9 @@ def new_shared(nbytes: int) -> Any:
     dear: 128 MiB took 104-114 ms to fill, against 16 ms once its pages are mapped. One
     ``madvise(MADV_POPULATE_WRITE)`` call maps them all for 52-61 ms (Linux 5.14 and later;
     elsewhere, or if it is refused, the pages fault in as before)."""
-    import torch
+    from shardstream.private import new_shared_storage
 
-    storage = torch.UntypedStorage._new_shared(nbytes)
+    storage = new_shared_storage(nbytes)
     populate(storage)
     return storage
 

@@ -25,11 +25,12 @@ from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
 from shardstream.format.parquet import Table, TableManifest, is_table_url
+from shardstream.format.scan import scan_shards
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.interleave import read_planned
-from shardstream.pipeline.read import RangeSource, read_ranges, read_scattered
+from shardstream.pipeline.read import PlannedReads, RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.epoch import EpochPlan, check_seed
@@ -41,8 +42,8 @@ from shardstream.policy import ErrorPolicy
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
+from shardstream.storage.readahead import Budget
 from shardstream.storage.requests import with_requests
-from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)
@@ -235,6 +236,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
+    def check_workers(self, num_workers: int) -> None:
+        """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot
+        work (some would have nothing to yield): what ``plan(num_workers=...)`` checks, without
+        planning the epoch's shard order."""
+        self._run.check_workers(num_workers)
+
     def pass_plan(self, num_workers: int | None = None) -> PassPlan:
         """How the next pass runs with ``num_workers`` workers per rank (default: those of the
         loader make_loader built, else as many as the last pass had): what every (rank, worker)
@@ -293,11 +300,43 @@ class ShardStream(torch.utils.data.IterableDataset):
         if self.columnar:
             yield from self._columnar(part, epoch, counters, policy, stats, cursor)
             return
-        sources = [self._range_source(i, counters, buffers) for i in range(len(self.sources.manifests))]
+        # One read-ahead budget for the worker (Read(readahead_bytes) is the whole worker's, not a
+        # source's), and per source one Prefetcher over its ranges of every window of the pass.
+        budget = Budget(max(self.readahead), counters) if max(self.readahead) > 0 else None
+        sources = [self._range_source(i, counters, buffers, budget) for i in range(len(self.sources.manifests))]
+        planned = [
+            PlannedReads(source, [r for window in part.windows for r in window.sources[i].ranges]) if isinstance(source, RangeSource) else None
+            for i, source in enumerate(sources)
+        ]
+        try:
+            yield from self._rows(part, epoch, worker, counters, policy, stats, cursor, buffers, sources, planned)
+        finally:
+            for reads in planned:
+                if reads is not None:
+                    reads.close()
+
+    def _rows(
+        self,
+        part: Any,
+        epoch: int,
+        worker: int,
+        counters: Any,
+        policy: ErrorPolicy,
+        stats: BatchStats,
+        cursor: Cursor,
+        buffers: BufferPool,
+        sources: list[Any],
+        planned: list[PlannedReads | None],
+    ) -> Any:
+        """A pass of per-sample batches: read (through ``planned``'s read-ahead), decode,
+        transform, batch."""
+        rank = self.world.rank
 
         def read(i: int, ranges: list[Any]) -> Any:
             source = sources[i]
-            return table_rows(source, ranges, policy=policy) if isinstance(source, TableSource) else read_ranges(source, ranges, policy=policy)
+            if isinstance(source, TableSource):
+                return table_rows(source, ranges, policy=policy)
+            return read_ranges(source, ranges, policy=policy, planned=planned[i])
 
         def read_back(i: int, ranges: list[Any]) -> Any:
             source = sources[i]
@@ -355,7 +394,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             cursor.taken = made
             yield batch
 
-    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None) -> RangeSource | TableSource:
+    def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None, budget: Budget | None = None) -> RangeSource | TableSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
         manifest = self.sources.manifests[i]
@@ -380,6 +419,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             keep_buffers=self.decoder.viewing_exts(),
             buffers=buffers,
             readahead_threads=self.read.readahead_threads,
+            budget=budget if self.readahead[i] > 0 else None,
         )
 
     # -- resume: torchdata's Stateful protocol ----------------------------------------------------

@@ -119,7 +119,9 @@ class ShardDataModule(pl.LightningDataModule):
                 self.stream(split)
 
     def _loader(self, split: str) -> ShardLoader:
-        return make_loader(self.stream(split), num_workers=self.num_workers, **self.loader_options)
+        # Lightning restores its own count of the batches done and stops at len(loader): a whole pass.
+        options = {"resumed_len": "whole", **self.loader_options}
+        return make_loader(self.stream(split), num_workers=self.num_workers, **options)
 
     def train_dataloader(self) -> ShardLoader:
         loader = self._loader("train")

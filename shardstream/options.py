@@ -154,8 +154,10 @@ class OnError:
 class Read:
     """How shard ranges are read.
 
-    ``read_size``: bytes per read (one ranged GET on S3). ``readahead_bytes``: a background thread
-    fetches up to this many bytes ahead of the parser, across ranges; ``None`` (the default) means
+    ``read_size``: bytes per read (one ranged GET on S3). ``readahead_bytes``: background threads
+    fetch up to this many bytes ahead of the parser, across ranges and a pass's windows, for the
+    whole worker (a mix's sources share it; plus the one block the parser waits on; a Parquet
+    table source has one of its own); ``None`` (the default) means
     64 MiB when any of the dataset's shards is on remote storage (an fsspec URL other than a local
     path or ``file://``) and 0 when all are on local disk, where the page cache already reads ahead. ``verify_stream``: hash every
     whole-shard range as it streams (no cache) and compare with the manifest's sha256. ``readahead_threads``:
@@ -190,7 +192,8 @@ class Cache:
     """Keep remote shards on local disk for later epochs (LRU, shared by a node's workers and ranks).
 
     ``dir``: where; ``limit``: bytes of local disk it may use (at least the largest shard; give it
-    room for several per worker); ``verify``: check each fill against the manifest's sha256.
+    room for several per worker); ``verify``: check each fill against the manifest's sha256, and each
+    hit against the CRC-32 recorded at its fill (a damaged copy is dropped and fetched again).
     """
 
     dir: str

@@ -36,12 +36,13 @@ from typing import Any
 from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
+from shardstream.format.scan import scan_shards
+from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
-from shardstream.plan.run import Sources
+from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.scan import scan_shards
 from shardstream.storage.urls import expand_urls, is_shard_pattern
 
 logger = logging.getLogger(__name__)
@@ -194,6 +195,26 @@ class Mix:
             per_batch=per_batch,
         )
 
+    def report(
+        self,
+        *,
+        world_size: int = 1,
+        num_workers: int = 1,
+        batch_size: int = 1,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        per_batch: str = "spread",
+        mode: str = "drop",
+        steps: int | None = None,
+        samples_per_epoch: int | None = None,
+    ) -> EpochPlan | MixPlan:
+        """Data epoch ``epoch``'s plan as ``ShardStream.plan()`` makes it: through the stream's own
+        planner (``plan.run.RunPlan``, the same ``mode``, run length and worker check), for the CLI
+        tools that plan without a stream (``shardstream ls``)."""
+        settings = RunSettings(seed, shuffle, mode, per_batch, world_size, batch_size, 0, 0, steps, samples_per_epoch)
+        return RunPlan(plan_sources(self), settings).report(epoch, num_workers)
+
 
 def is_mix_url(url: str) -> bool:
     """A mix file by its name: .yaml/.yml, or .json other than a manifest (confirmed by its content)."""
@@ -305,6 +326,8 @@ def open_mix(source: Any, storage_options: Mapping[str, Any] | None, resolve: An
         try:
             manifests.append(resolve(s.url, opts))
         except (ConfigError, ManifestError) as exc:
+            if isinstance(exc, StorageError):  # keep both classes (ManifestAccessDenied, ...) and the url
+                raise restated(exc, f"mix source {s.label!r}: {exc}", ManifestError if isinstance(exc, ManifestError) else ConfigError) from exc
             raise type(exc)(f"mix source {s.label!r}: {exc}") from exc
     names = [s.label for s in sources]
     if len(set(names)) != len(names):

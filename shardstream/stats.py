@@ -28,9 +28,13 @@ COUNTERS = (
     "cache_hits",  # shard ranges served from the local cache
     "cache_misses",  # shards downloaded into the cache
     "cache_bypass",  # reads that skipped a full cache (every cached shard in use)
+    "cache_corrupt",  # cached shards found damaged on a hit (dropped and fetched again)
     "shards_verified",  # whole shards hashed while streaming (verify_stream) and found intact
     "checksum_failures",  # shards whose bytes did not match the manifest's sha256
     "requests",  # storage requests for shard bytes (on S3 one GET per range, one more per resume)
+    "readahead_fetched",  # bytes the read-ahead fetched ahead of the parser
+    "readahead_wasted",  # of those, bytes dropped unparsed (ranges abandoned, a pass ended early)
+    "readahead_peak",  # the most bytes a worker's read-ahead held at once (summed over workers)
 )
 MAX_SLOTS = 256  # DataLoader workers per rank that get their own row
 

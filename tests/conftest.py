@@ -19,9 +19,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
 # -- waits that scale with the machine's load ----------------------------------------------------
 # A loaded machine is slower, not broken: every fixed wait in the tests (a rank's start, a child's
 # exit, a subprocess's run) and every test's own bound (pytest-timeout) is stretched by the load

@@ -3,7 +3,8 @@
 Forwards every request to the upstream server and, for GET requests only (uploads and listings
 stay clean), can: drop the connection after N bytes of a response body (``cut="fin"``: an orderly
 close; ``cut="rst"``: a TCP reset, once the client's kernel holds those bytes), answer 503 SlowDown to
-every k-th request, add latency before answering, cap bandwidth, and stall: accept the request and
+every k-th request or to a burst of the next N (``slowdown_burst``, settable at any time), add
+latency before answering, cap bandwidth, and stall: accept the request and
 then send nothing (``stall="accept"``) or send the status line and headers and then nothing of the
 body (``stall="headers"``), until the proxy shuts down. Counts what it did, and logs every request
 (method, path, Range header) in ``log``.
@@ -59,6 +60,7 @@ class FaultProxy:
         *,
         reset_after: int | None = None,
         slowdown_every: int = 0,
+        slowdown_burst: int = 0,
         latency: float = 0.0,
         bandwidth: float | None = None,
         faulty_methods=("GET",),
@@ -75,6 +77,7 @@ class FaultProxy:
         self.upstream = urlsplit(upstream)
         self.reset_after = reset_after
         self.slowdown_every = slowdown_every
+        self.slowdown_burst = slowdown_burst  # the next this many faulty requests are answered 503 SlowDown
         self.latency = latency
         self.bandwidth = bandwidth
         self.faulty_methods = set(faulty_methods)
@@ -101,7 +104,11 @@ class FaultProxy:
                 if faulty and proxy.stall == "accept":
                     self._stall()
                     return
-                if faulty and proxy.slowdown_every and n % proxy.slowdown_every == 0:
+                with proxy._lock:
+                    burst = faulty and proxy.slowdown_burst > 0
+                    if burst:
+                        proxy.slowdown_burst -= 1
+                if burst or (faulty and proxy.slowdown_every and n % proxy.slowdown_every == 0):
                     with proxy._lock:
                         proxy.counts["slowdowns"] += 1
                     self.send_response(503)

@@ -127,3 +127,120 @@ def test_limit_smaller_than_a_shard_is_a_clear_error(s3, tmp_path):
         ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(str(tmp_path / "cache"), 1000)))
     with pytest.raises(ConfigError, match="Cache.limit=.... is bytes of local disk"):
         Cache(str(tmp_path / "c"), 0)
+
+
+def _cached_tars(cache_dir):
+    return [os.path.join(cache_dir, n) for n in cache_files(cache_dir)[0]]
+
+
+def test_a_flipped_byte_in_a_cached_shard_is_never_served(s3, tmp_path, caplog):
+    """A bit flipped on disk after the fill (same size): the next epoch's hit checks the copy
+    against the checksum of its fill, drops it with a warning, counts it, fetches the shard again,
+    and every sample comes out as packed."""
+    import logging
+
+    bucket, options, _ = s3
+    samples = make_samples(60, size=2000, seed=5)
+    url = write_dataset(f"s3://{bucket}/flip", samples=samples, max_count=20, storage_options=options)
+    cache_dir = str(tmp_path / "cache")
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(cache_dir, 10**9)))
+    assert sum(len(b["__key__"]) for b in ds) == 60
+    tars = _cached_tars(cache_dir)
+    assert len(tars) == 3 and all(os.path.exists(t[: -len(".tar")] + ".crc32") for t in tars)
+    victim = tars[1]
+    with open(victim, "r+b") as f:  # a byte inside a sample's data (past the first header)
+        f.seek(700)
+        byte = f.read(1)
+        f.seek(700)
+        f.write(bytes([byte[0] ^ 0x10]))
+    before = ds.stats()
+    ds.set_epoch(1)
+    with caplog.at_level(logging.WARNING, logger="shardstream.storage.cache"):
+        got = {k: bytes(b) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])}
+    assert got == {s["__key__"]: s["bin"] for s in samples}  # every byte as packed
+    after = ds.stats()
+    assert after["cache_corrupt"] - before["cache_corrupt"] == 1
+    assert after["cache_misses"] - before["cache_misses"] == 1 and after["cache_hits"] - before["cache_hits"] == 2
+    assert any("does not match the CRC-32" in r.getMessage() and victim in r.getMessage() for r in caplog.records), caplog.text
+    with open(victim, "rb") as f:  # fetched again: intact
+        f.seek(700)
+        assert f.read(1) == byte
+
+
+def test_a_cached_shard_without_a_record_is_checked_once_against_the_manifest(s3, tmp_path):
+    """A copy with no CRC record (filled by an older version) is hashed against the manifest's
+    sha256 on its first hit and given a record: no refetch when it is intact, a refetch when not."""
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/legacy", 40, max_count=20, size=2000, storage_options=options)
+    cache_dir = str(tmp_path / "cache")
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(cache_dir, 10**9)))
+    assert sum(len(b["__key__"]) for b in ds) == 40
+    tars = _cached_tars(cache_dir)
+    for t in tars:
+        os.unlink(t[: -len(".tar")] + ".crc32")
+    with open(tars[0], "r+b") as f:  # and one of them is damaged too
+        f.seek(600)
+        b = f.read(1)
+        f.seek(600)
+        f.write(bytes([b[0] ^ 1]))
+    before = ds.stats()
+    ds.set_epoch(1)
+    assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(40))
+    after = ds.stats()
+    assert after["cache_corrupt"] - before["cache_corrupt"] == 1 and after["cache_misses"] - before["cache_misses"] == 1
+    assert all(os.path.exists(t[: -len(".tar")] + ".crc32") for t in tars)
+
+
+def test_an_unusable_cache_directory_is_a_config_error_naming_it(s3, tmp_path):
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/c", 20, size=2000, storage_options=options)
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("not a directory")
+    for where, why in ((in_the_way, "a file is in the way"), (in_the_way / "cache", "a file is in the way")):
+        with pytest.raises(ConfigError, match=rf"cache directory {where} cannot be used: {why}"):
+            ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(str(where), 10**9)))
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        # root writes through a directory's mode bits: /proc/self is one that refuses even root
+        where = str(read_only) if not os.access(read_only, os.W_OK) else "/proc/self"
+        with pytest.raises(ConfigError, match=rf"cache directory {where} cannot be used: .*(permission|read-only)"):
+            ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options, cache=Cache(where, 10**9)))
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_without_a_manifest_checksum_the_fill_record_still_guards_every_hit(tmp_path):
+    """Shards with no sha256 in their manifest: the CRC-32 recorded at the fill still catches a
+    flipped byte; a copy with neither record nor sha256 cannot be checked, and is fetched again
+    (not counted as damage)."""
+    cache = ShardCache(str(tmp_path / "cache"), limit_bytes=10_000)
+    stats = StreamStats()
+    counters = stats.counters(0)
+    fills = []
+
+    def payload(write):
+        fills.append(1)
+        write(bytes(range(250)) * 4)
+
+    def read_once():
+        handle = cache.open("s3://b/a.tar", None, 1000, payload, counters)
+        assert handle is not None
+        try:
+            return handle[0].read()
+        finally:
+            ShardCache.release(*handle)
+
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 1
+    shard = cache.name("s3://b/a.tar", None, 1000)
+    with open(shard, "r+b") as f:
+        f.seek(500)
+        f.write(b"\xff")
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 2  # caught, fetched again
+    assert stats.totals()["cache_corrupt"] == 1
+    os.unlink(shard[: -len(".tar")] + ".crc32")
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 3  # unverifiable: fetched again
+    totals = stats.totals()
+    assert totals["cache_corrupt"] == 1 and totals["cache_misses"] == 3 and totals["cache_hits"] == 0
+    assert read_once() == bytes(range(250)) * 4 and len(fills) == 3 and stats.totals()["cache_hits"] == 1

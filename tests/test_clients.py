@@ -18,7 +18,7 @@ from conftest import free_port, rank_results, run_ranks, write_dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from shardstream import Schedule, ShardStream, Shuffle, World, make_loader
-from shardstream.errors import StateError
+from shardstream.errors import ConfigError, StateError
 
 BATCH = 4
 SAMPLES = 122  # 30 batches of 4, 2 samples dropped per epoch (drop mode)
@@ -205,6 +205,20 @@ def test_loader_length_is_what_the_resumed_pass_yields(root, workers, steps):
     assert got == ref[7:] and len(got) == full - 7
     assert len(resumed) == full
     assert keys(resumed) == ref_next and len(ref_next) == full
+
+
+def test_resumed_len_whole_counts_a_whole_pass_for_clients_that_count_the_position(root):
+    # Lightning restores its own count of the batches done and stops at len(loader): for it a
+    # resumed pass's length is the whole pass's (ShardDataModule asks for this).
+    first = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False)
+    done = keys(first, 7)
+    resumed = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False, resumed_len="whole")
+    resumed.load_state_dict(through_json(first.state_dict()))
+    assert len(resumed) == 30
+    rest = keys(resumed)
+    assert len(done) + len(rest) == 30 and not set(flat(done)) & set(flat(rest))
+    with pytest.raises(ConfigError, match="resumed_len"):
+        make_loader(stream(root), num_workers=0, resumed_len="all")
 
 
 def test_loader_length_after_an_elastic_resume(root):

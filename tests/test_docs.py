@@ -9,7 +9,8 @@ Where they run
     Each block runs on its own, in a fresh directory holding "the reader's world" (``build_world``,
     ``LOCAL_WORLD`` and ``S3_WORLD`` below): ``./shards`` (2,560 16x16 JPEGs in 10 classes, keys
     ``cat/0001`` ..., packed with labels), ``./train`` (an ImageFolder tree: 100 of those images),
-    ``captions.jsonl`` (+ ``img/``), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
+    ``captions.jsonl`` (+ ``img/``), ``./table`` (a Parquet table: 4 files of 2,000 rows, columns
+    ``id``, ``x``, ``label``, ``text``), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
     by ``tarfile`` with ``./wds/index.json`` over them, and so on;
     ``examples/`` and ``benchmarks/`` link to the repository's. A moto S3 server (this module's
     own, reset before each block) holds the buckets the docs name: ``s3://bucket/train`` (the
@@ -322,6 +323,15 @@ def build_world(seed: Path) -> None:
             for i in range(200):
                 writer.write({"__key__": f"{name}/{i:04d}", "jpg": jpg, "cls": i % 10})
     _version_1(seed / "old")
+    # a Parquet table: 4 files of 2,000 rows in row groups of 500 (id, a float feature, a caption)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (seed / "table").mkdir()
+    for f in range(4):
+        ids = np.arange(f * 2000, (f + 1) * 2000)
+        columns = {"id": ids, "x": rng.random(len(ids), dtype=np.float32), "label": ids % 10, "text": [f"row {i}" for i in ids]}
+        pq.write_table(pa.table(columns), seed / "table" / f"part-{f}.parquet", row_group_size=500)
 
 
 def _env(cwd: Path, s3: str) -> dict[str, str]:
@@ -353,12 +363,13 @@ S3_WORLD = {
     "s3://web/train": ("shards", "*"),
     "s3://curated/train": ("shards", "*"),
     "s3://old": ("wds", "train-0000[0-9][0-9].tar"),
+    "s3://bucket/table": ("table", "*.parquet"),
 }
-LOCAL_WORLD = ("train", "shards", "img", "captions.jsonl", "wds", "downloads", "a", "b", "more", "urls.txt", "extra", "days", "math", "old")
+LOCAL_WORLD = ("train", "shards", "img", "captions.jsonl", "wds", "downloads", "a", "b", "more", "urls.txt", "extra", "days", "math", "old", "table")
 # Folders whose contents are a block's input even where the block writes a manifest into them (shards
 # written by others, which `index` indexes in place; `days`, whose parts `merge` combines): such a
 # block finds them without a manifest of their own.
-FOREIGN = ("wds", "downloads", "days")
+FOREIGN = ("wds", "downloads", "days", "table")
 LOCAL_NEEDS = {"captions.jsonl": ("img",), "urls.txt": ("extra",)}  # files the named ones point to
 ADDRESSES = ("http://127.0.0.1:9000", "https://s3.example.com")
 
@@ -422,7 +433,7 @@ def materialize(block: Block, seed: Path, cwd: Path, s3: str) -> None:
     for url, (folder, pattern) in S3_WORLD.items():
         bucket, _, prefix = url[5:].partition("/")
         under = any(url.startswith(d + "/") for d in dests)  # under a place the block writes: only if named
-        if bucket not in buckets or url in dests or (under and url not in text):
+        if bucket not in buckets or (url in dests and folder not in FOREIGN) or (under and url not in text):
             continue
         for f in sorted((seed / folder).glob(pattern)):
             client.upload_file(str(f), bucket, f"{prefix}/{f.name}" if prefix else f.name)

@@ -91,6 +91,17 @@ def test_a_missing_mix_file_is_not_found_and_still_a_config_error(s3):
     assert isinstance(exc, ConfigError) and "cannot read the mix file" in str(exc)
 
 
+def test_a_mix_source_that_cannot_be_read_keeps_both_classes(s3, tmp_path):
+    from shardstream import Source
+
+    bucket, options, _ = s3
+    here = write_dataset(tmp_path / "here", n=10, max_count=5)
+    sources = [Source(here, name="here"), Source(f"s3://{bucket}/gone", name="gone", storage_options=options)]
+    with pytest.raises(StorageNotFound, match=r"mix source 'gone': .*gone/index\.json: cannot read the manifest \(not found\)") as info:
+        ShardStream(sources, batch_size=5, world=World(0, 1))
+    assert isinstance(info.value, ManifestError) and info.value.url == f"s3://{bucket}/gone/index.json"
+
+
 def test_a_missing_offset_sidecar_is_not_found_naming_its_shard(tmp_path):
     root = write_dataset(tmp_path / "ds", n=40, max_count=40, samples=make_samples(40))
     os.remove(os.path.join(root, "shard-000000.tar.idx"))

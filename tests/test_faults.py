@@ -12,7 +12,7 @@ from conftest import make_samples, write_dataset
 from faultproxy import FaultProxy
 
 from shardstream import Read, ShardStream, Shuffle, Store, World, make_loader
-from shardstream.errors import ManifestError, StorageError
+from shardstream.errors import ManifestError, StorageError, StorageTimeout, StorageUnavailable
 
 
 def keys_and_bytes(url, options, rank, world, workers, read_size):
@@ -67,32 +67,79 @@ def test_missing_bucket_and_unreachable_endpoint_fail_with_what_to_check(s3_endp
     with socket.socket() as s:  # a port with nothing listening
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with pytest.raises(ManifestError, match="cannot read the manifest"):
+    assert time.monotonic() - started < 30  # generous: a missing bucket is not retried
+    from shardstream.storage.config import StorageConfig
+
+    started = time.monotonic()
+    with pytest.raises(ManifestError, match="cannot read the manifest.*connection refused.*after"):
         ShardStream(
             "s3://bucket/data",
             batch_size=1,
             world=World(0, 1),
-            store=Store(options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}}),
+            store=Store(options={"endpoint_url": dead, "config_kwargs": {"retries": {"max_attempts": 1}}}, config=StorageConfig(deadline=3)),
         )
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 3 * 1.5 + 2  # retried until the deadline, not longer (generous: a loaded machine)
 
 
-def test_unreachable_endpoint_mid_stream_gives_up_after_bounded_retries(s3):
+def test_unreachable_endpoint_mid_stream_gives_up_at_the_deadline_or_the_set_tries(s3):
     from shardstream.errors import StorageUnavailable
     from shardstream.storage.config import StorageConfig
 
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options)
-    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options, config=StorageConfig(backoff_cap=0.05)))
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    # the default: tries until the deadline, whatever their number
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options, config=StorageConfig(backoff_cap=0.05, deadline=2)))
     ds.storage_options = {"endpoint_url": dead}  # the store goes away after planning
-    with pytest.raises(StorageUnavailable, match=r"connection refused .* after 8 tries in .*check the endpoint URL and the network"):
+    began = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=r"connection refused .* after \d+ tries in .*check the endpoint URL and the network") as info:
+        list(ds)
+    assert info.value.attempts > 1 and time.monotonic() - began < 2 * 1.5 + 2  # (generous: a loaded machine)
+    # max_attempts, when set, caps the tries too
+    ds = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=options, config=StorageConfig(backoff_cap=0.05, max_attempts=8)))
+    ds.storage_options = {"endpoint_url": dead}
+    with pytest.raises(StorageUnavailable, match=r"connection refused .* after 8 tries in "):
         list(ds)
     assert ds.stats()["retries"] == 7  # bounded: 8 tries, then the error
+
+
+@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
+def test_a_burst_of_slowdowns_is_waited_out_within_the_deadline(s3, direct_get):
+    """12 answers of 503 SlowDown in a row (more than the 8 tries that once ended the epoch in
+    4-8 s): the default policy backs off and tries again until the deadline, and the stream
+    delivers every sample."""
+    from shardstream.storage.config import StorageConfig
+
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/burst", 40, max_count=20, size=2000, storage_options=options)
+    config = StorageConfig(direct_get=direct_get, backoff_cap=0.2)  # (a short cap keeps the test short; the default deadline and tries)
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options={"endpoint_url": proxy.url}, config=config))
+        proxy.slowdown_burst = 12
+        keys = [k for batch in ds for k in batch["__key__"]]
+    assert sorted(keys) == sorted(s["__key__"] for s in make_samples(40))
+    assert proxy.counts["slowdowns"] == 12 and ds.stats()["throttles"] == 12
+
+
+def _draws(_):
+    from shardstream.storage.retry import backoff
+
+    return [backoff(6) for _ in range(4)]
+
+
+def test_backoff_jitter_differs_between_processes():
+    """The jitter comes from the OS, not from a seed: forked workers (and every rank) throttled at
+    once sleep different delays, rather than all coming back in the same instant."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        draws = pool.map(_draws, range(2), chunksize=1) + [_draws(0)]
+    assert len({tuple(d) for d in draws}) == 3, draws
+    assert all(0 <= x <= 0.05 * 2**6 for d in draws for x in d)
 
 
 @pytest.mark.parametrize("cut", ["rst", "fin"])
@@ -142,11 +189,13 @@ def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, direct_g
         # 3 ranks of 25 samples: rank 1 starts inside shard 1 (samples 5-20): its sidecar first
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(1, 3), store=Store(options={"endpoint_url": proxy.url}, config=config))
         proxy.slowdown_every = 1  # from here every GET is answered 503 SlowDown
-        with pytest.raises(StorageError, match=r"shard-000001\.tar\.idx: .*offset sidecar.*after 2 tries"):
+        # the class the docs name for a transient failure (once the base StorageError on this path)
+        with pytest.raises(StorageUnavailable, match=r"shard-000001\.tar\.idx: .*offset sidecar.*after 2 tries") as info:
             list(ds)
-    # each read of a sidecar (the range's opener and the parser may each try one) made 2 tries, not 8
+    assert info.value.attempts == 2 and info.value.url.endswith("shard-000001.tar.idx")
+    # each read of a sidecar (the range's opener and the parser may each try one) made 2 tries
     sidecar_gets = Counter(p.split("?")[0] for method, p, _ in proxy.log if method == "GET" and p.split("?")[0].endswith(".idx"))
-    assert sidecar_gets and all(n % 2 == 0 and n < StorageConfig().max_attempts for n in sidecar_gets.values()), sidecar_gets
+    assert sidecar_gets and all(n % 2 == 0 for n in sidecar_gets.values()), sidecar_gets
 
 
 def test_show_reads_its_samples_under_its_storage_config(s3):
@@ -169,3 +218,75 @@ def test_show_reads_its_samples_under_its_storage_config(s3):
             next(iter_dataset_samples(manifest, proxied, config=config))
         with pytest.raises(StorageError, match="after 2 tries"):
             find_key(manifest, "no-such-key", proxied, config=config)
+
+
+@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
+def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, direct_get):
+    """The manifest's first read (and an offset sidecar's, the same code) keeps the bytes of a body
+    that breaks and asks for the rest from there, as shard reads do: here every GET body is cut
+    after 1,000 bytes, so a read that started again from byte 0 would never get further."""
+    from shardstream.format.manifest import load_manifest
+    from shardstream.storage.config import StorageConfig
+
+    bucket, options, client = s3
+    url = write_dataset(f"s3://{bucket}/small", 60, max_count=2, size=100, storage_options=options)
+    size = client.head_object(Bucket=bucket, Key="small/index.json")["ContentLength"]
+    assert size > 3000
+    config = StorageConfig(direct_get=direct_get, backoff_base=0.001, backoff_cap=0.01)
+    with FaultProxy(options["endpoint_url"], reset_after=1000) as proxy:
+        manifest = load_manifest(url, {"endpoint_url": proxy.url}, config=config)
+    assert len(manifest.paths) == 30
+    starts = [int(r.split("=")[1].split("-")[0]) for method, path, r in proxy.log if method == "GET" and "index.json" in path]
+    assert starts == list(range(0, size, 1000)), starts  # each try from where the last one broke
+
+
+@pytest.mark.parametrize("stall", ["headers", "accept"])
+@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
+def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, direct_get, stall):
+    """With read and connect timeouts of 30 s, a deadline of 3 s ends a stalled request (no answer,
+    or headers and then no body) after about 3 s: the manifest's read, a shard's range and an
+    offset sidecar's. The bound asserted is generous (deadline * 1.5 + 2 s) for a loaded machine;
+    a try that ran to its own read timeout would take 30 s."""
+    from shardstream.format.manifest import load_manifest
+    from shardstream.format.offsets import OFFSET_CACHE
+    from shardstream.storage.config import StorageConfig
+
+    deadline = 3
+    bound = deadline * 1.5 + 2
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/stall", 40, max_count=20, size=500, storage_options=options)
+    config = StorageConfig(direct_get=direct_get, deadline=deadline, connect_timeout=30, read_timeout=30)
+    OFFSET_CACHE.clear()
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        proxied = {"endpoint_url": proxy.url}
+        whole = ShardStream(url, batch_size=5, world=World(0, 1), store=Store(options=proxied, config=config))
+        inside = ShardStream(url, batch_size=5, shuffle=False, world=World(1, 4), store=Store(options=proxied, config=config))  # needs a sidecar
+        proxy.stall = stall
+        runs = {"manifest": lambda: load_manifest(url, proxied, config=config), "shard": lambda: list(whole), "sidecar": lambda: list(inside)}
+        for what, run in runs.items():
+            began = time.monotonic()
+            with pytest.raises((StorageTimeout, ManifestError)) as info:
+                run()
+            elapsed = time.monotonic() - began
+            assert elapsed < bound, (what, elapsed, str(info.value))
+            err = info.value if isinstance(info.value, StorageTimeout) else info.value.__cause__
+            assert isinstance(err, StorageTimeout) and err.waited <= elapsed + 0.05, (what, repr(info.value))
+    assert proxy.counts["stalls"] >= 3
+
+
+def test_a_stalled_head_fails_within_the_deadline(s3):
+    """A HEAD (an object's size, before a whole-object read) cannot be handed the time left like a
+    GET: its filesystem's connect and read timeouts are cut to the deadline instead, so a store
+    that accepts it and never answers fails after about the deadline, not the 30 s read timeout."""
+    from shardstream.storage.config import StorageConfig
+    from shardstream.storage.ranges import object_size
+
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="head/obj", Body=b"x" * 100)
+    config = StorageConfig(deadline=3, connect_timeout=30, read_timeout=30)
+    with FaultProxy(options["endpoint_url"], faulty_methods=("HEAD",), stall="accept") as proxy:
+        began = time.monotonic()
+        with pytest.raises(StorageTimeout, match=r"s3://.*/head/obj: .*timeout.* after \d+ tr") as info:
+            object_size(f"s3://{bucket}/head/obj", {"endpoint_url": proxy.url}, config=config)
+        elapsed = time.monotonic() - began
+    assert proxy.counts["stalls"] >= 1 and elapsed < 3 * 1.5 + 2, (elapsed, str(info.value))  # (generous: a loaded machine)

@@ -18,8 +18,8 @@ from shardstream import Decode, ShardStream, ShardWriter, World
 from shardstream.errors import ManifestError, SampleError, ShardFormatError, StorageError
 from shardstream.format.manifest import Manifest, load_manifest
 from shardstream.format.offsets import encode_offsets
+from shardstream.format.scan import scan_shard
 from shardstream.format.tar import END_OF_ARCHIVE, iter_samples, member_header, padding
-from shardstream.storage.scan import scan_shard
 
 
 def valid_tar(n=6) -> bytes:

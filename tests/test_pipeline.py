@@ -66,14 +66,14 @@ def test_collate_batches_nested_structures_like_torch():
     assert json_field == [{"i": 1}, {"i": 2}]  # decoded JSON objects stay per sample
 
 
-def x_y(sample):
-    """(model input, label): module level, so it pickles for forkserver workers."""
+def _x_y(sample):
+    """(x, y) for a model (module level: workers started from forkserver or spawn import it)."""
     return torch.tensor([sample["cls"]] * 3), sample["cls"]
 
 
 def test_tuples_for_model_x_y_through_real_workers(tmp_path):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
-    ds = ShardStream(root, batch_size=4, transform=x_y, world=World(0, 1))
+    ds = ShardStream(root, batch_size=4, transform=_x_y, world=World(0, 1))
     batches = list(make_loader(ds, num_workers=2))
     assert len(batches) == 10
     for x, y in batches:
@@ -135,7 +135,8 @@ def test_plain_dataloader_with_batch_size_none(tmp_path):
 
 
 def test_the_jsonl_captions_example_trains(tmp_path, monkeypatch):
-    # on the path while it runs: its forkserver workers import the example's transform by name
+    # examples/ stays on sys.path while the example trains: a worker started from forkserver or
+    # spawn gets the parent's sys.path at its start and imports the example's transform from there
     monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "examples"))
     import train_jsonl_captions
 

@@ -553,3 +553,21 @@ def test_ls_counts_a_mix_files_requests_as_the_stream_plans_them(s3, tmp_path, c
     assert main(["ls", str(mix), "--world", "2", *endpoint]) == 0
     out = capsys.readouterr().out
     assert "mix of 2 sources" in out and "by source: web " in out and "curated local (no requests)" in out
+
+
+@pytest.mark.parametrize("mode", ["drop", "pad"])
+def test_ls_counts_one_datasets_requests_as_the_stream_plans_them(s3, capsys, mode):
+    """``shardstream ls --mode`` plans a single dataset through the stream's planner: its GETs are
+    the ones ``ShardStream(mode=...).plan()`` says (pad mode reads the wrapped tail again)."""
+    import json
+
+    from shardstream.cli.main import main
+
+    bucket, options, _ = s3
+    dest = write_dataset(f"s3://{bucket}/one-{mode}", 47, max_count=10, size=500, storage_options=options)
+    capsys.readouterr()
+    flags = ["--world", "2", "--workers", "2", "--batch-size", "4", "--mode", mode, "--json"]
+    assert main(["ls", dest, *flags, "--endpoint-url", options["endpoint_url"]]) == 0
+    listed = json.loads(capsys.readouterr().out)["requests"]
+    ds = ShardStream(dest, batch_size=4, seed=0, mode=mode, world=World(0, 2), store=Store(options=options))
+    assert f"requests: {listed['gets_per_epoch']:,} GETs per epoch" in ds.plan(num_workers=2).summary()

@@ -113,3 +113,27 @@ def test_plans_do_not_look_at_every_shard_url(tmp_path, monkeypatch):
     plans = [ds.plan(epoch=epoch) for epoch in range(3)]
     assert calls == [] and len(ds) == 15 and all(p.compressed_shards == 0 for p in plans)
     assert sum(len(b["__key__"]) for b in ds) == 60
+
+
+def test_construction_plans_no_shard_order(tmp_path, monkeypatch):
+    """``ShardStream(...)`` and ``make_loader(...)`` check the settings with counts alone: the
+    epoch's shard permutation (and numpy.random's import, ~25-60 ms cold on this VM) waits for
+    the first pass; the same ConfigErrors still come at construction."""
+    from shardstream import make_loader
+    from shardstream.errors import ConfigError
+    from shardstream.plan import epoch as epochmod
+
+    root = write(tmp_path / "d", n=640, size=10)
+
+    def refuse(*args):
+        raise AssertionError("a shard order was planned at construction")
+
+    monkeypatch.setattr(epochmod, "shard_permutation", refuse)
+    ds = ShardStream(root, batch_size=64, world=World(0, 1))
+    make_loader(ds, num_workers=2, log_interval=None, pin_memory=False)
+    with pytest.raises(ConfigError, match="num_workers is 11"):
+        make_loader(ds, num_workers=11, log_interval=None)
+    with pytest.raises(ConfigError, match="samples per step"):
+        ShardStream(root, batch_size=1000, world=World(0, 1))
+    monkeypatch.undo()
+    assert sum(len(b["__key__"]) for b in make_loader(ds, num_workers=0, log_interval=None)) == 640

@@ -277,7 +277,7 @@ def test_compressed_shards_through_shardstream_workers_pack_show_and_verify(tmp_
 
 def test_corrupt_compressed_shard_is_a_format_error_naming_it(tmp_path):
     from shardstream.errors import ShardFormatError as FormatError
-    from shardstream.storage.scan import scan_shard
+    from shardstream.format.scan import scan_shard
 
     path = tmp_path / "x.tar.gz"
     _write_tar(path, _members(20), "w:gz")

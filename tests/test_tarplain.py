@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
+import shutil
+import subprocess
 import tarfile
 
 import pytest
+import webdataset as wds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -271,9 +275,9 @@ def test_fuzz_regular_samples_agree(n, m, sizes, read_size):
 
 def test_local_reads_stay_small(tmp_path):
     from shardstream.format.manifest import Manifest
+    from shardstream.format.scan import scan_shards
     from shardstream.pipeline.read import LOCAL_READ, read_range
     from shardstream.plan.epoch import Range
-    from shardstream.storage.scan import scan_shards
 
     path = tmp_path / "s.tar"
     path.write_bytes(samples_tar(2000))
@@ -326,3 +330,260 @@ def test_decode_failures_count_as_one_call_per_sample_would():
         run([[0, 1, 1], [1, 0]], 2)
     with pytest.raises(SampleError):
         list(decode_samples(iter([[sample(0, True)]]), Decoder({"cls": int}), ErrorPolicy("raise", 0, None)))
+
+
+# -- pax headers before every member: webdataset's TarWriter, tarfile's PAX format, GNU tar, bsdtar --
+
+GNU_TAR = shutil.which("tar")
+BSDTAR = shutil.which("bsdtar")
+
+
+def fast_members(data: bytes, read_size: int = 1 << 24) -> tuple[int, int]:
+    """(members the run path grouped, members in all) in one parse of ``data`` as dicts."""
+    grouped = []
+    real = tar._plain_samples
+
+    def counting(run, *args):
+        got = real(run, *args)
+        if got is not None:
+            grouped.append(len(run.keys))
+        return got
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tar, "_plain_samples", counting)
+        lists, error = parse(data, fast=True, dicts=True, read_size=read_size)
+    assert error is None
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        total = sum(1 for m in tf.getmembers() if m.isfile())
+    return sum(grouped), total
+
+
+def first_headers(data: bytes) -> list[int]:
+    """Where each regular member's first header (its pax header, if any) starts, by tarfile."""
+    out = []
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        previous_end = 0
+        for m in tf.getmembers():
+            if m.isfile():
+                out.append(previous_end)
+            previous_end = m.offset_data + (m.size + 511) // 512 * 512
+    return out
+
+
+def wds_shard(n: int, mtime: float | None = None) -> bytes:
+    out = io.BytesIO()
+    writer = wds.TarWriter(out, mtime=mtime)
+    for i in range(n):
+        writer.write({"__key__": f"{i:06d}", "bin": bytes([i % 256]) * (i % 700), "json": json.dumps({"label": i}).encode()})
+    writer.close()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("read_size", [700, 8192, 1 << 20])
+def test_webdataset_shards_take_the_run_path_with_the_loops_samples_and_offsets(read_size):
+    data = wds_shard(1500)
+    assert data[156:157] == b"x" and b" mtime=" in data[512:1024]  # a pax header (float mtime) before each member
+    lists, error = same_both_ways(data, read_size=read_size)
+    got = flat(lists)
+    assert error is None and [k for k, *_ in got] == [f"{i:06d}" for i in range(1500)]
+    assert got[9][3] == {"bin": bytes([9]) * 9, "json": b'{"label": 9}'}
+    # A sample's offset is its first header: the pax header of its first member (offset sidecars, resume).
+    assert [offset for _, offset, _, _ in got] == first_headers(data)[::2]
+    assert [end for _, _, end, _ in got][:-1] == first_headers(data)[2::2]
+    fast, total = fast_members(data)
+    assert total == 3000 and fast == total
+    # With blocks of 64 KiB, only members cut by a block's end go member by member.
+    fast, _ = fast_members(data, read_size=65536)
+    assert fast >= total - 2 * (len(data) // 65536 + 1)
+
+
+def _tarfile_shard(fmt: int, mtime) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tf:
+        for i in range(400):
+            for ext, payload in (("jpg", bytes([i % 256]) * (i * 3)), ("cls", str(i).encode())):
+                info = tarfile.TarInfo(f"d/{i:05d}.{ext}")
+                info.size, info.mtime, info.uname, info.gname = len(payload), mtime, "user", "group"
+                tf.addfile(info, io.BytesIO(payload))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+@pytest.mark.parametrize("mtime", [1795738509.0581176, 1795738509])
+def test_tarfile_formats_with_float_mtimes_take_the_run_path(fmt, mtime):
+    data = _tarfile_shard(fmt, mtime)
+    if fmt == tarfile.PAX_FORMAT and isinstance(mtime, float):
+        assert data[156:157] == b"x"
+    lists, error = same_both_ways(data, read_size=4096)
+    assert error is None and len(flat(lists)) == 400
+    fast, total = fast_members(data)
+    assert fast == total == 800
+
+
+def _tool_shard(tmp_path, args: list[str]) -> bytes:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(300):
+        (src / f"{i:06d}.bin").write_bytes(os.urandom(i * 5 % 1500))
+        (src / f"{i:06d}.cls").write_text(str(i))
+    names = sorted(p.name for p in src.iterdir())
+    subprocess.run([*args, "-cf", str(tmp_path / "x.tar"), *names], cwd=src, check=True, capture_output=True)
+    return (tmp_path / "x.tar").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["gnu"], id="gnu-default"),
+        pytest.param(["gnu", "--format=posix"], id="gnu-posix"),
+        pytest.param(["gnu", "--format=ustar"], id="gnu-ustar"),
+        pytest.param(["bsd"], id="bsdtar-default"),
+        pytest.param(["bsd", "--format=pax"], id="bsdtar-pax"),
+        pytest.param(["bsd", "--format=ustar"], id="bsdtar-ustar"),
+    ],
+)
+def test_gnu_tar_and_bsdtar_archives_take_the_run_path(tmp_path, args):
+    tool = {"gnu": GNU_TAR, "bsd": BSDTAR}[args[0]]
+    if tool is None:
+        pytest.skip(f"{args[0]} tar is not installed (bsdtar: apt-get install libarchive-tools)")
+    data = _tool_shard(tmp_path, [tool, *args[1:]])
+    if "--format=posix" in args or "--format=pax" in args:
+        assert data[156:157] == b"x"  # a pax header (atime, ctime, mtime) before each member
+    for read_size in (1000, 1 << 20):
+        lists, error = same_both_ways(data, read_size=read_size)
+        got = flat(lists)
+        assert error is None and len(got) == 300 and [o for _, o, _, _ in got] == first_headers(data)[::2]
+    fast, total = fast_members(data)
+    assert fast == total == 600
+
+
+def pax_member(payload: bytes, kind: bytes = tarfile.XHDTYPE) -> bytes:
+    """A pax header ('x') carrying ``payload`` as it is (well-formed or not)."""
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = kind, len(payload)
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + payload + padding(len(payload))
+
+
+def record(keyword: str, value: str | bytes) -> bytes:
+    body = b" " + keyword.encode() + b"=" + (value if isinstance(value, bytes) else value.encode()) + b"\n"
+    n = len(body) + 1
+    n += len(str(n + len(str(n)))) - 1  # the length counts its own digits
+    return str(n).encode() + body
+
+
+def wds_like(keys: range, payload_for=lambda i, ext: record("mtime", f"{i}.5")) -> bytes:
+    return b"".join(
+        pax_member(payload_for(i, ext)) + member_header(f"{i:05d}.{ext}", len(data)) + data + padding(len(data))
+        for i in keys
+        for ext, data in (("a", b"x" * (i % 600)), ("b", str(i).encode()))
+    )
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        record("path", "other/99999.a"),  # a new name: the loop applies it
+        record("path", "00042.a"),  # a name that repeats a key: the loop's error
+        record("size", "3"),  # a new size: the loop applies it
+        record("size", "99999999"),  # past the end
+        record("linkpath", "x"),
+        record("hdrcharset", "BINARY"),
+        record("GNU.sparse.size", "10") + record("GNU.sparse.map", "0,1"),
+        record("mtime", "1.5") + record("path", "z/00041.a"),  # harmful after harmless
+        record("SCHILY.xattr.user.some_long_attribute_name", "v"),  # harmless, a long keyword
+        record("LIBARCHIVE.xattr.user.x", "dg==") + record("SCHILY.dev", "1") + record("comment", "c"),
+        record("uname", "a\nb"),  # a newline in a value (the length covers it)
+        record("unknown", "1"),  # a keyword not known harmless
+        record("mtimes", "1"),
+        record("mtim", "1"),
+        record("", "1"),
+        b"28 mtime=1795738509.0581176",  # no newline at the end
+        b"27 mtime=1795738509.0581176\n",  # a length one short
+        b"29 mtime=1795738509.0581176\n",  # one long: past the payload
+        b"2x mtime=1795738509.0581176\n",  # not a number
+        b"028 mtime=1795738509.058117\n",  # leading zero (int() takes it)
+        b" 28 mtime=1795738509.058117\n",
+        b"28 mtime=1795738509.0581176\n\0\0\0",  # NUL padding after the records
+        b"28 mtime=1795\x0038509.0581176\n",  # a NUL in a value
+        b"10 mtime\n",  # no '='
+        b"5 a=\n",  # a record shorter than its digits and keyword need
+        b"99999 mtime=1\n",
+        b"\n",
+        b"",  # an empty payload
+        record("mtime", "1") * 40,  # a payload of several blocks
+    ],
+)
+@pytest.mark.parametrize("read_size", [1024, 1 << 20])
+def test_odd_pax_headers_give_the_loops_answer(odd, read_size):
+    """Pax headers the run path must leave to the loop (path, size, linkpath... records;
+    malformed or truncated payloads), among harmless ones: the same samples and errors."""
+    for at in (0, 41, 79):
+        data = wds_like(range(80), lambda i, ext, at=at: odd if (i == at and ext == "a") else record("mtime", f"{i}.5")) + END_OF_ARCHIVE
+        lists, error = same_both_ways(data, read_size=read_size)
+        if error is None:
+            assert len(flat(lists)) >= 79
+
+
+def test_pax_headers_out_of_place_give_the_loops_answer():
+    good = wds_like(range(30))
+    one = wds_like(range(30, 31))
+    rest = wds_like(range(31, 60))
+    dir_member = tarfile.TarInfo("dir/")
+    dir_member.type = tarfile.DIRTYPE
+    cases = [
+        good + pax_member(record("mtime", "1")) + one + rest,  # two pax headers before one member
+        good + pax_member(record("mtime", "1")) + dir_member.tobuf(format=tarfile.USTAR_FORMAT) + rest,  # before a directory
+        good + pax_member(record("mtime", "1"), tarfile.XGLTYPE) + rest,  # a global header
+        good + pax_member(record("mtime", "1")),  # at the end: the archive ends after it
+        good + pax_member(record("mtime", "1"))[:700],  # cut in its payload
+        good + pax_member(record("mtime", "1")) + member_header("00030.a", 5)[:300],
+        good + one[:512] + one[1024:] + rest,  # (a member header where the payload was)
+    ]
+    for data in cases:
+        for read_size in (1024, 1 << 20):
+            same_both_ways(data + END_OF_ARCHIVE, read_size=read_size)
+            same_both_ways(data, read_size=read_size)
+
+
+@pytest.mark.parametrize("where", [3, 124, 150, 156, 345, 512 + 1, 512 + 3, 512 + 27, 1024 + 156])
+def test_a_corrupt_byte_in_a_pax_header_gives_the_loops_answer(where):
+    base = wds_shard(300)
+    for offset in (0, 4 * 512 * 101):
+        for value in (0, 0x0A, 0x20, 0x30, 0x3D, 0x78, 0xFF):
+            data = bytearray(base)
+            data[offset + where] = value
+            for read_size in (3000, 1 << 20):
+                same_both_ways(bytes(data), read_size=read_size)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["mtime", "atime", "uid", "uname", "path", "size", "SCHILY.xattr.k", "x", "GNU.sparse.map"]),
+                st.text(alphabet="019az./\n=", max_size=8),
+            ),
+            max_size=3,
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), max_size=2),
+    st.sampled_from([512, 1500, 1 << 20]),
+)
+def test_fuzz_pax_records_both_ways_agree(records, flips, read_size):
+    payloads = [b"".join(record(k, v) for k, v in recs) for recs in records]
+    data = bytearray(
+        b"".join(
+            (pax_member(payloads[i]) if payloads[i] or i % 2 else b"")
+            + member_header(f"{i // 2:04d}.{'ab'[i % 2]}", i * 13 % 900)
+            + b"q" * (i * 13 % 900)
+            + padding(i * 13 % 900)
+            for i in range(len(payloads))
+        )
+        + END_OF_ARCHIVE
+    )
+    for where, value in flips:
+        data[where % len(data)] = value
+    same_both_ways(bytes(data), read_size=read_size)

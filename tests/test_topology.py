@@ -59,3 +59,39 @@ def test_the_worker_split_follows_dataloaders_round_robin_in_contiguous_slices(w
         assert start == t1 - t0  # the slices cover the window, in worker order
     base, extra = divmod(10, workers)  # a whole epoch: the first R % K workers get one batch more
     assert [worker_share(0, 10, workers, w)[1] for w in range(workers)] == [base + (w < extra) for w in range(workers)]
+
+
+def test_one_batch_count_and_one_worker_split_for_every_plan():
+    """The batch count per rank and the worker split are written once (topology.py): a dataset's
+    plan, a mix's and the request count's all-slices-at-once view agree with them."""
+    from shardstream.plan.epoch import plan_epoch
+    from shardstream.plan.mix import Ask, plan_mix
+    from shardstream.plan.topology import batches_per_rank, worker_share, worker_starts
+
+    for batches in range(1, 30):
+        for k in range(1, 9):
+            assert worker_starts(batches, k) == [worker_share(0, batches, k, w)[0] for w in range(k)]
+    counts = [7, 0, 13, 5, 11, 9, 3]
+    for mode in ("drop", "pad"):
+        assert batches_per_rank(48, 2, 5, mode) == (4 if mode == "drop" else 5)
+        one = plan_epoch(counts, world_size=2, num_workers=3, batch_size=2, mode=mode, seed=1)
+        mix = plan_mix([counts, [4, 6]], [Ask(weight=2), Ask(weight=1)], world_size=2, num_workers=3, batch_size=2, mode=mode, seed=1)
+        for plan in (one, mix):
+            assert plan.batches_per_rank == batches_per_rank(plan.total_samples, 2, 2, mode)
+            begins = [plan.worker_slice(r, w)[0] for r in range(2) for w in range(3)]
+            assert plan.slice_begins().tolist() == begins
+
+
+def test_a_pass_plan_is_built_whole():
+    """A PassPlan is not changed once built: its summary is rendered from what it holds."""
+    import dataclasses
+
+    import numpy as np
+
+    from shardstream.plan.run import RunPlan, RunSettings, Sources
+
+    run = RunPlan(Sources((np.array([10, 10, 10]),), ({"manifest": "m", "samples": 30},), False), RunSettings(0, True, "drop", "spread", 1, 2, 0, 0))
+    plan = run.pass_plan(0, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.received = 3  # type: ignore[misc]
+    assert plan.summary().startswith("epoch 0: 30 samples over 3 shards")

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="B",
         help="batch size: where worker slices cut shards (default 1; the counts barely depend on it)",
     )
+    requests.add_argument(
+        "--mode", choices=["drop", "pad"], default="drop", help="the stream's mode: drop the uneven tail or pad to it (default drop)"
+    )
     requests.add_argument("--rate", type=parse_size, metavar="BYTES", help="bytes per second each rank reads, e.g. 1GB (default 1GB)")
     add_storage_arguments(p)
 
@@ -96,27 +99,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def requests_of(args: argparse.Namespace, manifest):
-    """``(RequestCount, rate)`` for the topology the flags give, or None when none was asked for."""
-    if args.world is None and args.workers is None and args.rate is None:
-        return None
-    from shardstream.plan.epoch import plan_epoch
-    from shardstream.storage.requests import DEFAULT_RATE, count_requests
+    """``(RequestCount, rate)`` for the topology the flags give, or None when none was asked for:
+    a single dataset is planned as the stream plans it, a mix of one (``mixed=False``)."""
+    from shardstream.sources import Mix, Source
 
-    plan = plan_epoch(manifest.counts, world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size)
-    return count_requests(plan, manifest), float(args.rate or DEFAULT_RATE)
+    return mix_requests_of(args, Mix([Source(manifest)], [manifest], [{}], [""], mixed=False))
 
 
 def mix_requests_of(args: argparse.Namespace, mix):
-    """``requests_of`` for a mix: epoch 0 of the mix as ShardStream plans it by default (spread per
-    batch, drop), each source counted on its own manifest (a local one makes no requests)."""
+    """``requests_of`` for a mix: epoch 0 as ``ShardStream.plan()`` plans it by default (seed 0,
+    spread per batch, ``--mode``; ``Mix.report``, the stream's planner), each source counted on
+    its own manifest (a local one makes no requests)."""
     if args.world is None and args.workers is None and args.rate is None:
         return None
-    from shardstream.storage.requests import DEFAULT_RATE, count_mix_requests
+    from shardstream.storage.requests import DEFAULT_RATE
 
-    plan = mix.plan(
-        world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size, seed=0, epoch=0, shuffle=True, per_batch="spread"
-    )
-    return count_mix_requests(plan, mix.manifests), float(args.rate or DEFAULT_RATE)
+    plan = mix.report(world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size, mode=args.mode)
+    return plan.count_requests(mix.manifests), float(args.rate or DEFAULT_RATE)
 
 
 def requests_json(args: argparse.Namespace, count, rate: float) -> dict:

@@ -46,7 +46,7 @@ def writer_deadline_help(reads: str) -> str:
 
     return (
         f"give up on {reads} after this long across its retries (default {DEFAULT_STORAGE.deadline:g}); "
-        f"each upload is retried by botocore, up to {DEFAULT_STORAGE.max_attempts} tries"
+        f"each upload is retried by botocore, up to {DEFAULT_STORAGE.upload_attempts} tries"
     )
 
 

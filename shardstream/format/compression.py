@@ -1,5 +1,6 @@
 """Compressed shards (``.tar.gz``/``.tgz``, ``.tar.bz2``, ``.tar.xz``, ``.tar.zst``): which URLs are
-compressed, and a streaming decompressor behind the same ``read(n)`` the tar parser takes.
+compressed (the suffix table lives with the other URL rules, ``storage/urls.py``, and is
+re-exported here), and a streaming decompressor behind the same ``read(n)`` the tar parser takes.
 
 A compressed shard is described in its manifest like any other: ``bytes`` and ``sha256`` are the
 object's (compressed) size and hash, the sample ``offsets`` are positions in the *decompressed*
@@ -17,37 +18,15 @@ from typing import Any
 
 from shardstream.errors import ShardFormatError
 
-# Longest suffixes first: ".tar.gz" before ".gz".
-SUFFIXES = (
-    (".tar.gz", "gzip"),
-    (".tgz", "gzip"),
-    (".tar.bz2", "bz2"),
-    (".tbz2", "bz2"),
-    (".tbz", "bz2"),
-    (".tar.xz", "xz"),
-    (".txz", "xz"),
-    (".tar.zst", "zstd"),
-    (".tzst", "zstd"),
-    (".tar.zstd", "zstd"),
-)
-SHARD_SUFFIXES = (".tar", *(suffix for suffix, _ in SUFFIXES))
+# Which names are (compressed) shards is decided with the other URL rules (storage/urls.py).
+from shardstream.storage.urls import SHARD_SUFFIXES as SHARD_SUFFIXES
+from shardstream.storage.urls import SUFFIXES as SUFFIXES
+from shardstream.storage.urls import is_shard_name as is_shard_name
+from shardstream.storage.urls import shard_compression as shard_compression
+
 SKIP_BLOCK = 4 << 20
 MAX_PIECE = 16 << 20  # most decompressed bytes per read(): a stream reader allocates what it is asked for
 UNKNOWN_END = 1 << 62  # the parser's ``end`` for a whole decompressed stream (its size is not known ahead)
-
-
-def shard_compression(url: str) -> str | None:
-    """ "gzip", "bz2", "xz" or "zstd" for a compressed shard URL (by its suffix), else None."""
-    lower = url.lower()
-    for suffix, kind in SUFFIXES:
-        if lower.endswith(suffix):
-            return kind
-    return None
-
-
-def is_shard_name(url: str) -> bool:
-    """Whether a URL names a tar shard, plain or compressed, by its suffix."""
-    return url.lower().endswith(SHARD_SUFFIXES)
 
 
 class _Source:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import array
 import json
 import os
-import posixpath
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +31,8 @@ from shardstream.format.compression import UNKNOWN_END, shard_compression
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.ranges import read_head, read_object
-from shardstream.storage.urls import PATTERN_CHARS, is_shard_pattern
+from shardstream.storage.ranges import TooLarge, read_head, read_object
+from shardstream.storage.urls import PATTERN_CHARS, canonical_url, is_shard_pattern
 from shardstream.version import __version__
 
 FORMAT_NAME = "shardstream-index"
@@ -217,18 +216,22 @@ class Manifest:
         """Bytes of all the shards (the sum of ``sizes``; sidecars and the manifest not counted)."""
         return int(self.sizes.sum())
 
-    def _resolve(self, path: str) -> str:
+    def resolve(self, path: str) -> str:
+        """A path of this dataset (a shard's, a sidecar's, a directory of them) as the URL or path to
+        open it by: joined to ``base_url`` (an absolute one, or any path without a base, as is)."""
         if "://" in path or path.startswith("/") or not self.base_url:
             return path
         return storage.join(self.base_url, path)
 
     def shard_url(self, index: int) -> str:
         """The URL or path to open shard ``index`` by: its path joined to ``base_url`` (an absolute one as is)."""
-        return self._resolve(self.paths[index])
+        return self.resolve(self.paths[index])
 
     def sidecar_url(self, index: int) -> str:
         """The URL or path of shard ``index``'s offset sidecar, resolved like ``shard_url``."""
-        return self._resolve(self.sidecar_path(index))
+        return self.resolve(self.sidecar_path(index))
+
+    _resolve = resolve  # the name format/parquet.py's table manifest still calls
 
     # -- offsets ---------------------------------------------------------------------------------
     def offsets(
@@ -519,7 +522,7 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
         raise ConfigError(f"{source!r} cannot be a dataset root: {dataset_root_problem(source)}")
     url = manifest_url(source)
     try:
-        raw = read_object(url, storage_options, config=config)
+        raw = _read_manifest(url, storage_options, config)
     except BucketNotFound as exc:  # no dataset root without a bucket: say so, as pack does
         raise restated(exc, f"cannot read the manifest: {exc}", ManifestError) from exc
     except StorageNotFound as exc:
@@ -533,10 +536,7 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
         ) from exc
     except StorageError as exc:  # each is both a ManifestError and its storage class (AccessDenied, ...)
         raise restated(exc, f"cannot read the manifest: {exc}", ManifestError) from exc
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{url}: not valid JSON ({exc})") from exc
+    doc = parse_json(raw, url)
     del raw
     if isinstance(doc, dict) and doc.get("kind") == "parquet":  # a Parquet table's manifest (format/parquet.py)
         from shardstream.format.parquet import TableManifest
@@ -550,14 +550,68 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
     return manifest
 
 
-def _normal(url: str) -> str:
-    """A URL or path with '.'/'..' segments resolved (``file://`` and local paths made absolute)."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
-    return os.path.abspath(url)
+MAX_DEPTH = 64  # nesting of a manifest's JSON: 4 is what shardstream writes
+_QUOTE, _BACKSLASH = 2, 3
+_JSON_MARKS = np.zeros(256, dtype=np.int8)  # per byte: 1 opens, -1 closes, a quote, a backslash, 0 nothing to see
+_JSON_MARKS[[ord("["), ord("{")]] = 1
+_JSON_MARKS[[ord("]"), ord("}")]] = -1
+_JSON_MARKS[ord('"')], _JSON_MARKS[ord("\\")] = _QUOTE, _BACKSLASH
+
+
+def _read_manifest(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> bytes:
+    """The manifest's bytes, at most ``config.max_manifest_bytes`` of them: a larger one is refused
+    once its size is known, before the rest is read or parsed."""
+    try:
+        return read_object(url, storage_options, config=config, limit=config.max_manifest_bytes)
+    except TooLarge as exc:
+        raise ManifestError(
+            f"{url}: the manifest is {exc.size:,} bytes{' or more' if exc.size == exc.limit + 1 else ''}, more than the "
+            f"{exc.limit:,} read (StorageConfig.max_manifest_bytes). Raise it for a manifest this large that you trust; a "
+            "version-1 manifest shrinks with `shardstream index --upgrade`"
+        ) from None
+
+
+def nesting_depth(raw: bytes | str) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not count),
+    found without recursion, in linear time (numpy): the quotes that open and close strings are
+    those not escaped by an odd run of backslashes, and a bracket counts when an even number of
+    them come before it. A text with at most ``MAX_DEPTH`` brackets is not looked at closer: their
+    number is returned, a bound. (Past a stray character the count may differ from the parser's
+    view, but the parser stops there: it never goes deeper than the depth found before it.)"""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    brackets = data.count(b"[") + data.count(b"{")
+    if brackets <= MAX_DEPTH:
+        return brackets
+    a = np.frombuffer(data, dtype=np.uint8)
+    where = np.flatnonzero(_JSON_MARKS[a])  # every bracket, quote and backslash, in one pass
+    marks = _JSON_MARKS[a[where]]
+    quotes = where[marks == _QUOTE]
+    slashes = where[marks == _BACKSLASH]
+    if len(slashes):
+        starts = np.ones(len(slashes), dtype=bool)
+        starts[1:] = slashes[1:] != slashes[:-1] + 1
+        run_start = slashes[np.maximum.accumulate(np.where(starts, np.arange(len(slashes)), 0))]
+        before = np.minimum(np.searchsorted(slashes, quotes - 1), len(slashes) - 1)
+        escaped = (slashes[before] == quotes - 1) & ((quotes - run_start[before]) % 2 == 1)
+        quotes = quotes[~escaped]
+    bracket = (marks == 1) | (marks == -1)
+    outside = np.searchsorted(quotes, where[bracket]) % 2 == 0  # an even number of quotes before it: not in a string
+    steps = marks[bracket][outside]
+    return max(0, int(np.cumsum(steps, dtype=np.int64).max(initial=0)))
+
+
+def parse_json(raw: bytes | str, url: str) -> Any:
+    """The manifest's JSON document. Malformed text, and nesting deeper than ``MAX_DEPTH`` (checked
+    before the parser's recursion sees it; its RecursionError too), are a ManifestError naming ``url``."""
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise ManifestError(f"{url}: not a manifest: its JSON nests {depth} levels deep, more than the {MAX_DEPTH} allowed")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{url}: not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise ManifestError(f"{url}: not a manifest: its JSON nests too deep to parse") from None
 
 
 def _under(url: str, root: str) -> bool:
@@ -574,12 +628,12 @@ def confine(manifest: Manifest, where: str, allow_roots: tuple[str, ...] = ()) -
     One exception: a manifest on local disk may name other local files by absolute path (what
     ``shardstream index`` writes for shards outside its destination); whoever can write that
     manifest can write local files anyway. A remote manifest never reaches local files."""
-    base = _normal(manifest.base_url)
+    base = canonical_url(manifest.base_url)
     local_manifest = "://" not in base
-    roots = [base] + [_normal(r) for r in allow_roots]
+    roots = [base] + [canonical_url(r) for r in allow_roots]
     for i, entry in ((k, e) for k in range(len(manifest.paths)) for e in (manifest.paths[k], manifest.sidecar_path(k))):
         absolute = "://" in entry or entry.startswith(("/", "~", "\\"))
-        target = _normal(entry if absolute else storage.join(manifest.base_url, entry))
+        target = canonical_url(entry if absolute else storage.join(manifest.base_url, entry))
         if local_manifest and absolute and "://" not in target and not entry.startswith("~"):
             continue
         if not any(_under(target, root) for root in roots):

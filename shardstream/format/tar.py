@@ -8,9 +8,12 @@ Reading: ``iter_sample_batches`` parses 512-byte headers straight out of large b
 (no ``tarfile`` per member), validates checksums a buffer at a time with numpy, follows GNU long
 names and pax headers, never trusts a size field beyond the bytes that are really there, and
 groups members into samples by key, as webdataset does, in the same pass. Runs of plain members
-(what writers make) are found a block at a time with numpy (``_plain_run``) and grouped into
-samples with list operations (``_plain_samples``); everything else goes through the member by
-member loop, which has every check; both give the same samples and errors (tests/test_tarplain.py).
+(what writers make, each maybe after a pax header of harmless records, as webdataset's TarWriter
+and GNU tar's and bsdtar's pax formats write before every member) are found a block at a time
+with numpy (``_plain_run``) and grouped into samples with list operations (``_plain_samples``);
+everything else goes through the member by member loop, which has every check; both give the
+same samples and errors (tests/test_tarplain.py). A member's pax or long-name headers and the
+member itself always land in the same list.
 
 Record shapes:
     iter_sample_batches -> [(key: str, offset: int, end: int, fields: {ext: bytes}), ...]  a list per read
@@ -404,8 +407,8 @@ def _plain_table() -> np.ndarray:
             table[i, 0] = True
         elif at == 155:
             table[i, 32] = True
-        elif at == 156:  # the member's kind: regular file ('0', NUL) or contiguous ('7')
-            table[i, [48, 0, 55]] = True
+        elif at == 156:  # the member's kind: regular file ('0', NUL), contiguous ('7'), pax header ('x')
+            table[i, [48, 0, 55, 120]] = True
         else:  # 345: no POSIX prefix
             table[i, 0] = True
     return table
@@ -436,14 +439,61 @@ class _Run:
         )
 
 
+_USTAR = np.frombuffer(b"ustar", np.uint8)
+
+
+def _walk(blocks: np.ndarray, sizes: np.ndarray, count: int) -> np.ndarray:
+    """The headers a member-by-member walk from block 0 visits, each member all within the
+    ``count`` blocks: block ``i``'s member ends before block ``nxt[i]``. The blocks with a ustar
+    magic (every writer's but v7's) are taken for the headers as far as each one's member ends
+    where the next begins, at once; the walk goes on one member at a time from where they do not
+    (a v7 header, a data block that looks like a header), so the result is the walk's, whatever
+    the data."""
+    nxt = np.arange(1, count + 1) + (sizes + (BLOCK - 1)) // BLOCK
+    magic = blocks[:, 257] == _USTAR[0]
+    for k in range(1, 5):
+        magic &= blocks[:, 257 + k] == _USTAR[k]
+    candidates = np.flatnonzero(magic)
+    heads = []
+    i = 0
+    if len(candidates) and candidates[0] == 0:
+        follows = nxt[candidates]
+        breaks = follows[:-1] != candidates[1:]
+        chained = int(breaks.argmax()) if breaks.any() else len(candidates) - 1  # candidates[:chained + 1] chain
+        if follows[chained] > count:  # the last one's member is not all in the block
+            chained -= 1  # (every earlier one ends at the next's start, within the block)
+        if chained >= 0:
+            heads.append(candidates[: chained + 1])
+            i = int(follows[chained])
+    rest: list[int] = []
+    if i < count:
+        steps = nxt.tolist() if i == 0 else nxt  # (a few steps past the chained headers: no list)
+        while i < count:
+            j = int(steps[i])
+            if j > count:  # not all in the block: the general loop decides
+                break
+            rest.append(i)
+            i = j
+    if rest:
+        heads.append(np.asarray(rest, dtype=np.intp))
+    if not heads:
+        return np.zeros(0, np.intp)
+    return np.concatenate(heads).astype(np.intp, copy=False)
+
+
 def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -> _Run | None:
     """The run of plain members from ``pos`` (a header) up to ``stop`` (relative to ``buf``): each
     header's size field 11 octal digits then NUL or space, type '0', NUL or '7', no POSIX prefix,
     its checksum right and written as writers write it (6 octal digits, NUL, space); each member
     smaller than ``large_member`` and padded within ``stop``; each name UTF-8, relative, with no
     '..', not ``__meta__``, and split into key and extension at the first dot of its last
-    component (as ``split_name`` does where it needs no regex). The run ends before the first
-    header that is not so; None where that leaves nothing, or where a name is not so."""
+    component (as ``split_name`` does where it needs no regex). A member may be preceded by one pax
+    header ('x', with the same size and checksum fields; its name does not matter) whose records
+    are all harmless (``_harmless_pax``: mtime, atime, uid... never path or size), as webdataset's
+    TarWriter (a float mtime), GNU tar's and bsdtar's pax formats write before every member: the
+    member's position is then the pax header's, as the general loop reports it. The run ends
+    before the first member that is not so; None where that leaves nothing, or where a name is
+    not so."""
     count = (stop - pos) // BLOCK
     if count < 2:
         return None
@@ -452,30 +502,45 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     # to large values, never negative ones, so the walk always moves forward; the headers it
     # visits are checked below, and it stops before the first one that is not plain.
     sizes = (blocks[:, 124:135] - 48).astype(np.int64) @ _OCTAL_WEIGHTS
-    nxt = (np.arange(1, count + 1) + (sizes + (BLOCK - 1)) // BLOCK).tolist()
-    heads = []
-    i = 0
-    while i < count:
-        j = nxt[i]
-        if j > count:  # not all in the block: the general loop decides
-            break
-        heads.append(i)
-        i = j
-    if not heads:
+    at = _walk(blocks, sizes, count)
+    if not len(at):
         return None
-    at = np.asarray(heads, dtype=np.intp)
     rows = blocks[at]
     member_sizes = sizes[at]
-    plain = _PLAIN[_PLAIN_ROWS, rows[:, _PLAIN_AT]].all(axis=1) & (member_sizes < large_member)
+    kinds = rows[:, 156]
+    checks = _PLAIN[_PLAIN_ROWS, rows[:, _PLAIN_AT]]
+    pax = kinds == 120
+    has_pax = bool(pax.any())
+    if has_pax:
+        checks[:, -1] |= pax  # a pax header's name (and so its prefix field) is not read
+    plain = checks.all(axis=1) & (member_sizes < large_member)
     stored, digits = ((rows[:, 148:154] - 48) @ _CHECKSUM_WEIGHTS).T
     # The unsigned sum of the header with its checksum field as 8 spaces; in a plain header that
     # field is 6 digits (their sum, plus 48 each), NUL and a space.
     plain &= rows.sum(axis=1, dtype=np.uint32) - (digits + 6 * 48 + 32) + 8 * 32 == stored
+    if has_pax:
+        # A pax header belongs to the member after it: that one must be a plain member (not
+        # another pax header, not past the run's end), and its records harmless.
+        plain[:-1] &= ~pax[:-1] | (plain[1:] & ~pax[1:])
+        plain[-1] &= not pax[-1]
+        cut = len(plain) if plain.all() else int(plain.argmin())
+        where = np.flatnonzero(pax[:cut])
+        if len(where):
+            good = _harmless_pax(blocks, at[where] + 1, member_sizes[where])
+            if good < len(where):
+                plain[where[good]] = False
     if not plain.all():
         cut = int(plain.argmin())
         if not cut:
             return None
-        at, rows, member_sizes = at[:cut], rows[:cut], member_sizes[:cut]
+        at, rows, member_sizes, pax = at[:cut], rows[:cut], member_sizes[:cut], pax[:cut]
+    first_headers = at
+    if has_pax:
+        member = ~pax
+        after_pax = np.concatenate(([False], pax[:-1]))
+        first_headers = np.where(after_pax, np.concatenate((at[:1], at[:-1])), at)[member]
+        at, member_sizes = at[member], member_sizes[member]
+        rows = blocks[at, :100]
     names = np.ascontiguousarray(rows[:, :100]).view("S100").ravel().tolist()  # up to the trailing NULs
     joined = b"\0".join(names)
     if joined.count(0) != len(names) - 1:  # a NUL inside a name: the name ends there
@@ -491,16 +556,93 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     if split is None:
         return None
     keys, exts = split
-    offsets = at * BLOCK + pos
-    starts = offsets + BLOCK
+    starts = at * BLOCK + (pos + BLOCK)
     return _Run(
-        offsets.tolist(),
+        (first_headers * BLOCK + pos).tolist(),
         starts.tolist(),
         (starts + member_sizes).tolist(),
         (starts + (member_sizes + (BLOCK - 1)) // BLOCK * BLOCK).tolist(),
         keys,
         exts,
     )
+
+
+# Pax records that change nothing the parser reads (a member's name, size, type or contents):
+# times, owners, comments, device/inode numbers, file flags, extended attributes. Anything else
+# (path, size, linkpath, hdrcharset, GNU.sparse.*, a keyword no one wrote yet) is the general
+# loop's to apply or refuse.
+_HARMLESS_PAX_KEYWORDS = frozenset(
+    [b"mtime", b"atime", b"ctime", b"uid", b"gid", b"uname", b"gname", b"comment"]
+    + [b"LIBARCHIVE.creationtime", b"SCHILY.dev", b"SCHILY.ino", b"SCHILY.nlink", b"SCHILY.fflags"]
+)
+_HARMLESS_PAX_PREFIXES = (b"SCHILY.xattr.", b"LIBARCHIVE.xattr.")
+# The keywords of up to 8 bytes as numbers (their bytes, NUL-padded, read as one uint64).
+_SHORT_KEYWORDS = np.array(sorted(np.frombuffer(k.ljust(8, b"\0"), np.uint64)[0] for k in _HARMLESS_PAX_KEYWORDS if len(k) <= 8), dtype=np.uint64)
+_PAX_LENGTH_DIGITS = 5  # records up to 99999 bytes
+
+
+def _harmless_pax(blocks: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> int:
+    """How many of the pax payloads (``sizes[i]`` bytes from block ``first[i]`` of ``blocks``),
+    from the first, are records ``_parse_pax`` reads without an error that all have harmless
+    keywords: each record "<decimal length> <keyword>=<value>\\n", no NUL anywhere, no newline
+    in a value. All of them at once: the payloads joined, every newline taken for a record's end,
+    and each record's length field checked against the bytes to its newline (so a newline inside
+    a value, which the length would skip, sends that payload to the loop)."""
+    n = len(first)
+    if int(sizes.max()) <= BLOCK:  # (what writers write: one block each) cut out of the blocks at once
+        widest = int(sizes.max())
+        data = blocks[first, :widest][np.arange(widest) < sizes[:, None]]
+    else:
+        flat = blocks.reshape(-1)
+        data = np.concatenate([flat[a * BLOCK : a * BLOCK + b] for a, b in zip(first.tolist(), sizes.tolist())])
+    ends = np.cumsum(sizes)
+    bad = n
+    # Each payload ends with a newline (a record's end), so no record spans two payloads.
+    last = data[np.maximum(ends - 1, 0)] if len(data) else np.zeros(n, np.uint8)
+    wrong = (sizes == 0) | (last != 10)
+    if wrong.any():
+        bad = int(wrong.argmax())
+        if not bad:
+            return 0
+        data = data[: ends[bad - 1]]
+    nuls = np.flatnonzero(data == 0)
+    if len(nuls):
+        bad = min(bad, int(np.searchsorted(ends, nuls[0], side="right")))
+    record_end = np.flatnonzero(data == 10)
+    record_start = np.concatenate(([0], record_end[:-1] + 1))
+    top = len(data) - 1
+    spaces = np.flatnonzero(data == 32)
+    k = np.searchsorted(spaces, record_start)
+    ok = k < len(spaces)
+    space = spaces[np.minimum(k, len(spaces) - 1)] if len(spaces) else record_end
+    width = space - record_start
+    ok &= (space < record_end) & (width >= 1) & (width <= _PAX_LENGTH_DIGITS)
+    value = np.zeros(len(record_end), np.int64)
+    for j in range(min(int(width.max()), _PAX_LENGTH_DIGITS)):
+        inside = j < width
+        digit = data[np.minimum(record_start + j, top)].astype(np.int64) - 48
+        ok &= ~inside | ((digit >= 0) & (digit <= 9))
+        value = np.where(inside, value * 10 + digit, value)
+    ok &= value == record_end - record_start + 1
+    equals = np.flatnonzero(data == 61)
+    k = np.searchsorted(equals, space)
+    ok &= k < len(equals)
+    equal = equals[np.minimum(k, len(equals) - 1)] if len(equals) else record_end
+    keyword_len = equal - space - 1
+    ok &= (equal < record_end) & (keyword_len >= 1)
+    columns = np.arange(8)
+    short = data[np.minimum(space[:, None] + 1 + columns, top)]
+    short[columns >= keyword_len[:, None]] = 0
+    numbers = short.view(np.uint64).ravel()
+    known = (_SHORT_KEYWORDS[np.minimum(np.searchsorted(_SHORT_KEYWORDS, numbers), len(_SHORT_KEYWORDS) - 1)] == numbers) & (keyword_len <= 8)
+    for r in np.flatnonzero(ok & ~known).tolist():  # longer keywords (rare): one at a time
+        keyword = data[space[r] + 1 : equal[r]].tobytes()
+        ok[r] = keyword in _HARMLESS_PAX_KEYWORDS or keyword.startswith(_HARMLESS_PAX_PREFIXES)
+        if not ok[r]:
+            break
+    if not ok.all():
+        bad = min(bad, int(np.searchsorted(ends, record_start[int(ok.argmin())], side="right")))
+    return bad
 
 
 _NOT_DOT_OR_NUL = bytes(c for c in range(256) if c not in b".\0")
@@ -784,16 +926,25 @@ def _parse(
     big: memoryview | bytes | None = None  # the current member's data, when it was read on its own
     plain: _Run | None = None  # the run of plain members found in plain_buf
     plain_buf: bytes | bytearray | None = None
+    # The list being filled and its window, kept when the fast path resumes within a window.
+    resumed: tuple[list[Any], int] | None = None
     while True:
-        out: list[Any] = []
         headers: list[int] = []
         done = False
         need = BLOCK
         limit = end - base  # end, relative to buf
         buflen = filled
-        window_end = pos + PARSE_WINDOW  # members that start from here on wait for the next list (same block, no read)
+        if resumed is None:
+            out: list[Any] = []
+            window_end = pos + PARSE_WINDOW  # members that start from here on wait for the next list (same block, no read)
+        else:
+            (out, window_end), resumed = resumed, None
         windowed = False
-        if fast and long_name is None and pax is None and pax_size is None and member_start is None:
+        # A member's pax/long-name headers left pending by a refill: the loop parses that member,
+        # then the fast path may take up again (``resume``), in the same list.
+        chain = member_start is not None
+        resume = False
+        if fast and not chain:
             # The block's run of plain members is found once, from the first window that needs it.
             first = -1
             if plain is not None and plain_buf is buf:
@@ -807,7 +958,11 @@ def _parse(
                 run = plain.cut(first, last)
                 grouped = _plain_samples(run, buf, view, base, url, dicts, key, key_offset, key_end, fields, seen)
                 if grouped is not None:
-                    out, key, key_offset, key_end, fields = grouped
+                    complete, key, key_offset, key_end, fields = grouped
+                    if out:
+                        out += complete
+                    else:
+                        out = complete
                     pos = run.ends[-1]
         try:
             while True:
@@ -819,8 +974,11 @@ def _parse(
                 if buflen - pos < BLOCK:
                     need = BLOCK
                     break
-                if pos >= window_end:
+                if pos >= window_end and member_start is None:  # (a member's pax/long-name headers and it: one list)
                     windowed = True
+                    break
+                if chain and member_start is None and fast:
+                    resume = True
                     break
                 try:  # fast path: 11 octal digits and a NUL or space, as every common writer emits
                     if buf[pos + 135] > 32:
@@ -949,6 +1107,9 @@ def _parse(
                 yield out
             raise error from None
         _verify_checksums(buf, headers, url, base)
+        if resume:
+            resumed = (out, window_end)
+            continue
         if done:
             if long_name is not None or pax is not None:
                 raise ShardFormatError(url, base + pos, "archive ends after a long-name/pax header")

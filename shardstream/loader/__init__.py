@@ -44,6 +44,7 @@ from shardstream.loader.workers import (
     watched,
 )
 from shardstream.plan.run import Cursor
+from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ SHARED_FIELD_MIN_BYTES = 1 << 20
 # A packed batch is {PACKED: spec, "batch": structure}: a plain dict, so DataLoader's pin-memory
 # thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
+RESUMED_LENS = ("rest", "whole")  # make_loader's resumed_len: what len(loader) says in a resumed pass
 PACKED = "__shardstream_inline__"
 SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
 SEGMENTS = "__shardstream_segments__"  # the batch's segments.Handoff, if tensors lie on pooled segments
@@ -285,8 +287,6 @@ class UnpackStage:
 
 def _in_process(dataset: Any, collate: Callable[[Any], Any], pin: bool, pin_device: str) -> Any:
     """Batches of ``dataset`` iterated in this process: what DataLoader does with no workers."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
     for batch in dataset:
         batch = collate(batch)
         yield pin_memory(batch, pin_device) if pin else batch
@@ -318,10 +318,14 @@ class ShardLoader(webdataset.WebLoader):
         start_why: str = "asked for",
         timeout: float | None = None,
         first_batch_timeout: float | None = None,
+        resumed_len: str = "rest",
         **kwargs: Any,
     ):
+        if resumed_len not in RESUMED_LENS:
+            raise ConfigError(f"resumed_len must be one of {', '.join(map(repr, RESUMED_LENS))}, got {resumed_len!r}")
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
+        self.resumed_len = resumed_len
         self.log_interval = log_interval
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
@@ -345,7 +349,11 @@ class ShardLoader(webdataset.WebLoader):
 
     def __len__(self) -> int:
         """Batches this pass yields per rank: the one in progress, else the next (after
-        ``load_state_dict``, the rest of the resumed pass; then whole passes again)."""
+        ``load_state_dict``, the rest of the resumed pass; then whole passes again). With
+        ``resumed_len="whole"`` always a whole pass: for clients that count the resumed position
+        themselves (Lightning's fit loop restores its batch count and stops at ``len``)."""
+        if self.resumed_len == "whole":
+            return len(self.dataset)
         current = self._current()
         if current is not None and self._in_pass:
             return current.plan.batches_per_rank
@@ -371,7 +379,7 @@ class ShardLoader(webdataset.WebLoader):
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
         self._watch["semaphores"] = False
-        if self.num_workers > 0 and (not self.persistent_workers or self.pipeline[0]._iterator is None):
+        if self.num_workers > 0 and (not self.persistent_workers or loader_iterator(self.pipeline[0]) is None):
             self._start_workers()
         try:
             for batch in super().__iter__():
@@ -427,10 +435,10 @@ class ShardLoader(webdataset.WebLoader):
             self.channels.prepare_workers()  # new workers inherit the last pass's segments
 
     def _workers_alive(self) -> bool:
-        it = self.pipeline[0]._iterator
+        it = loader_iterator(self.pipeline[0])
         if it is None:
             return True
-        return all(w.is_alive() for w in it._workers)  # (statuses are all down between passes)
+        return all(w.is_alive() for w in iterator_workers(it) or [])  # (statuses are all down between passes)
 
     @property
     def received(self) -> int:
@@ -460,9 +468,9 @@ class ShardLoader(webdataset.WebLoader):
         # The wrapped DataLoader keeps persistent workers in ``_iterator``; shutting it down here, in
         # the process that started them, stops them now (and leaves its ``__del__`` nothing to do,
         # wherever it runs), and the next pass starts workers holding the dataset as it is now.
-        it, self.pipeline[0]._iterator = self.pipeline[0]._iterator, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        it = drop_loader_iterator(self.pipeline[0])
+        if it is not None:
+            shutdown_workers(it)
         if self.channels is not None:
             self.channels.forget(set(self.channels.mapped))
 
@@ -495,12 +503,14 @@ def make_loader(
     start_method: str = "auto",
     timeout: float | None = DEFAULT_TIMEOUT,
     first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
+    resumed_len: str = "rest",
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
-    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch). Every
+    to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch; ``in_order``
+    must stay True: exact resume counts batches in the order they come). Every
     ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
     level; ``loader.stats()`` reads them any time. The dataset is not changed.
 
@@ -528,8 +538,13 @@ def make_loader(
     pass (workers start, plan and open their first shards), ``timeout`` for each later one (None:
     unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
     its last step. Workers die with their rank process, whatever the start method.
+
+    ``resumed_len``: what ``len(loader)`` says after ``load_state_dict`` until the resumed pass
+    ends. ``"rest"`` (default): the batches that pass yields, so a plain loop's ``len`` matches
+    it. ``"whole"``: a whole pass, for clients that restore their own count of the batches done
+    and stop at ``len`` (Lightning's ``Trainer``; ``ShardDataModule`` sets it).
     """
-    dataset.plan(num_workers=num_workers)  # raises ConfigError naming the numbers
+    dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
     if kwargs.pop("timeout", None):
         raise ConfigError(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
@@ -575,5 +590,6 @@ def make_loader(
         start_why=why,
         timeout=timeout if num_workers > 0 else None,
         first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
+        resumed_len=resumed_len,
         **kwargs,
     )

@@ -64,6 +64,7 @@ from multiprocessing import context, reduction
 from typing import Any
 
 from shardstream.buffers import PAGE, new_shared, populate, set_shared_allocator
+from shardstream.private import storage_use_count
 
 _MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
 _UNMAPPED = 1 << 31  # released without being mapped: send the storage again
@@ -73,9 +74,7 @@ MAX_SEGMENTS = 8
 
 
 def _use_count(storage: Any) -> int:
-    import torch
-
-    return int(torch._C._storage_Use_Count(storage._cdata))
+    return storage_use_count(storage)
 
 
 def _capacity(nbytes: int) -> int:

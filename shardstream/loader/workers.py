@@ -29,6 +29,8 @@ otherwise blocks for good flushing its queue to a reader that is gone.
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import logging
 import multiprocessing
 import os
@@ -39,13 +41,23 @@ import signal
 import sys
 import threading
 import time
-from _multiprocessing import sem_unlink
 from collections.abc import Callable
-from multiprocessing import resource_tracker, synchronize, util
+from multiprocessing import resource_tracker, synchronize
 from types import FrameType
 from typing import Any
 
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
+from shardstream.private import (
+    forkserver_preload,
+    forkserver_running,
+    is_iterator_timeout,
+    iterator_workers,
+    owed_worker,
+    sem_unlink,
+    semaphore_finalizers,
+    set_iterator_timeout,
+    shutdown_workers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +146,8 @@ def context(method: str) -> Any:
     if method != "fork":
         _register_generator()
     if method == "forkserver":
-        from multiprocessing import forkserver
-
-        if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:  # not started yet: preload counts
-            preload = list(getattr(forkserver._forkserver, "_preload_modules", ["__main__"]))
+        if not forkserver_running():  # not started yet: preload counts
+            preload = forkserver_preload()
             multiprocessing.set_forkserver_preload([*preload, *(m for m in PRELOAD if m not in preload)])
     return multiprocessing.get_context(method)
 
@@ -151,7 +161,7 @@ def warm_forkserver() -> threading.Thread | None:
     raises what it raises. Returns the thread (None: already running)."""
     from multiprocessing import forkserver
 
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+    if forkserver_running():
         return None
     context("forkserver")  # its preload list, before the server starts
 
@@ -193,25 +203,33 @@ def check_main_guarded(method: str) -> None:
     path = getattr(main, "__file__", None)
     if main is None or not path:  # an interactive session, python -c: nothing is imported again
         return
-    frame: FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: FrameType | None = here.f_back if here is not None else None
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
         frame = frame.f_back
     if frame is None:  # called from a function the script's guard (or another module) called
         return
     line = frame.f_lineno
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, ValueError):
+    guards = _main_guards(path)
+    if guards is None or any(first <= line <= last for first, last in guards):
         return
-    for node in tree.body:
-        if isinstance(node, ast.If) and _tests_main(node.test) and node.lineno <= line <= (node.end_lineno or node.lineno):
-            return
     raise ConfigError(
         f"{path}, line {line}: DataLoader workers start here from the script's top level, and a worker started with "
         f"{method} imports the script again and would run this code too (then fail starting workers of its own): "
         f"add `if __name__ == '__main__':` around your training code (workers start from {method} here, see docs/training.md)"
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
+    """The line ranges of the top-level ``if __name__ == "__main__":`` blocks of the script at
+    ``path`` (None: unreadable or not Python); read once per script, not at every pass."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return tuple((n.lineno, n.end_lineno or n.lineno) for n in tree.body if isinstance(n, ast.If) and _tests_main(n.test))
 
 
 def _tests_main(test: ast.expr) -> bool:
@@ -352,12 +370,10 @@ def unlink_semaphores(batches: Any) -> int:
     finalizers cancelled, the resource tracker told. Nothing of them stays in /dev/shm, whatever
     happens to this process; other loaders' semaphores are not touched. Returns how many."""
     names = _semaphore_names(batches)
-    cleanup = getattr(synchronize.SemLock, "_cleanup", None)
     done = 0
-    for fin in list(getattr(util, "_finalizer_registry", {}).values()):
-        if cleanup is None or getattr(fin, "_callback", None) is not cleanup or not fin._args or fin._args[0] not in names:
+    for name, fin in semaphore_finalizers(-1):
+        if name not in names:
             continue
-        name = fin._args[0]
         fin.cancel()
         try:
             sem_unlink(name)
@@ -385,8 +401,8 @@ def watched(
     died raises WorkerDied (DataLoader's own error says only "exited unexpectedly"). With
     ``semaphores``, the names of the iterator's named semaphores are unlinked once every worker
     has started. ``method``: how the workers started (for the message)."""
-    workers = getattr(batches, "_workers", None)
-    if workers is None or not hasattr(batches, "_timeout"):  # no worker processes: nothing to watch
+    workers = iterator_workers(batches)
+    if workers is None:  # no worker processes: nothing to watch
         yield from batches
         return
     started = time.monotonic()
@@ -397,14 +413,14 @@ def watched(
         waiting = time.monotonic()
         while True:
             left = None if bound is None else bound - (time.monotonic() - waiting)
-            batches._timeout = STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001)
+            set_iterator_timeout(batches, STATUS_CHECK_S if left is None else max(min(STATUS_CHECK_S, left), 0.001))
             try:
                 batch = next(batches)
                 break
             except StopIteration:
                 return
             except RuntimeError as exc:
-                if not str(exc).startswith("DataLoader timed out"):
+                if not is_iterator_timeout(exc):
                     died = _died(batches, stats, rank, str(exc), method) if str(exc).startswith(_DIED) else None
                     _shut_down(batches)
                     if died is not None:
@@ -441,7 +457,7 @@ def _died(it: Any, stats: Any, rank: int, message: str, method: str | None) -> W
     that has exited when it names none; None if none is found dead."""
     pids = {int(p) for p in re.findall(r"\d+", message.split(")", 1)[0])}
     found = []
-    for w, proc in enumerate(getattr(it, "_workers", [])):
+    for w, proc in enumerate(iterator_workers(it) or []):
         if pids and proc.pid not in pids:
             continue
         proc.join(STATUS_CHECK_S if proc.pid in pids else 0)  # its exit code (a forkserver's child: sent by the server)
@@ -488,8 +504,7 @@ def _shut_down(batches: Any) -> None:
     ``__del__``, they are stopped when the exception's traceback is collected, a reference cycle
     in which the index queues are finalized first: the "stop" each worker is sent never reaches it,
     and DataLoader waits 5 s for each one before killing it (10 s per failed pass with 2 workers)."""
-    if hasattr(batches, "_shutdown_workers"):
-        batches._shutdown_workers()
+    shutdown_workers(batches)
 
 
 def _has_started(stats: Any, index: int, proc: Any) -> bool:
@@ -498,12 +513,12 @@ def _has_started(stats: Any, index: int, proc: Any) -> bool:
 
 
 def _late_worker(it: Any, stats: Any, rank: int, bound: float, elapsed: float) -> str:
-    info = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1))
-    worker = info[0] if info else None
-    which = [worker] if worker is not None else list(range(len(it._workers)))
+    worker = owed_worker(it)
+    workers = iterator_workers(it) or []
+    which = [worker] if worker is not None else list(range(len(workers)))
     lines = []
     for w in which:
-        proc = it._workers[w]
+        proc = workers[w]
         line = stats.worker_line(w)
         if line is None or line[0] != proc.pid:
             lines.append(

@@ -23,6 +23,7 @@ from shardstream.buffers import BufferPool
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
+from shardstream.format.scan import hashed, skip_exactly
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_dicts
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
@@ -30,8 +31,7 @@ from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import FileReader
 from shardstream.storage.ranges import open_range as open_object_range
-from shardstream.storage.readahead import Prefetcher
-from shardstream.storage.scan import hashed, skip_exactly
+from shardstream.storage.readahead import Budget, Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,10 @@ class RangeSource:
         keep_buffers: Container[str] = (),
         buffers: BufferPool | None = None,
         readahead_threads: int = 1,
+        budget: Budget | None = None,
     ):
         self.manifest = manifest
+        self.budget = budget  # the worker's read-ahead budget, shared with its other sources (else one per read)
         self.readahead_threads = readahead_threads
         self.keep_buffers = keep_buffers
         self.buffers = buffers
@@ -245,18 +247,65 @@ class _FirstReadsSmall:
         return self._read(self._cap // 2)
 
 
-def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
+class PlannedReads:
+    """One source's read-ahead over a whole pass: one Prefetcher over its planned ranges of every
+    window, in order, so fetching runs on from one window's last range into the next window's
+    first (the shuffle and the mix see windows; storage sees one sequence of ranges). Its bytes
+    count against ``source.budget``, shared by the worker's sources. ``read_ranges`` takes each
+    window's ranges from it in turn; ``close`` at the pass's end (or when it is abandoned)."""
+
+    def __init__(self, source: RangeSource, ranges: Sequence[Range]):
+        self.ranges = list(ranges)
+        self.next = 0  # the first range the next read_ranges call takes
+        self.prefetcher: Prefetcher | None = None
+        if source.readahead_bytes > 0 and self.ranges:
+            self.prefetcher = Prefetcher(
+                [source.opener(r) for r in self.ranges],
+                block_size=source.read_size,
+                max_bytes=source.readahead_bytes,
+                budget=source.budget,
+                threads=source.readahead_threads,
+            )
+
+    def take(self, ranges: Sequence[Range]) -> int:
+        """The index of ``ranges``' first in the pass's sequence; they must be the next planned."""
+        first = self.next
+        if list(self.ranges[first : first + len(ranges)]) != list(ranges):
+            raise RuntimeError(f"ranges read out of their planned order (at planned range {first} of {len(self.ranges)})")
+        self.next = first + len(ranges)
+        return first
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+
+def read_ranges(
+    source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None, planned: PlannedReads | None = None
+) -> Iterator[list[dict[str, Any]]]:
     """Samples of several ranges in order, as lists (one per read block).
 
-    With ``source.readahead_bytes`` a background thread fetches ahead, across range boundaries.
+    With ``source.readahead_bytes`` background threads fetch ahead, across range boundaries (in
+    ``source.budget``, when given); with ``planned`` (a pass's ``PlannedReads``, whose next
+    ranges these must be) its Prefetcher does, which runs on into the ranges after these.
     A broken range (missing shard, truncated or corrupt bytes, a manifest that lies) goes to
     ``policy``: raised, or its remaining samples skipped and counted.
     """
     ranges = list(ranges)
-    prefetcher = None
-    if source.readahead_bytes > 0 and ranges:
-        prefetcher = Prefetcher(
-            [source.opener(r) for r in ranges], block_size=source.read_size, max_bytes=source.readahead_bytes, threads=source.readahead_threads
+    prefetcher, base, own = None, 0, False
+    if planned is not None:
+        base = planned.take(ranges)
+        prefetcher = planned.prefetcher
+    elif source.readahead_bytes > 0 and ranges:
+        prefetcher, own = (
+            Prefetcher(
+                [source.opener(r) for r in ranges],
+                block_size=source.read_size,
+                max_bytes=source.readahead_bytes,
+                budget=source.budget,
+                threads=source.readahead_threads,
+            ),
+            True,
         )
     try:
         for index, rng in enumerate(ranges):
@@ -265,7 +314,7 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                 source.counters.step(f"reading samples {rng.start}-{rng.stop} of {source.manifest.shard_url(rng.shard)}")
             try:
                 if prefetcher is not None:
-                    read, close = prefetcher.reader(index), None
+                    read, close = prefetcher.reader(base + index), None
                 else:
                     read, close = source.opener(rng)()
                 try:
@@ -297,7 +346,7 @@ def read_ranges(source: RangeSource, ranges: Sequence[Range], *, policy: ErrorPo
                     raise
                 policy.failed(exc, lost=max(1, len(rng) - delivered))
     finally:
-        if prefetcher is not None:
+        if own and prefetcher is not None:
             prefetcher.close()
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError
-from shardstream.plan.topology import worker_share
+from shardstream.plan.topology import batches_per_rank, worker_share, worker_starts
+from shardstream.storage.requests import RequestCount, count_requests
 
 MODES = ("drop", "pad")
 
@@ -70,6 +71,13 @@ class RankSlices:
         before, count = worker_share(0, self.batches_per_rank, self.num_workers, worker)
         begin = rank * self.samples_per_rank + before * self.batch_size
         return begin, begin + count * self.batch_size
+
+    def slice_begins(self) -> np.ndarray:
+        """Every worker slice's first position, in (rank, worker) order (``worker_slice`` for all
+        at once): the slices tile [0, W x R x B) of the laid-out (maybe wrapped) sequence."""
+        before = np.asarray(worker_starts(self.batches_per_rank, self.num_workers), dtype=np.int64)
+        ranks = np.arange(self.world_size, dtype=np.int64)[:, None] * self.samples_per_rank
+        return (ranks + before[None, :] * self.batch_size).ravel()
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,11 @@ class EpochPlan(RankSlices):
             pos += take
         return out
 
+    def count_requests(self, manifests: Sequence[Any]) -> RequestCount:
+        """The store requests this epoch makes (a ``storage.requests.RequestCount``) over
+        ``manifests`` (the dataset's manifest, alone in a list)."""
+        return count_requests(self, manifests[0])
+
     def summary(self) -> str:
         """The plan in one line: samples over shards, ranks x batches, what is dropped or repeated,
         workers per rank (and the notes ``resumed`` and ``requests`` when set)."""
@@ -167,6 +180,36 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
+def epoch_batches(counts: Counts, *, world_size: int, num_workers: int, batch_size: int, mode: str = "drop") -> tuple[np.ndarray, int, int]:
+    """``plan_epoch``'s checks and arithmetic without the shard order (no permutation, so no
+    ``numpy.random``): the counts as an array, the total and the batches per rank. Raises the
+    same ConfigErrors."""
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    workers = max(1, num_workers)
+    counts_arr = np.asarray(counts, dtype=np.int64)  # vectorised: 100,000 shards plan in milliseconds
+    total = int(counts_arr.sum())
+    if total == 0:
+        raise ConfigError(f"the dataset is empty ({len(counts)} shards, 0 samples)")
+    per_step = world_size * batch_size
+    batches = batches_per_rank(total, world_size, batch_size, mode)
+    if batches == 0:
+        raise ConfigError(
+            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but the dataset "
+            f"has only {total}: use a smaller batch size, fewer ranks, or mode='pad'"
+        )
+    if batches < workers:
+        raise ConfigError(
+            f"each rank gets {batches} batches of {batch_size} but num_workers is {num_workers}: "
+            f"{workers - batches} workers would have nothing to read; use num_workers <= {batches}"
+        )
+    return counts_arr, total, batches
+
+
 def plan_epoch(
     counts: Counts,
     *,
@@ -180,30 +223,9 @@ def plan_epoch(
     compressed_shards: int = 0,
 ) -> EpochPlan:
     """Plan one epoch; raises ConfigError (naming the numbers) for settings that cannot work."""
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
     seed = check_seed(seed)
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    if world_size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    counts_arr, total, batches = epoch_batches(counts, world_size=world_size, num_workers=num_workers, batch_size=batch_size, mode=mode)
     workers = max(1, num_workers)
-    counts_arr = np.asarray(counts, dtype=np.int64)  # vectorised: 100,000 shards plan in milliseconds
-    total = int(counts_arr.sum())
-    if total == 0:
-        raise ConfigError(f"the dataset is empty ({len(counts)} shards, 0 samples)")
-    per_step = world_size * batch_size
-    batches = total // per_step if mode == "drop" else -(-total // per_step)
-    if batches == 0:
-        raise ConfigError(
-            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but the dataset "
-            f"has only {total}: use a smaller batch size, fewer ranks, or mode='pad'"
-        )
-    if batches < workers:
-        raise ConfigError(
-            f"each rank gets {batches} batches of {batch_size} but num_workers is {num_workers}: "
-            f"{workers - batches} workers would have nothing to read; use num_workers <= {batches}"
-        )
     perm = shard_permutation(len(counts), seed, epoch) if shuffle else np.arange(len(counts))
     order = perm[counts_arr[perm] > 0]
     starts = np.concatenate([[0], np.cumsum(counts_arr[order])[:-1]]).astype(np.int64)

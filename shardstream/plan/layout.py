@@ -29,7 +29,7 @@ import numpy as np
 from shardstream.plan.epoch import EpochPlan, Range
 from shardstream.plan.mix import PHASES, Interleave, MixPlan, apportion, exact_pattern
 from shardstream.plan.shuffle import StreamCut, cut_stream, stream_rng
-from shardstream.plan.topology import consumed_in, worker_share
+from shardstream.plan.topology import batches_per_rank, consumed_in, worker_share
 
 _REST_TAG = 0x72657374  # "rest": keeps a rest layout's phases apart from the epoch's
 
@@ -210,8 +210,7 @@ class RestLayout(Layout):
         self.total = sum(quotas)
         # The rest of a source that exact batches cannot carry is counted as dropped, like the tail.
         self.left_out = sum(len(r) for r in self.rest) - self.total
-        per_step = world_size * batch_size
-        self.batches_per_rank = self.total // per_step if mode == "drop" else -(-self.total // per_step)
+        self.batches_per_rank = batches_per_rank(self.total, world_size, batch_size, mode)
 
     @property
     def dropped(self) -> int:

@@ -45,11 +45,14 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from shardstream.errors import ConfigError
 from shardstream.plan.epoch import MODES, Range, RankSlices
+from shardstream.plan.topology import batches_per_rank as _batches_per_rank
+from shardstream.storage.requests import RequestCount, count_mix_requests
 
 PER_BATCH = ("spread", "exact")
 PHASES = 1 << 16  # phases are multiples of 1/PHASES, so keys are exact rationals
@@ -394,6 +397,11 @@ class MixPlan(RankSlices):
             )
         return out
 
+    def count_requests(self, manifests: Sequence[Any]) -> RequestCount:
+        """The store requests this epoch makes (a ``storage.requests.RequestCount``) over its
+        sources' ``manifests`` (one per source, in order; a local source makes none)."""
+        return count_mix_requests(self, manifests)
+
     def summary(self) -> str:
         """The plan in a few lines: the mix as a whole, then one line per source (``shares()``)."""
         extra = f"{self.dropped} dropped" if self.mode == "drop" else f"{self.used_samples - self.total_samples} repeated"
@@ -464,7 +472,7 @@ def plan_mix(
         pattern = exact_pattern(per_batch_counts)
     total = sum(q)
     per_step = world_size * batch_size
-    batches_per_rank = total // per_step if mode == "drop" else -(-total // per_step)
+    batches_per_rank = _batches_per_rank(total, world_size, batch_size, mode)
     if batches_per_rank == 0:
         raise ConfigError(
             f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but an epoch of this mix "

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError, StateError
-from shardstream.plan.epoch import EpochPlan, plan_epoch
+from shardstream.plan.epoch import EpochPlan, epoch_batches, plan_epoch
 from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
 from shardstream.plan.mix import Ask, MixPlan, plan_mix
 from shardstream.plan.state import Segment, State
@@ -144,31 +144,43 @@ class WorkerPlan:
     shuffle_initial: int
 
 
+@dataclass(frozen=True)
+class Resumption:
+    """How a resumed pass continues the state it was loaded from (``PassPlan.summary`` says it):
+    ``how`` is ``"exact"`` (the same topology: the pass goes on), ``"fresh"`` (another topology,
+    nothing of the epoch consumed: it starts afresh) or ``"elastic"`` (another topology: the rest
+    of the epoch is laid out again). ``epoch``: the data epoch; ``done``: batches per rank of it
+    received on ``saved_on``; ``batches``: batches per rank of the layout the pass reads it by (the
+    epoch's own for an exact resume); ``left``: samples of the epoch not yet consumed (elastic)."""
+
+    how: str
+    epoch: int
+    done: int
+    saved_on: Topology
+    batches: int
+    left: int = 0
+
+
+@dataclass(frozen=True, eq=False)
 class PassPlan:
     """One pass: windows [pass_start, pass_end) of the timeline, of which ``received`` batches were
-    received before (a pass resumed on its own topology); what every (rank, worker) reads."""
+    received before (a pass resumed on its own topology); what every (rank, worker) reads. Built
+    whole and never changed: a resumed pass carries its ``timeline`` (the run's from the loaded
+    state on) and its ``resumption``, from which ``summary()`` is rendered."""
 
-    def __init__(
-        self,
-        run: RunPlan,
-        loader_epoch: int,
-        topology: Topology,
-        windows: list[Window],
-        pass_start: int,
-        pass_end: int,
-        received: int = 0,
-        *,
-        loaded: State | None = None,
-        exact: bool | None = None,
-        summary: str = "",
-        dropped: int = 0,
-        repeated: int = 0,
-    ):
-        self.run, self.loader_epoch, self.topology, self.windows = run, loader_epoch, topology, windows
-        self.pass_start, self.pass_end, self.received = pass_start, pass_end, received
-        self.loaded, self.exact, self._summary = loaded, exact, summary
-        self.dropped, self.repeated = dropped, repeated
-        self.timeline: Timeline | None = None  # a resumed pass: the run's timeline from the loaded state on
+    run: RunPlan
+    loader_epoch: int
+    topology: Topology
+    windows: tuple[Window, ...]
+    pass_start: int
+    pass_end: int
+    received: int = 0
+    loaded: State | None = None
+    exact: bool | None = None
+    dropped: int = 0
+    repeated: int = 0
+    timeline: Timeline | None = None
+    resumption: Resumption | None = None
 
     @property
     def batches_per_rank(self) -> int:
@@ -225,8 +237,9 @@ class PassPlan:
         return Window(layout, layout.batches_per_rank, layout.batches_per_rank, x)
 
     def summary(self) -> str:
-        if self._summary:
-            return self._summary
+        r = self.resumption
+        if r is not None:
+            return self._resumed_summary(r)
         first = self.windows[0].layout.epoch if self.windows else self.loader_epoch
         head = self.run.plan_epoch(first, self.topology.num_workers if self.run.by_epochs else 1).summary()
         if self.run.by_epochs:
@@ -236,6 +249,24 @@ class PassPlan:
             f"loader epoch {self.loader_epoch}: steps {self.pass_start}..{self.pass_end} of the run, "
             f"{self.batches_per_rank} batches per rank from data epochs {first}..{last}; {head}"
         )
+
+    def _resumed_summary(self, r: Resumption) -> str:
+        now, old = self.topology.describe(), r.saved_on.describe()
+        if r.how == "exact":
+            return (
+                f"resuming epoch {r.epoch} exactly after {r.done} of {r.batches} batches per rank "
+                f"({now}): {self.batches_per_rank} batches per rank to go"
+            )
+        extra = f"{self.dropped} dropped" if self.run.settings.mode == "drop" else f"{self.repeated} repeated"
+        if r.how == "fresh":
+            return f"resuming epoch {r.epoch} from its start on {now} (none of it was consumed on {old}): {r.batches} batches per rank ({extra})"
+        text = (
+            f"resuming epoch {r.epoch} elastically: {r.left} samples not yet consumed after {r.done} "
+            f"batches per rank on {old} -> {now}: {r.batches} batches per rank ({extra})"
+        )
+        if not self.run.by_epochs:
+            text += f"; this pass yields {self.batches_per_rank} batches per rank, then fresh data epochs follow"
+        return text
 
 
 class Cursor:
@@ -282,7 +313,7 @@ class RunPlan:
         self._layouts: dict[tuple[int, int, int], Layout] = {}
         self._resumed_plan: tuple[State, Topology, PassPlan] | None = None  # the last resumed pass planned
         self._replayed: tuple[State, list[Layout]] | None = None  # the last state's segment layouts
-        self.batches_per_epoch = self.plan_epoch(0, 1).batches_per_rank  # settings that cannot work fail here
+        self.batches_per_epoch = self._epoch_batches(1)  # settings that cannot work fail here
         self.batches_per_pass = self._pass_length(s.world_size, s.batch_size)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -317,7 +348,7 @@ class RunPlan:
     def check_workers(self, num_workers: int) -> None:
         """Refuse a worker count that leaves workers with nothing to yield, naming the numbers."""
         if self.by_epochs:
-            self.plan_epoch(0, num_workers)  # plan_epoch / plan_mix say it with their numbers
+            self._epoch_batches(num_workers)  # plan_epoch / plan_mix say it with their numbers
         elif self.batches_per_pass < num_workers:
             raise ConfigError(
                 f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
@@ -333,6 +364,15 @@ class RunPlan:
         return self.plan_epoch(epoch, max(1, num_workers if num_workers is not None else assumed) if self.by_epochs else 1)
 
     # -- data epochs --------------------------------------------------------------------------------
+    def _epoch_batches(self, num_workers: int) -> int:
+        """Batches per rank of a data epoch, its settings checked as ``plan_epoch`` checks them; for
+        one dataset without planning its shard order (construction and make_loader need no
+        permutation, nor ``numpy.random``'s import)."""
+        s, src = self.settings, self.sources
+        if src.mixed:
+            return self.plan_epoch(0, num_workers).batches_per_rank
+        return epoch_batches(src.counts[0], world_size=s.world_size, num_workers=num_workers, batch_size=s.batch_size, mode=s.mode)[2]
+
     def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> EpochPlan | MixPlan:
         """The plan of data epoch ``epoch`` (the report: ``.summary()``); raises ConfigError for
         settings that cannot work."""
@@ -446,11 +486,11 @@ class RunPlan:
             return self._resumed(state, topology)
         if self.by_epochs:  # pass k is data epoch k, on its own timeline
             timeline = Timeline(self.layout, self.batches_per_epoch, loader_epoch, 0)
-            return PassPlan(self, loader_epoch, topology, timeline.windows(0, self.batches_per_epoch), 0, self.batches_per_epoch)
+            return PassPlan(self, loader_epoch, topology, tuple(timeline.windows(0, self.batches_per_epoch)), 0, self.batches_per_epoch)
         timeline, at, anchor = self._timeline(state, topology)
         a = at + (loader_epoch - anchor) * self.batches_per_pass
         b = a + self.batches_per_pass
-        return PassPlan(self, loader_epoch, topology, timeline.windows(a, b), a, b)
+        return PassPlan(self, loader_epoch, topology, tuple(timeline.windows(a, b)), a, b)
 
     def _timeline(self, state: State | None, topology: Topology) -> tuple[Timeline, int, int]:
         """A run by steps: its timeline, and (x, k) where pass k starts at step x. Fresh, pass k
@@ -480,53 +520,57 @@ class RunPlan:
         if last.topology == topology:  # exact: the same pass goes on, each worker from where it stood
             timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, epoch_end, (layout, last.start, state.segments[:-1]))
             windows = timeline.windows(max(last.pass_start, last.start), pass_end)
-            plan = PassPlan(self, k, topology, windows, last.pass_start, pass_end, last.batches, loaded=state, exact=True)
-            plan.timeline = timeline
-            plan._summary = (
-                f"resuming epoch {e} exactly after {done} of {layout.batches_per_rank} batches per rank "
-                f"({topology.describe()}): {plan.batches_per_rank} batches per rank to go"
+            return PassPlan(
+                self,
+                k,
+                topology,
+                tuple(windows),
+                last.pass_start,
+                pass_end,
+                last.batches,
+                loaded=state,
+                exact=True,
+                timeline=timeline,
+                resumption=Resumption("exact", e, done, last.topology, layout.batches_per_rank),
             )
-            return plan
         old = last.topology
         end = self._pass_end(x, pass_end, old, topology)
         if len(state.segments) == 1 and x == last.start:  # nothing of this epoch consumed: it starts afresh here
             fresh = self.layout(e)
             timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + fresh.batches_per_rank, (fresh, x, ()))
             windows = timeline.windows(x, x + fresh.batches_per_rank if self.by_epochs else end)
-            plan = PassPlan(
+            return PassPlan(
                 self,
                 k,
                 topology,
-                windows,
+                tuple(windows),
                 x,
                 windows[-1].end if self.by_epochs and windows else end,
                 loaded=state,
                 exact=False,
                 dropped=fresh.dropped,
                 repeated=fresh.repeated,
+                timeline=timeline,
+                resumption=Resumption("fresh", e, done, old, fresh.batches_per_rank),
             )
-            plan.timeline = timeline
-            extra = f"{fresh.dropped} dropped" if self.settings.mode == "drop" else f"{fresh.repeated} repeated"
-            plan._summary = (
-                f"resuming epoch {e} from its start on {topology.describe()} (none of it was consumed on "
-                f"{old.describe()}): {fresh.batches_per_rank} batches per rank ({extra})"
-            )
-            return plan
         rest = self._rest(layout, last, len(state.segments), topology)
         timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + rest.batches_per_rank, (rest, x, state.segments))
         if self.by_epochs:
             end = x + rest.batches_per_rank
-        plan = PassPlan(self, k, topology, timeline.windows(x, end), x, end, loaded=state, exact=False, dropped=rest.dropped, repeated=rest.repeated)
-        plan.timeline = timeline
-        extra = f"{rest.dropped} dropped" if self.settings.mode == "drop" else f"{rest.repeated} repeated"
-        plan._summary = (
-            f"resuming epoch {e} elastically: {rest.total + rest.left_out} samples not yet consumed after {done} "
-            f"batches per rank on {old.describe()} -> {topology.describe()}: {rest.batches_per_rank} batches per "
-            f"rank ({extra})"
+        return PassPlan(
+            self,
+            k,
+            topology,
+            tuple(timeline.windows(x, end)),
+            x,
+            end,
+            loaded=state,
+            exact=False,
+            dropped=rest.dropped,
+            repeated=rest.repeated,
+            timeline=timeline,
+            resumption=Resumption("elastic", e, done, old, rest.batches_per_rank, rest.total + rest.left_out),
         )
-        if not self.by_epochs:
-            plan._summary += f"; this pass yields {plan.batches_per_rank} batches per rank, then fresh data epochs follow"
-        return plan
 
     def _pass_end(self, x: int, pass_end: int, old: Topology, new: Topology) -> int:
         """Where a resumed pass of a run by steps ends on the new topology: ``steps`` counts steps

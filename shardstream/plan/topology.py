@@ -77,6 +77,14 @@ class Topology:
         return f"{self.world_size} ranks x {self.num_workers} workers x batch {self.batch_size}"
 
 
+def batches_per_rank(total: int, world_size: int, batch_size: int, mode: str) -> int:
+    """The batches every rank gets from a laid-out sequence of ``total`` samples, written once (one
+    dataset, a mix, the rest of an interrupted epoch): ``floor(total / (W * B))`` when dropping the
+    tail that cannot fill equal batches, ``ceil`` when padding (the sequence wraps around)."""
+    per_step = world_size * batch_size
+    return total // per_step if mode == "drop" else -(-total // per_step)
+
+
 def _upto(t: int, worker: int, num_workers: int) -> int:
     """How many of a pass's batches [0, t) come from ``worker`` (batch t' from worker t' % K)."""
     return max(0, -(-(t - worker) // num_workers))
@@ -90,6 +98,14 @@ def worker_share(t0: int, t1: int, num_workers: int, worker: int) -> tuple[int, 
     whole epoch from t0 = 0 gives the first R % K workers one batch more."""
     shares = [_upto(t1, w, num_workers) - _upto(t0, w, num_workers) for w in range(worker + 1)]
     return sum(shares[:-1]), shares[-1]
+
+
+def worker_starts(batches: int, num_workers: int) -> list[int]:
+    """``worker_share(0, batches, K, w)[0]`` for every worker w at once: where each worker's slice
+    of a whole epoch of ``batches`` batches per rank starts, in batches (the split every plan and
+    the request count use)."""
+    base, extra = divmod(batches, num_workers)
+    return [w * base + min(w, extra) for w in range(num_workers)]
 
 
 def consumed_in(t0: int, t1: int, received: int, num_workers: int, worker: int) -> int:

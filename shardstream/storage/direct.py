@@ -41,6 +41,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from shardstream.buffers import uninitialized_bytearray
+from shardstream.private import client_signer
 from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.retry import OpenBody, PartialRead
@@ -102,7 +103,10 @@ def _proxied(scheme: str, host: str) -> bool:
 def _ssl_context(fs: Any) -> ssl.SSLContext:
     verify = (fs.client_kwargs or {}).get("verify", None)
     if verify is False:
-        return ssl._create_unverified_context()
+        context = ssl.create_default_context()  # verify=False: no hostname check, no certificate check
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
     if isinstance(verify, str):
         return ssl.create_default_context(cafile=verify)
     bundle = os.environ.get("AWS_CA_BUNDLE")
@@ -209,8 +213,7 @@ class DirectS3:
 
         async def frozen() -> tuple[Any, str | None, Any]:
             client = await self.fs.set_session()
-            signer = client._request_signer
-            credentials = signer._credentials
+            signer, credentials = client_signer(client)
             if credentials is None:
                 return None, None, signer
             got = credentials.get_frozen_credentials()

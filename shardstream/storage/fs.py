@@ -6,7 +6,7 @@ environment variables are honoured by botocore itself), and adds what fsspec lac
 of a finished file and clear errors for a destination that is missing or refuses access.
 
 Every filesystem made here follows ``StorageConfig`` (timeouts; for S3 botocore's standard retry
-mode, which retries transient causes only, with ``max_attempts`` tries and s3fs's own retry loop
+mode, which retries transient causes only, with ``upload_attempts`` tries and s3fs's own retry loop
 off so tries do not multiply). Reads go through ``ranges.py``, which retries itself, and so does
 a pack's destination check (``check_destination_writable``).
 """
@@ -28,6 +28,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from shardstream.errors import BucketNotFound, ConfigError, DestinationError, StorageNotFound
+from shardstream.private import cached_s3_filesystems
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import call
@@ -54,17 +55,20 @@ def make_storage_options(
 
 def bound_options(url: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
     """``storage_options`` with ``config``'s policy written into them, as ``get_fs(url, options,
-    config)`` applies it: for S3, botocore's standard retry mode with ``config.max_attempts`` tries
+    config)`` applies it: for S3, botocore's standard retry mode with ``config.upload_attempts`` tries
     per request, and ``config``'s timeouts. A later ``get_fs(url, options)`` with no config (code
     that takes only storage options, such as ``write_manifest``) then follows ``config`` too, and
-    gets the same cached filesystem. Options the user set explicitly win."""
+    gets the same cached filesystem. Options the user set explicitly win. (Uploads keep the full
+    timeouts: the deadline, which reads' timeouts are cut to, does not bound them.)"""
     protocol = fsspec.utils.get_protocol(url)
     options = dict(storage_options or {})
     if protocol in ("file", "local"):
         return options
     if protocol in ("s3", "s3a"):
         config_kwargs = dict(options.get("config_kwargs") or {})
-        config_kwargs.setdefault("retries", {"max_attempts": config.max_attempts, "mode": "standard"})
+        config_kwargs.setdefault("retries", {"max_attempts": config.upload_attempts, "mode": "standard"})
+        config_kwargs.setdefault("connect_timeout", config.connect_timeout)
+        config_kwargs.setdefault("read_timeout", config.read_timeout)
         options["config_kwargs"] = config_kwargs
     return config.fs_options(options, protocol)
 
@@ -198,7 +202,7 @@ def _stash_filesystems() -> None:
     uses them. The parent drops the references again right after the fork."""
     s3fs = sys.modules.get("s3fs")
     if s3fs is not None:
-        _inherited[:] = list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
+        _inherited[:] = cached_s3_filesystems(s3fs)
 
 
 def _unstash_filesystems() -> None:
@@ -292,7 +296,7 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
     (``storage_call``: a filesystem of the same options that makes one try per call, as for
     reads, and ``retry.call`` around it): a permanent failure (no such bucket,
     denied, no credentials) fails at once, a transient one (refused, timeout, 5xx, throttling) is
-    retried with backoff while ``config.max_attempts`` and ``config.deadline`` allow, and the error
+    retried with backoff until ``config.deadline`` (and ``config.max_attempts``, if set), and the error
     says how many tries were made in how long."""
     if is_local(fs):
         os.makedirs(path, exist_ok=True)
@@ -313,8 +317,8 @@ def storage_call(
     """``fn(fs, path)`` for ``url`` under ``config``. On remote storage ``fs`` makes one try per
     call (botocore's retries off, ``config``'s timeouts: ``StorageConfig.fs_options``) and the call
     runs under shardstream's retry policy (``retry.call``): a transient failure (refused, timeout,
-    5xx, throttling) is retried with backoff while ``config.max_attempts`` and ``config.deadline``
-    allow, a permanent one fails at once, and either becomes a StorageError naming ``url``, the
+    5xx, throttling) is retried with backoff until ``config.deadline`` (and ``config.max_attempts``,
+    if set), a permanent one fails at once, and either becomes a StorageError naming ``url``, the
     cause, and the tries and time it took (a missing object: ``StorageNotFound``, a
     FileNotFoundError). Local paths: ``fn`` runs once, its errors as they are."""
     began = time.monotonic()
@@ -324,9 +328,24 @@ def storage_call(
     return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began)
 
 
+GLOB_CHARS = "*?["
+
+
+def expand_urls(pattern: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """A brace pattern, a glob, or a single URL -> sorted shard URLs (existing files only for globs)."""
+    import braceexpand
+
+    urls: list[str] = []
+    for url in braceexpand.braceexpand(pattern):
+        if any(c in url for c in GLOB_CHARS):
+            fs, path = get_fs(url, storage_options)
+            urls += [full_url(fs, p) for p in sorted(fs.glob(path))]
+        else:
+            urls.append(url)
+    return urls
+
+
 def expand_retried(pattern: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[str]:
     """``expand_urls`` under ``config``'s retry policy (a glob lists storage: ``storage_call``)."""
     one_try = config.fs_options(storage_options, fsspec.utils.get_protocol(pattern))
-    from shardstream.storage.urls import expand_urls
-
     return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config)

@@ -31,7 +31,7 @@ from shardstream.storage import fs as storage
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.retry import Fetcher, RangeReader, call, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
+from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
@@ -173,7 +173,8 @@ def read_head(
     hint: str = "",
 ) -> bytes:
     """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
-    GET on S3, no HEAD first) under the retry policy; a try that breaks midway starts again
+    GET on S3, no HEAD first) under the retry policy, each try bounded by the deadline's time
+    left; a try that breaks midway keeps what arrived and the next asks from the byte reached
     (this is for small objects: offset sidecars)."""
     began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     fs, path, fetch = resolve(url, storage_options, config)
@@ -183,7 +184,7 @@ def read_head(
                 return f.read(n)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return bytes(call(url, lambda: fetch(0, n), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began))
+    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began))
 
 
 def object_size(
@@ -222,23 +223,45 @@ def open_object(
     return size, read, close
 
 
+class TooLarge(Exception):
+    """``read_object``'s object is larger than the limit it was given (``size`` bytes, at least)."""
+
+    def __init__(self, url: str, size: int, limit: int):
+        super().__init__(f"{url}: {size} bytes, more than the {limit} allowed")
+        self.url, self.size, self.limit = url, size, limit
+
+
 def read_object(
-    url: str, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None, hint: str = ""
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    hint: str = "",
+    limit: int | None = None,
 ) -> bytes:
     """A whole (small) object's bytes, e.g. the manifest. On S3 the first ``FIRST_READ_OBJECT``
     bytes come in one ranged GET with no HEAD first (S3 answers a range past the end with what
     there is: one round trip less before the first batch). An object that fills that read, or on
-    other stores any object, is read by its size in blocks, resuming mid-body if the connection
-    breaks."""
+    other stores any object, is read by its size in blocks. On S3 a connection that breaks midway
+    resumes at the byte reached, in either read (on other stores, at the start of its block). An
+    object larger than ``limit`` bytes raises ``TooLarge`` once its size is known, before the rest
+    of it is read."""
     began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
+    first = FIRST_READ_OBJECT if limit is None else min(FIRST_READ_OBJECT, limit + 1)
     if url.startswith(("s3://", "s3a://")):
         fs, path, fetch = resolve(url, storage_options, config)
         if fetch is not None:
-            head = call(url, lambda: fetch(0, FIRST_READ_OBJECT), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
-            if len(head) < FIRST_READ_OBJECT:
+            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
+            if len(head) < first:
                 return bytes(head)
+            if limit is not None and len(head) > limit:
+                raise TooLarge(url, len(head), limit)
             began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
-    size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint, began=began)
+    size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
+    if limit is not None and size > limit:
+        raise TooLarge(url, size, limit)
+    read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
     try:
         parts = []
         left = size

@@ -1,6 +1,9 @@
 """Read-ahead: fetch the next blocks (and the next ranges) in background threads while the
-worker parses the current ones. Memory is bounded by ``max_bytes`` of fetched, unparsed blocks
-(one block may exceed it, so a block larger than the bound cannot stall the stream).
+worker parses the current ones. Memory is bounded by a ``Budget`` of fetched, unparsed bytes that
+all of a worker's Prefetchers share (one per source of a mix, each over the source's ranges of
+the whole pass, window after window): together they hold at most the budget, plus the one block
+the parser is waiting for (so a block larger than the budget, or other sources' blocks filling
+it, cannot stall the stream).
 
 Requests go out ahead too: once the bytes left of the range being fetched (and of the ranges
 already asked for) are within a lead (``SEND_AHEAD_BYTES``, at most ``max_bytes``), the next range
@@ -26,26 +29,68 @@ SENT_AHEAD = 8  # ranges at most whose requests one fetch thread has sent beyond
 SEND_AHEAD_BYTES = 16 << 20
 
 
+class Budget:
+    """The bytes that a worker's Prefetchers may hold fetched and not yet parsed, all together.
+
+    ``held``: bytes held now; ``peak``: the most held at once; ``fetched``: bytes handed in by
+    fetch threads; ``wasted``: bytes fetched and dropped unparsed (ranges abandoned, a pass
+    closed). With ``counters`` (stats.WorkerCounters) the last three are counted as
+    ``readahead_peak``, ``readahead_fetched`` and ``readahead_wasted`` too. Its lock is the one
+    condition all of its Prefetchers wait on."""
+
+    def __init__(self, max_bytes: int, counters: Any = None):
+        self.max_bytes = max_bytes
+        self.counters = counters
+        self.cond = threading.Condition()
+        self.held = self.peak = self.fetched = self.wasted = 0
+
+    def _charge(self, size: int) -> None:  # (under cond)
+        self.held += size
+        self.fetched += size
+        counters = self.counters
+        if counters is not None:
+            counters.add("readahead_fetched", size)
+            if self.held > self.peak:
+                counters.add("readahead_peak", self.held - self.peak)
+        self.peak = max(self.peak, self.held)
+
+    def _release(self, size: int, wasted: bool) -> None:  # (under cond)
+        self.held -= size
+        if wasted:
+            self.wasted += size
+            if self.counters is not None:
+                self.counters.add("readahead_wasted", size)
+
+
 class Prefetcher:
     """Fetch ``openers`` (one per range, in order) block by block ahead of the consumer.
 
     ``threads`` ranges are fetched at once (each range by one thread, front to back): many small
     ranges (small shards, a resumed epoch's scattered samples) then cost one round trip per
-    ``threads`` ranges rather than one each. Memory stays bounded by ``max_bytes`` of fetched,
-    unparsed blocks, except that the range the consumer is waiting on may always hand over one
-    block (so neither a block larger than the bound nor ranges further ahead can stall it).
+    ``threads`` ranges rather than one each. Memory stays bounded by ``budget`` (shared with the
+    worker's other Prefetchers; else one of ``max_bytes`` of its own) of fetched, unparsed blocks,
+    except that the range the consumer is waiting on may always hand over one block (so neither a
+    block larger than the budget nor ranges further ahead, here or in another Prefetcher of the
+    budget, can stall it).
     """
 
-    def __init__(self, openers: Sequence[Opener], *, block_size: int, max_bytes: int, threads: int = 1):
+    def __init__(self, openers: Sequence[Opener], *, block_size: int, max_bytes: int | None = None, budget: Budget | None = None, threads: int = 1):
+        if budget is None:
+            if max_bytes is None:
+                raise TypeError("Prefetcher needs max_bytes or a budget")
+            budget = Budget(max_bytes)
         self._openers = list(openers)
         self._block = block_size
-        self._max = max_bytes
-        self._lead = min(max_bytes, max(SEND_AHEAD_BYTES, 2 * block_size))
-        self._queues: list[deque] = [deque() for _ in self._openers]  # bytes, None at range end, or exception
-        self._bytes = 0
+        self._budget = budget
+        self._max = budget.max_bytes
+        self._lead = min(self._max, max(SEND_AHEAD_BYTES, 2 * block_size))
+        # Per range being fetched or read: bytes, None at its end, or an exception. Made as ranges
+        # start, gone once read or dropped (a pass's thousands of ranges hold no deque each).
+        self._queues: dict[int, deque] = {}
         self._next = 0  # the next range a fetch thread starts
         self._front = 0  # the range the consumer reads (earlier ones are done or abandoned)
-        self._cond = threading.Condition()
+        self._waiting: int | None = None  # the range the consumer waits on (its queue is empty)
+        self._cond = budget.cond
         self._stop = False
         count = max(1, min(threads, len(self._openers)))
         self._threads = [threading.Thread(target=self._run, name="shardstream-readahead", daemon=True) for _ in range(count)]
@@ -55,14 +100,16 @@ class Prefetcher:
     def _put(self, index: int, item) -> bool:
         """Queue a block (or the end, or an error) of range ``index``; False: stop fetching it."""
         size = len(item) if isinstance(item, (bytes, bytearray)) else 0
-        queue = self._queues[index]
+        budget = self._budget
         with self._cond:
-            while not self._stop and index >= self._front and self._bytes + size > self._max and not (index == self._front and not queue):
+            while not self._stop and index >= self._front and budget.held + size > budget.max_bytes and self._waiting != index:
                 self._cond.wait()
             if self._stop or index < self._front:  # closed, or the consumer moved past this range
                 return False
-            queue.append(item)
-            self._bytes += size
+            self._queue(index).append(item)
+            if self._waiting == index:  # one block over the budget for the waiting consumer, no more
+                self._waiting = None
+            budget._charge(size)
             self._cond.notify_all()
             return True
 
@@ -152,23 +199,34 @@ class Prefetcher:
                     self._drop(skipped)
                 self._front = index
                 self._cond.notify_all()
-            queue = self._queues[index]
-            while not queue:
-                self._cond.wait()
+            queue = self._queue(index)
+            if not queue:
+                self._waiting = index  # its next block may go over the budget
+                self._cond.notify_all()
+                while not queue:
+                    self._cond.wait()
+                self._waiting = None  # (already so when a block came)
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray)):
-                self._bytes -= len(value)
-            else:  # the range's end or its error: the next range is the front now
+                self._budget._release(len(value), wasted=False)
+            else:  # the range's end or its error (its last item): the next range is the front now
                 self._front = index + 1
+                del self._queues[index]
             self._cond.notify_all()
             return value
 
-    def _drop(self, index: int) -> None:
-        queue = self._queues[index]
+    def _queue(self, index: int) -> deque:  # (under cond)
+        queue = self._queues.get(index)
+        if queue is None:
+            queue = self._queues[index] = deque()
+        return queue
+
+    def _drop(self, index: int) -> None:  # (under cond)
+        queue = self._queues.pop(index, None)
         while queue:
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray)):
-                self._bytes -= len(value)
+                self._budget._release(len(value), wasted=True)
 
     def reader(self, index: int) -> _RangeReader:
         """``read(n)`` over range ``index``'s bytes (and ``readinto(view)``); raises what fetching
@@ -176,9 +234,17 @@ class Prefetcher:
         return _RangeReader(self, index)
 
     def close(self) -> None:
+        """Stop fetching: the threads end once a read in progress returns (none waits on the
+        budget), and the blocks held are given back to the budget (counted wasted)."""
         with self._cond:
             self._stop = True
+            for index in list(self._queues):
+                self._drop(index)
             self._cond.notify_all()
+
+    def threads_alive(self) -> int:
+        """Fetch threads still running (0 once closed and their reads returned)."""
+        return sum(thread.is_alive() for thread in self._threads)
 
 
 class _RangeReader:

@@ -49,7 +49,7 @@ def shard_prefixes(manifest: Any) -> tuple[list[str], np.ndarray]:
     if found is None:
         index: dict[str, int] = {}
         ids = np.fromiter((index.setdefault(p.rpartition("/")[0], len(index)) for p in manifest.paths), dtype=np.int64, count=len(manifest.paths))
-        names = [manifest._resolve(d) if d else (manifest.base_url or ".") for d in index]
+        names = [manifest.resolve(d) if d else (manifest.base_url or ".") for d in index]
         found = _PREFIXES[manifest] = (names, ids)
     return found
 
@@ -160,7 +160,7 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
     laps, rest = divmod(covered, n)
     pieces = np.full(len(order), laps, dtype=np.int64)  # GETs per entry of the order
     pieces[starts < rest] += 1
-    begins = _slice_begins(plan)
+    begins = plan.slice_begins()
     slice_of = np.arange(len(begins), dtype=np.int64)
     cuts, cut_slices = begins[1:], slice_of[1:]  # boundaries inside the sequence, and the slice each starts
     entry = np.searchsorted(starts, cuts % n, side="right") - 1
@@ -186,15 +186,6 @@ def count_requests(plan: Any, manifest: Any) -> RequestCount:
         world_size=world,
         by_prefix=tuple(ranked),
     )
-
-
-def _slice_begins(plan: Any) -> np.ndarray:
-    """Every worker slice's first position, in (rank, worker) order: the slices tile [0, covered)
-    of the laid-out (maybe wrapped) sequence (``RankSlices.worker_slice``, for all at once)."""
-    base, extra = divmod(plan.batches_per_rank, plan.num_workers)
-    w = np.arange(plan.num_workers, dtype=np.int64)
-    before = w * base + np.minimum(w, extra)
-    return (np.arange(plan.world_size, dtype=np.int64)[:, None] * plan.samples_per_rank + before[None, :] * plan.batch_size).ravel()
 
 
 class _Sequence:
@@ -329,7 +320,7 @@ def is_remote(manifest: Any) -> bool:
 def count_mix_requests(plan: Any, manifests: Sequence[Any]) -> RequestCount:
     """The requests of ``plan`` (a ``MixPlan``) over its sources' manifests, one count per source
     (``parts``; a local source makes none, its bytes still take reading time) and their sum."""
-    begins = _slice_begins(plan)
+    begins = plan.slice_begins()
     where = _unrolled(plan, np.append(begins, plan.world_size * plan.samples_per_rank))
     parts = []
     for i, (name, manifest) in enumerate(zip(plan.names, manifests)):
@@ -344,13 +335,11 @@ def count_mix_requests(plan: Any, manifests: Sequence[Any]) -> RequestCount:
 def with_requests(plan: Any, manifests: Any) -> Any:
     """``plan`` with its summary's request line (``EpochPlan.requests``, ``MixPlan.requests``) when
     a dataset it reads is on a remote store: ``manifests``, one per source (a single dataset's
-    manifest alone will do). Plans of local data are returned as they are."""
+    manifest alone will do). Plans of local data are returned as they are. A plan counts its own
+    requests (``plan.count_requests(manifests)``: ``count_requests`` for one dataset's plan,
+    ``count_mix_requests`` for a mix's), so nothing here tells plan types apart."""
     if not isinstance(manifests, (list, tuple)):
         manifests = [manifests]
-    if not hasattr(plan, "requests") or not any(is_remote(m) for m in manifests):
+    if not any(is_remote(m) for m in manifests):
         return plan
-    if hasattr(plan, "passes"):  # a mix
-        return dataclasses.replace(plan, requests=count_mix_requests(plan, manifests).describe())
-    if not hasattr(plan, "shard_order"):
-        return plan
-    return dataclasses.replace(plan, requests=count_requests(plan, manifests[0]).describe())
+    return dataclasses.replace(plan, requests=plan.count_requests(manifests).describe())

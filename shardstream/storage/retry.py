@@ -4,11 +4,18 @@ On S3 a range is one GET: its request asks for the whole range [start, end), and
 the next block of that one body (``Body.readinto`` into the block the caller gets). A new request
 is made only to resume after a failure: a connection that breaks midway keeps the bytes that
 arrived and the next request starts at the exact byte where it broke; a failed request (reset
-before any data, timeout, throttling answer) is retried with exponential backoff and jitter,
-while ``StorageConfig.max_attempts`` and its ``deadline`` allow. Stores with no streamed body
-(fsspec's others) make one request per read. The bytes that come out are those of an undisturbed
-read, none lost, none repeated. Permanent failures (missing object, access denied, missing credentials, an invalid
-request) fail at once with what to check; ``classify.storage_error`` words every failure.
+before any data, timeout, throttling answer) is retried with exponential backoff and full jitter
+until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
+deadline bounds each try as well: a try's connect and read timeouts are cut to the time left, so a
+stalled answer or body ends at the deadline. Stores with no streamed body (fsspec's others) make
+one request per read. The bytes that come out are those of an undisturbed read, none lost, none
+repeated; small whole objects (the manifest, offset sidecars: ``fetch_resumed``) resume at the
+byte reached too. Permanent failures (missing object, access denied, missing credentials, an
+invalid request) fail at once with what to check; ``classify.storage_error`` words every failure.
+
+The jitter is drawn from the operating system's randomness (``random.SystemRandom``), so the
+DataLoader workers of every rank, throttled together, sleep different delays and come back spread
+out rather than in step (it was once seeded by the URL: every worker slept the same delays).
 
 For S3, shardstream's reader turns off botocore's and s3fs's own retries (``StorageConfig.fs_options``,
 ``fs.retries = 1``), so every retry is counted here (``stats.py``).
@@ -27,6 +34,7 @@ from typing import Any, Protocol, TypeVar
 
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
+from shardstream.private import s3_call
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -47,9 +55,12 @@ def reader_storage_options(options: Mapping[str, Any] | None, protocol: str, con
     return config.fs_options(options, protocol)
 
 
-def backoff(attempt: int, rng: random.Random, config: StorageConfig = DEFAULT_STORAGE) -> float:
+JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
+
+
+def backoff(attempt: int, rng: random.Random = JITTER, config: StorageConfig = DEFAULT_STORAGE) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
-    return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2**attempt))
+    return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2 ** min(attempt, 64)))
 
 
 class Body(Protocol):
@@ -107,7 +118,7 @@ def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
     extra = {"VersionId": version} if version else {}
 
     async def get(a: int, b: int, out: bytearray, got: list[int]) -> None:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
+        resp = await s3_call(fs, "get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
         body = resp["Body"]
         view = memoryview(out)
         try:
@@ -175,7 +186,7 @@ class _S3fsBody:
         room = self._room = asyncio.Event()
         body = None
         try:
-            resp = await fs._call_s3("get_object", **params)
+            resp = await s3_call(fs, "get_object", **params)
             body = resp["Body"]
             while True:
                 while True:
@@ -272,6 +283,11 @@ def fs_fetcher(fs: Any, path: str) -> Fetch:
 class _Attempts:
     """One request's tries: counts them, sleeps the backoff, and decides when to give up.
 
+    The deadline is the bound: a transient failure is retried, after a full-jitter backoff, while
+    the backoff still ends before ``config.deadline`` (counted from ``began``); ``remaining()`` is
+    what a try may take (its timeouts are cut to it). ``config.max_attempts``, when set, caps
+    the tries as well. Throttling answers back off like any other transient failure.
+
     The time an error reports (``waited``, "after 8 tries in 7.5 s") is the wall time from
     ``began`` to the moment of giving up: every try (connects, timeouts, bodies), every sleep, and,
     when the caller passes ``began`` (``storage.ranges``), what it did for the request before the
@@ -295,6 +311,8 @@ class _Attempts:
         self.attempt = 0
 
     def remaining(self) -> float:
+        """Seconds the next try may take: what is left of the deadline (a little at least, so
+        that a try still says what it met rather than failing before it starts)."""
         return max(0.001, self.config.deadline - (time.monotonic() - self.began))
 
     def failed(self, exc: Exception, *, resumed: bool = False) -> None:
@@ -308,7 +326,8 @@ class _Attempts:
                 self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint, fs=self.fs, path=self.path
             ) from exc
         delay = backoff(self.attempt, self.rng, self.config)
-        if self.attempt >= self.config.max_attempts or time.monotonic() - self.began + delay >= self.config.deadline:
+        cap = self.config.max_attempts
+        if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline:
             raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
         self.counters.add("retries")
         if resumed:
@@ -333,13 +352,64 @@ def call(
 ) -> T:
     """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
     let a bare 403 be asked again for its reason; ``began`` (``time.monotonic()``): when the
-    request started, if before this call (the time an error reports counts from there)."""
-    attempts = _Attempts(url, config, random.Random(f"call:{url}"), counters or NullCounters(), sleep, hint, fs, path, began)
+    request started, if before this call (the time an error reports counts from there). Each try
+    is bounded by the filesystem's own timeouts, which ``StorageConfig.fs_options`` keeps within
+    the deadline."""
+    attempts = _Attempts(url, config, JITTER, counters or NullCounters(), sleep, hint, fs, path, began)
     while True:
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - classified: bugs are re-raised untouched
             attempts.failed(exc)
+
+
+def fetch_resumed(
+    url: str,
+    fetch: Fetch,
+    a: int,
+    b: int,
+    *,
+    config: StorageConfig = DEFAULT_STORAGE,
+    counters: Any = None,
+    sleep: Callable[[float], None] = time.sleep,
+    hint: str = "",
+    fs: Any = None,
+    path: str | None = None,
+    began: float | None = None,
+) -> bytes:
+    """Bytes [a, b) of a small object, or fewer when it ends first, under the retry policy: each
+    try gets what is left of the deadline as its timeout, and a try that breaks midway keeps the
+    bytes that arrived and the next one asks from the byte reached (progress starts the deadline
+    afresh, as for shard ranges). For the manifest's first read and offset sidecars."""
+    counters = counters or NullCounters()
+    parts: list[bytes] = []
+    pos = a
+    while True:
+        attempts = _Attempts(url, config, JITTER, counters, sleep, hint, fs, path, began)
+        began = None  # a later request after progress counts from its own start
+        while True:
+            try:
+                data = fetch(pos, b, attempts.remaining())
+            except PartialRead as partial:
+                if not partial.data:  # (no progress: an ordinary failed try)
+                    attempts.failed(partial.cause if isinstance(partial.cause, Exception) else partial, resumed=pos > a)
+                    continue
+                data = partial.data
+                counters.add("retries")
+                counters.add("resumes")
+                logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
+                break
+            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
+                attempts.failed(exc, resumed=pos > a)
+                continue
+            if pos == a:
+                return data  # the usual case: one try, its buffer as it is
+            parts.append(data)
+            return b"".join(parts)
+        parts.append(data)
+        pos += len(data)
+        if pos >= b:
+            return b"".join(parts)
 
 
 class RangeReader:
@@ -368,7 +438,6 @@ class RangeReader:
         counters: Any = None,
         config: StorageConfig = DEFAULT_STORAGE,
         sleep: Callable[[float], None] = time.sleep,
-        seed: int = 0,
         hint: str = "",
         short_object_ends: bool = False,
     ):
@@ -378,7 +447,6 @@ class RangeReader:
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
         self._config, self._sleep, self._hint, self._short_ends = config, sleep, hint, short_object_ends
-        self._rng = random.Random(f"backoff:{url}:{start}:{seed}")
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -388,7 +456,7 @@ class RangeReader:
         """Send the request for the rest of the range now (streamed stores only); its answer is
         read, and any failure handled, by the next read."""
         if self._open is not None and self._body is None and self.pos < self.end:
-            self._send()
+            self._send(self._config.deadline)
 
     def close(self) -> None:
         """End the range's request (a body not read to its end closes its connection)."""
@@ -396,10 +464,12 @@ class RangeReader:
         if body is not None:
             body.close()
 
-    def _send(self) -> Body:
+    def _send(self, timeout: float) -> Body:
+        """Send the request for the rest of the range; ``timeout``: what the try may take (its
+        connect is cut to it)."""
         assert self._open is not None
         self._counters.add("requests")
-        self._body = self._open(self.pos, self.end, self._config.connect_timeout)
+        self._body = self._open(self.pos, self.end, timeout)
         return self._body
 
     def __call__(self, n: int) -> bytes:
@@ -437,7 +507,7 @@ class RangeReader:
     def _fill(self, view: memoryview) -> int:
         """Fill ``view`` from the range's body (sending a request when none is open): as many bytes
         as arrive before the body ends or breaks; 0 only at the end of the stream."""
-        attempts = _Attempts(self.url, self._config, self._rng, self._counters, self._sleep, self._hint)
+        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
         counters = self._counters
         got = 0
         while True:
@@ -446,7 +516,7 @@ class RangeReader:
             sent = body is None
             try:
                 if body is None:
-                    body = self._send()
+                    body = self._send(attempts.remaining())
                 while got < len(view):
                     k = body.readinto(view[got:], attempts.remaining())
                     if not k:
@@ -485,7 +555,7 @@ class RangeReader:
 
     def _fetch_block(self, stop: int) -> bytes:
         """One request per read (stores with no streamed body)."""
-        attempts = _Attempts(self.url, self._config, self._rng, self._counters, self._sleep, self._hint)
+        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
         counters = self._counters
         pos = self.pos
         while True:

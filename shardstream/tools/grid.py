@@ -18,7 +18,6 @@ label; ``columns`` = ceil(sqrt(N)) of them per row.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import sys
@@ -30,6 +29,7 @@ import numpy as np
 
 from shardstream.errors import ConfigError
 from shardstream.format.extensions import kind_of
+from shardstream.sources import import_transform
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 CAPTION = 28  # pixels under each tile: the key, then the label
@@ -57,17 +57,7 @@ def load_transform(spec: str) -> Callable[[Any], Any]:
         raise ConfigError(f"--transform {spec!r}: expected module:function (e.g. mytransforms:augment)")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"--transform {spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from exc
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"--transform {spec!r}: {module_name!r} has no {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"--transform {spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    return obj
+    return import_transform(spec)
 
 
 class _KeyRecorder:

@@ -26,7 +26,6 @@ sidecars and the manifest are uploaded with its timeouts and tries.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,21 +34,12 @@ from shardstream.format.compression import is_shard_name
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
 from shardstream.format.parquet import TableManifest, index_table, is_table_url, list_table_files, rebased
+from shardstream.format.scan import scan_shards
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
-from shardstream.storage.scan import scan_shards
-from shardstream.storage.urls import PATTERN_CHARS
+from shardstream.storage.urls import PATTERN_CHARS, canonical_url
 from shardstream.write.writer import refuse_interrupted_pack
-
-
-def _canonical(url: str) -> str:
-    """A local path as an absolute path (``./x``, ``x``, ``file:///x`` alike); remote URLs as given."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    if "://" in url:
-        return url
-    return os.path.abspath(url)
 
 
 def _look(fs, path: str) -> tuple[str, Any]:
@@ -110,14 +100,14 @@ def write_index(
     if storage_call(url, lambda fs, path: fs.exists(path), storage_options, config) and not overwrite:
         raise DestinationError(f"{url} exists; pass --overwrite to replace it")
     if table:
-        found = index_table([_canonical(u) for u in inputs], storage_options, config=config, threads=threads)
-        tm = rebased(found, _canonical(url).rsplit("/", 1)[0])
+        found = index_table([canonical_url(u) for u in inputs], storage_options, config=config, threads=threads)
+        tm = rebased(found, canonical_url(url).rsplit("/", 1)[0])
         write_manifest(tm, url, storage.bound_options(url, storage_options, config))
         tm.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
         tm.storage_options = dict(storage_options or {})
         return tm, url
-    manifest = scan_shards([_canonical(u) for u in urls], storage_options, threads=threads, config=config)
-    canonical = _canonical(url)
+    manifest = scan_shards([canonical_url(u) for u in urls], storage_options, threads=threads, config=config)
+    canonical = canonical_url(url)
     base = canonical.rsplit("/", 1)[0] + "/"
     manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]
     _place_sidecars(manifest)

@@ -16,8 +16,6 @@ and the manifest is uploaded with its timeouts and tries.
 
 from __future__ import annotations
 
-import os
-import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,6 +25,7 @@ from shardstream.format.parquet import refuse_table
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import storage_call
+from shardstream.storage.urls import canonical_url
 from shardstream.write.writer import MAX_SKIPPED_LISTED
 
 
@@ -47,11 +46,11 @@ def merge_datasets(
     if not parts:
         raise ValueError("merge needs at least one part")
     check_dataset_root(dest)
-    remote_dest = "://" in _canonical(dest)
-    url = manifest_url(_canonical(dest) if remote_dest else dest)  # s3://b/all/./ is s3://b/all (a local path resolves itself)
+    remote_dest = "://" in canonical_url(dest)
+    url = manifest_url(canonical_url(dest) if remote_dest else dest)  # s3://b/all/./ is s3://b/all (a local path resolves itself)
     base = url.rsplit("/", 1)[0]
-    part_urls = [manifest_url(_canonical(p)) for p in parts]  # s3://b/all/./day-01/ reads s3://b/all/day-01
-    grows = _canonical(url) in {_canonical(p) for p in part_urls}
+    part_urls = [manifest_url(canonical_url(p)) for p in parts]  # s3://b/all/./day-01/ reads s3://b/all/day-01
+    grows = canonical_url(url) in {canonical_url(p) for p in part_urls}
     if not grows and not overwrite and storage_call(url, lambda fs, path: fs.exists(path), storage_options, config):
         raise DestinationError(f"{url} already holds a dataset; list it as a part to grow it, or pass --overwrite")
     shards: list[ShardInfo] = []
@@ -79,7 +78,7 @@ def merge_datasets(
         skipped["count"] += int(part.skipped.get("count", 0))
         skipped["items"] = (skipped["items"] + list(part.skipped.get("items", [])))[:MAX_SKIPPED_LISTED]
         for i in range(len(part.paths)):
-            shard_url = _canonical(part.shard_url(i))
+            shard_url = canonical_url(part.shard_url(i))
             if remote_dest and "://" not in shard_url:
                 raise ConfigError(
                     f"{part_url}: its shards are local files ({shard_url}) and the merged manifest {url} is not: "
@@ -107,22 +106,11 @@ def merge_datasets(
     return manifest, url
 
 
-def _canonical(url: str) -> str:
-    """One spelling per location: a local path absolute and normalised (``./x``, ``x``, ``a/../x``,
-    ``file:///.../x`` alike), a remote URL with its ``.``/``..`` segments and doubled slashes resolved."""
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
-    return os.path.abspath(url)
-
-
 def _relative(target: str, base: str) -> str:
     """``target`` as the merged manifest at ``base`` lists it: relative to ``base`` when under it,
     else its canonical URL or absolute path (never a relative path that would climb or resolve
     against the wrong directory)."""
-    target, base = _canonical(target), _canonical(base)
+    target, base = canonical_url(target), canonical_url(base)
     prefix = base.rstrip("/") + "/"
     return target[len(prefix) :] if target.startswith(prefix) else target
 

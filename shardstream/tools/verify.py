@@ -11,10 +11,10 @@ from typing import Any
 
 from shardstream.errors import SampleError, ShardstreamError, StorageError, StorageNotFound
 from shardstream.format.manifest import Manifest
+from shardstream.format.scan import scan_stream
 from shardstream.pipeline.decode import Decoder, default_decoders
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import object_size, open_range
-from shardstream.storage.scan import scan_stream
 
 
 @dataclass(frozen=True)

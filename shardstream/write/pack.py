@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing.pool import TERMINATE
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
+from shardstream.private import abandon_pool
 from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
@@ -390,56 +390,7 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
                 yield from results
         pool.close()
     except BaseException:
-        _abandon(pool)
+        abandon_pool(pool)
         raise
     pool.terminate()
     pool.join()
-
-
-def _abandon(pool: Any) -> None:
-    """Stop a pool that is being given up on (Ctrl-C, an error) without waiting on it for good.
-    ``terminate()`` joins the pool's result thread, and that thread never returns when a worker died
-    halfway through writing a result (the rest of the message never comes): pack then hung after
-    Ctrl-C. The workers are killed (none in the middle of sending a result: see below) and the
-    pool's exit-time clean-up (the same join) is cancelled. Its two threads are then ended: the task
-    thread at a sentinel, the result thread at the end of its pipe (the workers held its other write
-    ends), each waited for a moment at most; left running, they could last until the interpreter's
-    exit."""
-    handler = getattr(pool, "_worker_handler", None)
-    if handler is not None:
-        handler._state = TERMINATE  # no replacement workers for the ones killed below
-        handler.join(5)
-    # Killed while sending a result, a worker would keep the result queue's write lock for good (the
-    # task thread's last message waits on it): the kill comes while this process holds the lock.
-    lock: Any = getattr(getattr(pool, "_outqueue", None), "_wlock", None)
-    held = lock is not None and lock.acquire(timeout=2)
-    try:
-        for proc in list(getattr(pool, "_pool", [])):
-            proc.kill()
-        for proc in list(getattr(pool, "_pool", [])):
-            proc.join(5)
-    finally:
-        if held:
-            lock.release()
-    finalizer = getattr(pool, "_terminate", None)
-    if finalizer is not None:
-        finalizer.cancel()
-    threads = [t for t in (getattr(pool, "_task_handler", None), getattr(pool, "_result_handler", None)) if t is not None]
-    for thread in threads:
-        thread._state = TERMINATE
-    taskqueue = getattr(pool, "_taskqueue", None)
-    if taskqueue is not None:
-        taskqueue.put(None)
-    writer = getattr(getattr(pool, "_outqueue", None), "_writer", None)
-    if writer is not None:
-        try:
-            writer.close()  # the result thread's read ends: EOFError, and it returns
-        except OSError:
-            pass
-    for thread in threads:
-        thread.join(2)
-    # The pool is in reference cycles (its cache holds the imap iterator, which holds the pool), so
-    # it is collected whenever the garbage collector runs, at exit perhaps, where its __del__ on a
-    # pool still marked running wrote to a pipe already closed ("Exception ignored ... Bad file
-    # descriptor" after pack's one line). It is stopped: say so.
-    pool._state = TERMINATE

@@ -34,12 +34,12 @@ from typing import Any
 from shardstream.errors import SourceError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import load_manifest
+from shardstream.format.scan import scan_shard
 from shardstream.format.tar import iter_samples, split_name
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.ranges import open_object, open_range
-from shardstream.storage.scan import scan_shard
 from shardstream.storage.urls import is_shard_pattern
 from shardstream.write.encode import check_key, encode_value
 from shardstream.write.parquet import group_of, is_parquet_source, list_parquet, load_group

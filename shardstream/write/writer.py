@@ -139,8 +139,8 @@ class ShardWriter:
 
     ``config`` (``StorageConfig``): the storage policy. The destination check made here (one
     listing of the bucket) runs under shardstream's retry policy, bounded by ``config.deadline``
-    and ``config.max_attempts``; each upload (a shard, a sidecar, the manifest) is retried by
-    botocore's standard retry mode, up to ``config.max_attempts`` tries, with ``config``'s timeouts.
+    (and ``config.max_attempts``, if set); each upload (a shard, a sidecar, the manifest) is retried
+    by botocore's standard retry mode, up to ``config.upload_attempts`` tries, with ``config``'s timeouts.
     """
 
     def __init__(

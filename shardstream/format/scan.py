@@ -4,7 +4,8 @@
 sources and ``ShardStream`` given bare shard URLs (``scan_shards``), ``shardstream verify``
 (``benchmarks/verify.py``, with a per-sample hook for deep checks) and the stream's ``verify_stream``
 path (``pipeline/read.py``, through ``hashed`` and ``skip_exactly``) all use it or its parts.
-Bytes come from ``ranges.open_object``: the same retry, resume and deadline as every read.
+Bytes come from ``storage.ranges.open_object``: the same retry, resume and deadline as every read.
+(Here in format, not storage: it parses tars and makes manifest entries; storage imports no format.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,316 @@
+"""Every private name of torch, multiprocessing, s3fs and botocore that shardstream uses, here.
+
+Each accessor below says what it reaches and why no public way does it. A name is looked up at its
+first use and checked then: where a torch, Python, s3fs or botocore release has removed or renamed
+it, the use raises ``PrivateNameGone`` naming the name and the versions installed, instead of an
+``AttributeError`` deep in a worker. ``NAMES`` lists them all; ``check()`` resolves every one (the
+suite's tests/test_private.py does, on every combination of the version matrix, .ci/matrix).
+
+Not here: names private to shardstream's own classes; argparse's ``_SubParsersAction`` and
+``_actions`` (the CLI's option suggestions; standard library, unchanged since Python 3.2); numpy's
+``lib.format._read_array_header`` (``shardstream preview`` of a .npy header, any format version);
+and multiprocessing's undocumented but unprefixed ``context.get_spawning_popen``,
+``reduction.DupFd`` and ``resource_tracker.unregister`` (tests/test_private.py and the suite use
+them through the code that calls them).
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from shardstream.errors import ShardstreamError
+
+
+class PrivateNameGone(ShardstreamError, RuntimeError):
+    """A private name shardstream relies on is missing from the installed torch, Python or library."""
+
+
+# name -> (module, dotted attribute path, why no public way exists)
+NAMES: dict[str, tuple[str, str, str]] = {
+    # torch
+    "torch.UntypedStorage._new_shared": (
+        "torch",
+        "UntypedStorage._new_shared",
+        "a shared-memory storage made in place; UntypedStorage(n).share_memory_() allocates private memory first and copies it",
+    ),
+    "torch._C._storage_Use_Count": (
+        "torch",
+        "_C._storage_Use_Count",
+        "how many tensors still hold a storage, so a worker reuses a segment only when the main process let go of it",
+    ),
+    "torch.utils.data._utils.pin_memory.pin_memory": (
+        "torch.utils.data._utils.pin_memory",
+        "pin_memory",
+        "DataLoader's own pinning of a nested batch (dicts, tuples, namedtuples), used with no workers",
+    ),
+    "DataLoader._iterator": (
+        "torch.utils.data",
+        "DataLoader.__init__",  # an instance attribute: checked on an instance (see check())
+        "a persistent-workers DataLoader's live iterator: to see its workers live and shut them down",
+    ),
+    "_MultiProcessingDataLoaderIter": (
+        "torch.utils.data.dataloader",
+        "_MultiProcessingDataLoaderIter",
+        "the iterator class of a DataLoader with workers (the watchdog watches only those)",
+    ),
+    "_MultiProcessingDataLoaderIter._workers": (
+        "torch.utils.data.dataloader",
+        "_MultiProcessingDataLoaderIter._shutdown_workers",
+        "the worker processes (pids, liveness) for the watchdog, and their orderly stop",
+    ),
+    # multiprocessing (CPython)
+    "multiprocessing.forkserver._forkserver": (
+        "multiprocessing.forkserver",
+        "_forkserver",
+        "whether the forkserver runs already and what it preloads (no public getter)",
+    ),
+    "multiprocessing.util._finalizer_registry": (
+        "multiprocessing.util",
+        "_finalizer_registry",
+        "the named semaphores a DataLoader made, to unlink their names once its workers opened them",
+    ),
+    "multiprocessing.synchronize.SemLock._cleanup": (
+        "multiprocessing.synchronize",
+        "SemLock._cleanup",
+        "tells a semaphore's finalizer from the others in that registry",
+    ),
+    "_multiprocessing.sem_unlink": ("_multiprocessing", "sem_unlink", "unlinks a named semaphore"),
+    "sys._current_frames": ("sys", "_current_frames", "counts the threads running Python code (threading.enumerate misses _thread's)"),
+    "multiprocessing.pool.Pool._outqueue": (
+        "multiprocessing.pool",
+        "Pool._help_stuff_finish",
+        "a pool given up on (Ctrl-C, an error) stopped without joining its result thread, which never returns when a worker died mid-result",
+    ),
+    # s3fs, fsspec, botocore
+    "s3fs.S3FileSystem._call_s3": ("s3fs", "S3FileSystem._call_s3", "s3fs's GET with its retries and error mapping, on its own client"),
+    "s3fs.S3FileSystem._cache": ("s3fs", "S3FileSystem._cache", "fsspec's instance cache, held across a fork so a worker's copy is not finalized"),
+    "botocore client._request_signer._credentials": (
+        "botocore.client",
+        "BaseClient.__init__",  # instance attributes: checked on a client (see check())
+        "the credentials a client signs with (given to s3fs as key/secret or from its session), for the direct reader's own signing",
+    ),
+}
+
+_resolved: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def versions() -> str:
+    """The versions the names depend on, for an error message."""
+    parts = [f"Python {platform.python_version()}"]
+    for module in ("torch", "s3fs", "botocore"):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            parts.append(f"{module} {getattr(mod, '__version__', '?')}")
+    return ", ".join(parts)
+
+
+def gone(name: str, detail: str = "") -> PrivateNameGone:
+    why = NAMES[name][2] if name in NAMES else ""
+    return PrivateNameGone(
+        f"shardstream relies on {name} ({why}), which this installation lacks{': ' + detail if detail else ''} "
+        f"({versions()}); install a supported version (see pyproject.toml) or report it"
+    )
+
+
+def resolve(name: str) -> Any:
+    """The object ``name`` of NAMES stands for, looked up once; ``PrivateNameGone`` where it is missing."""
+    got = _resolved.get(name)
+    if got is not None:
+        return got
+    module, path, _ = NAMES[name]
+    with _lock:
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise gone(name, str(exc)) from None
+        _resolved[name] = obj
+    return obj
+
+
+# -- torch ------------------------------------------------------------------------------------------
+def new_shared_storage(nbytes: int) -> Any:
+    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory."""
+    import torch
+
+    resolve("torch.UntypedStorage._new_shared")
+    return torch.UntypedStorage._new_shared(nbytes)
+
+
+def storage_use_count(storage: Any) -> int:
+    """How many references torch holds to ``storage``'s data (tensors and storages alike)."""
+    return int(resolve("torch._C._storage_Use_Count")(storage._cdata))
+
+
+def pin_memory(batch: Any, device: str) -> Any:
+    """``batch`` with its tensors in pinned memory, as DataLoader's pin thread makes it."""
+    return resolve("torch.utils.data._utils.pin_memory.pin_memory")(batch, device)
+
+
+def loader_iterator(loader: Any) -> Any:
+    """A DataLoader's kept iterator (persistent workers), or None."""
+    try:
+        return loader._iterator
+    except AttributeError:
+        raise gone("DataLoader._iterator") from None
+
+
+def drop_loader_iterator(loader: Any) -> Any:
+    """Take a DataLoader's kept iterator away from it (the next pass makes a new one); returns it."""
+    it = loader_iterator(loader)
+    loader._iterator = None
+    return it
+
+
+def iterator_workers(it: Any) -> list[Any] | None:
+    """The worker processes of a DataLoader iterator, None for one without workers."""
+    if not isinstance(it, resolve("_MultiProcessingDataLoaderIter")):
+        return None
+    try:
+        return list(it._workers)
+    except AttributeError:
+        raise gone("_MultiProcessingDataLoaderIter._workers") from None
+
+
+def set_iterator_timeout(it: Any, seconds: float) -> None:
+    """How long the iterator's next wait for a batch lasts before 'DataLoader timed out'."""
+    if not hasattr(it, "_timeout"):
+        raise gone("_MultiProcessingDataLoaderIter._workers", "no _timeout")
+    it._timeout = seconds
+
+
+def is_iterator_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is the iterator's timeout (DataLoader raises a bare RuntimeError for it)."""
+    return isinstance(exc, RuntimeError) and str(exc).startswith("DataLoader timed out")
+
+
+def shutdown_workers(it: Any) -> None:
+    """Stop an iterator's workers now (what its ``__del__`` does)."""
+    stop = getattr(it, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+
+
+def owed_worker(it: Any) -> int | None:
+    """The worker that owes the iterator's next batch, None if unknown."""
+    info = getattr(it, "_task_info", {}).get(getattr(it, "_rcvd_idx", -1))
+    return info[0] if info else None
+
+
+# -- multiprocessing --------------------------------------------------------------------------------
+def forkserver_running() -> bool:
+    return getattr(resolve("multiprocessing.forkserver._forkserver"), "_forkserver_pid", None) is not None
+
+
+def forkserver_preload() -> list[str]:
+    """The modules the forkserver will preload when it starts (multiprocessing's default: __main__)."""
+    return list(getattr(resolve("multiprocessing.forkserver._forkserver"), "_preload_modules", ["__main__"]))
+
+
+def finalizer_registry() -> dict[Any, Any]:
+    """multiprocessing's finalizers, keyed by (priority, order)."""
+    return resolve("multiprocessing.util._finalizer_registry")
+
+
+def semaphore_finalizers(after: int) -> Iterator[tuple[str, Any]]:
+    """(name, finalizer) of each named semaphore registered after order ``after``."""
+    cleanup = resolve("multiprocessing.synchronize.SemLock._cleanup")
+    for key, fin in list(finalizer_registry().items()):
+        if key[1] > after and getattr(fin, "_callback", None) is cleanup:
+            yield fin._args[0], fin
+
+
+def sem_unlink(name: str) -> None:
+    resolve("_multiprocessing.sem_unlink")(name)
+
+
+def python_threads() -> int:
+    """Threads of this process running Python code: threading's and _thread's alike."""
+    return len(resolve("sys._current_frames")())
+
+
+def abandon_pool(pool: Any) -> None:
+    """Stop a ``multiprocessing`` pool that is being given up on (Ctrl-C, an error) without waiting on
+    it for good. ``terminate()`` joins the pool's result thread, and that thread never returns when a
+    worker died halfway through writing a result (the rest of the message never comes): pack then
+    hung after Ctrl-C. The workers are killed (none in the middle of sending a result: see below) and
+    the pool's exit-time clean-up (the same join) is cancelled. Its two threads are then ended: the
+    task thread at a sentinel, the result thread at the end of its pipe (the workers held its other
+    write ends), each waited for a moment at most; left running, they could last until the
+    interpreter's exit. The pool itself is marked terminated, as ``terminate()`` marks it: the pool is
+    in reference cycles (its cache holds the imap iterator, which holds the pool), so it is collected
+    whenever the garbage collector runs, at exit perhaps, where ``Pool.__del__`` of a pool still
+    marked running wrote to its change notifier's pipe, already closed, and printed an ignored
+    ``OSError: [Errno 9] Bad file descriptor`` traceback under pack's one line (8 of 15 Ctrl-C runs)."""
+    from multiprocessing.pool import TERMINATE
+
+    resolve("multiprocessing.pool.Pool._outqueue")
+    pool._state = TERMINATE
+    handler = getattr(pool, "_worker_handler", None)
+    if handler is not None:
+        handler._state = TERMINATE  # no replacement workers for the ones killed below
+        handler.join(5)
+    # Killed while sending a result, a worker would keep the result queue's write lock for good (the
+    # task thread's last message waits on it): the kill comes while this process holds the lock.
+    lock: Any = getattr(getattr(pool, "_outqueue", None), "_wlock", None)
+    held = lock is not None and lock.acquire(timeout=2)
+    try:
+        for proc in list(getattr(pool, "_pool", [])):
+            proc.kill()
+        for proc in list(getattr(pool, "_pool", [])):
+            proc.join(5)
+    finally:
+        if held:
+            lock.release()
+    finalizer = getattr(pool, "_terminate", None)
+    if finalizer is not None:
+        finalizer.cancel()
+    threads = [t for t in (getattr(pool, "_task_handler", None), getattr(pool, "_result_handler", None)) if t is not None]
+    for thread in threads:
+        thread._state = TERMINATE
+    taskqueue = getattr(pool, "_taskqueue", None)
+    if taskqueue is not None:
+        taskqueue.put(None)
+    writer = getattr(getattr(pool, "_outqueue", None), "_writer", None)
+    if writer is not None:
+        try:
+            writer.close()  # the result thread's read ends: EOFError, and it returns
+        except OSError:
+            pass
+    for thread in threads:
+        thread.join(2)
+
+
+# -- s3fs, fsspec, botocore -------------------------------------------------------------------------
+async def s3_call(fs: Any, method: str, **params: Any) -> Any:
+    """An S3 call through s3fs's own client, retries and error mapping."""
+    resolve("s3fs.S3FileSystem._call_s3")
+    return await fs._call_s3(method, **params)
+
+
+def cached_s3_filesystems(s3fs: Any) -> list[Any]:
+    """The S3 filesystems fsspec's instance cache holds."""
+    return list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
+
+
+def client_signer(client: Any) -> tuple[Any, Any]:
+    """(signer, credentials) of a botocore client: the signer and the credentials it signs with."""
+    try:
+        signer = client._request_signer
+        return signer, signer._credentials
+    except AttributeError:
+        raise gone("botocore client._request_signer._credentials") from None
+
+
+def check() -> list[str]:
+    """Resolve every module-level name of NAMES; returns the names checked."""
+    for name in NAMES:
+        resolve(name)
+    return list(NAMES)
