@@ -556,6 +556,8 @@ def test_block_runs_as_written(block: Block, world, tmp_path):
     else:
         script = cwd / "docs_block.py"
         script.write_text(text)
+        if text != block.code:  # a fragment: a part of the reader's script, whose guard it leaves out
+            env["SHARDSTREAM_START_METHOD"] = "fork"  # (a forkserver worker would run it again, unguarded)
         rc = runner.run(script, cwd, env, out)
     output = out.read_text(errors="replace")
     assert rc == 0, f"{block.id} failed (exit {rc}):\n{numbered(text)}\n--- output (last 6000 characters):\n{output[-6000:]}"

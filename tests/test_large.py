@@ -243,7 +243,8 @@ def test_large_npy_fields_reach_viewing_decoders_as_their_own_buffer(tmp_path, w
     monkeypatch.setattr(decode, "VIEWING_DECODERS", decode.VIEWING_DECODERS | {_npy_noting_buffer})
     root, arrays = write_npy(tmp_path / "d", n=6, shape=(600, 600))  # 1.4 MB members
     ds = ShardStream(root, batch_size=3, shuffle=False, world=World(0, 1), decode={"npy": _npy_noting_buffer})
-    batches = list(make_loader(ds, num_workers=workers))
+    # forked: the workers see this process's patched VIEWING_DECODERS (a forkserver's would import it afresh)
+    batches = list(make_loader(ds, num_workers=workers, start_method="fork"))
     assert len(batches) == 2
     for batch in batches:
         for key, field in zip(batch["__key__"], batch["npy"]):

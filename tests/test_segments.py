@@ -388,7 +388,7 @@ class ReportPool:
 def test_workers_that_are_not_forked_reuse_and_inherit_segments_too(tmp_path, method):
     root, arrays = _npy_dataset(tmp_path / "d", n=64)
     ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1))
-    loader = make_loader(ds, num_workers=2, collate_fn=ReportPool(), log_interval=None, start_method=method)
+    loader = make_loader(ds, num_workers=2, collate_fn=ReportPool(), log_interval=None, start_method=method, persistent_workers=False)
     for p in range(2):  # the second pass's new workers inherit the first pass's segments
         reused = 0
         batches = 0

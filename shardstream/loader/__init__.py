@@ -40,12 +40,12 @@ from shardstream.loader.workers import (
     check_picklable,
     context,
     resolve_start_method,
-    semaphores_mark,
     warm_forkserver,
     watched,
 )
 from shardstream.plan.run import Cursor
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
+from shardstream.shared import isolate_resource_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -314,7 +314,8 @@ class ShardLoader(webdataset.WebLoader):
         *,
         log_interval: float | None = None,
         channels: Channels | None = None,
-        start_method: str = "auto",
+        start_method: str = "forkserver",
+        start_why: str = "asked for",
         timeout: float | None = None,
         first_batch_timeout: float | None = None,
         resumed_len: str = "rest",
@@ -329,7 +330,8 @@ class ShardLoader(webdataset.WebLoader):
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
         self.channels = channels
-        self.start_method = start_method
+        self.start_method = start_method  # fork, forkserver or spawn (make_loader resolved "auto"), or "given"
+        self.start_why = start_why
         self.worker_start = kwargs.get("worker_init_fn") if isinstance(kwargs.get("worker_init_fn"), WorkerStart) else None
         self._checked: set[str] = set()  # start methods the dataset was found picklable for
         self._watch = {
@@ -337,7 +339,7 @@ class ShardLoader(webdataset.WebLoader):
             "rank": dataset.world.rank,
             "timeout": timeout,
             "first_timeout": first_batch_timeout,
-            "semaphores": None,
+            "semaphores": False,
             "method": None,  # how this pass's workers start, for WorkerDied's message
         }
         self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
@@ -376,7 +378,7 @@ class ShardLoader(webdataset.WebLoader):
         self._in_pass = True
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
-        self._watch["semaphores"] = None
+        self._watch["semaphores"] = False
         if self.num_workers > 0 and (not self.persistent_workers or loader_iterator(self.pipeline[0]) is None):
             self._start_workers()
         try:
@@ -416,12 +418,10 @@ class ShardLoader(webdataset.WebLoader):
             ctx = loader.multiprocessing_context
             method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
         else:
-            method, why = resolve_start_method(self.start_method)
+            method = self.start_method  # chosen once, by make_loader: the same every pass
             loader.multiprocessing_context = context(method)
             if method != "fork" and method not in self._checked:
-                if self.start_method == "auto":
-                    logger.info("shardstream: DataLoader workers start with %s: %s", method, why)
-                check_picklable(method, why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
+                check_picklable(method, self.start_why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)
         self._watch["method"] = method
         if method != "fork":
@@ -429,7 +429,7 @@ class ShardLoader(webdataset.WebLoader):
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
-                self._watch["semaphores"] = semaphores_mark()
+                self._watch["semaphores"] = True
         self.dataset.counters.clear_board()
         if self.channels is not None:
             self.channels.prepare_workers()  # new workers inherit the last pass's segments
@@ -497,7 +497,7 @@ def make_loader(
     num_workers: int = 2,
     pin_memory: bool = True,
     prefetch_factor: int | None = 2,
-    persistent_workers: bool = False,
+    persistent_workers: bool = True,
     log_interval: float | None = 60.0,
     reuse_shared_memory: bool = True,
     start_method: str = "auto",
@@ -520,13 +520,19 @@ def make_loader(
     measured 2x slower. Pass False to give each batch a fresh segment (memory returned as soon as
     batches are dropped, at that cost).
 
-    ``start_method`` says how workers start: ``"auto"`` forks where that is safe and otherwise
-    uses ``"forkserver"`` (see ``shardstream.loader.workers``: a forked child can deadlock on CPython
-    before 3.12 when the process has other threads, as it always has under torch.distributed);
-    ``"fork"``, ``"forkserver"`` or ``"spawn"`` force one (so does DataLoader's
-    ``multiprocessing_context``). Workers that are not forked receive the dataset pickled, so its
-    transform and decoders must be module-level functions, not lambdas. Where workers will start
-    from a forkserver, its server (1.4-2.1 s to start) is started here, in the background.
+    ``start_method`` says how workers start, one way for the whole process: ``"auto"`` (the
+    default) is ``"forkserver"`` unless the environment variable ``SHARDSTREAM_START_METHOD`` names
+    another, and the first "auto" loader of a process fixes it for every later one (see
+    ``shardstream.loader.workers``: ``fork()`` copies one thread of a process that has many, and
+    can deadlock the child). ``"fork"``, ``"forkserver"`` or ``"spawn"`` ask for one (so does
+    DataLoader's ``multiprocessing_context``). Workers that are not forked receive the dataset
+    pickled, so its transform and decoders must be module-level functions, not lambdas: a
+    ConfigError says so at the first pass. Where workers will start from a forkserver, its server
+    (1.4-2.1 s to start) is started here, in the background.
+
+    ``persistent_workers`` (default True) keeps the workers between passes, so a new epoch starts
+    without starting workers again (under forkserver that took 1.3-2.4 s per epoch); ``set_epoch``
+    and ``load_state_dict`` still reach them (``load_state_dict`` starts new ones).
 
     Every wait for a batch is bounded: ``first_batch_timeout`` seconds for the first batch of a
     pass (workers start, plan and open their first shards), ``timeout`` for each later one (None:
@@ -550,13 +556,18 @@ def make_loader(
             "names the same batches again only when they arrive in order (with in_order=False a fast worker's "
             "batches overtake a slow one's, and a resume would repeat some and skip others)"
         )
+    why = "given as multiprocessing_context"
     if kwargs.get("multiprocessing_context") is not None:
         if start_method != "auto":
             raise ConfigError("give start_method or multiprocessing_context, not both")
         start_method = "given"
     else:
-        method, _ = resolve_start_method(start_method)  # refuses unknown names now
-        if num_workers > 0 and method == "forkserver":
+        start_method, why = resolve_start_method(start_method)  # once per process for "auto"; refuses unknown names now
+        if num_workers > 0 and start_method != "fork":
+            logger.info("shardstream: DataLoader workers start with %s (%s)", start_method, why)
+        if num_workers > 0 and start_method != "fork":
+            isolate_resource_tracker()  # before the forkserver, which inherits it: a kill of the job leaves no semaphore
+        if num_workers > 0 and start_method == "forkserver":
             warm_forkserver()  # its 1.4-2.1 s start overlaps the script's own set-up, not the first batch
     collate_fn = kwargs.pop("collate_fn", None)
     channels = None
@@ -576,6 +587,7 @@ def make_loader(
         log_interval=log_interval,
         channels=channels,
         start_method=start_method,
+        start_why=why,
         timeout=timeout if num_workers > 0 else None,
         first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
         resumed_len=resumed_len,

@@ -1,22 +1,28 @@
 """How a loader's DataLoader workers start, live and die.
 
-Start. ``fork()`` copies one thread of a process that may have many. On CPython before 3.12
-(gh-112275) a child forked while another thread creates or deletes a Python thread state (gloo's
-threads around collectives, pybind11 and other native threads entering Python) deadlocks in
-CPython's after-fork clean-up before it runs a line of Python; under torch.distributed that chance
-comes at every epoch boundary, since workers are new every pass by default. ``start_method="auto"``
-therefore forks only where that cannot happen (no thread that Python did not start, or a Python
-without the bug) and otherwise starts workers from ``forkserver``: a single-threaded server process, started
-once (fork+exec), that forks each worker; the worker receives the dataset pickled (a few KB).
+Start. ``fork()`` copies one thread of a process that may have many: a child forked while another
+thread holds a lock (CPython's own around thread states, gh-112275, before 3.12; OpenMP's, CUDA's,
+NCCL's, an allocator's in any version) can deadlock before it runs a line of Python, and Python
+3.12 warns about forking a threaded process. Counting threads to judge the risk was wrong both
+ways (idle BLAS threads count, a native thread inside a Python callback does not), so there is no
+guessing: workers start from ``forkserver`` (what Python 3.14 chooses by default), a
+single-threaded server process started once (fork+exec) that forks each worker, which receives
+the dataset pickled (a few KB). ``fork`` and ``spawn`` are there when asked for, by
+``make_loader(start_method=...)`` or ``SHARDSTREAM_START_METHOD``; the first loader of a process
+that does not ask fixes the method for every later one, and a loader keeps its method for all its
+passes, so a run never changes method mid-way.
+With persistent workers (make_loader's default) workers start once, not every epoch.
 
 Life. Each worker reports its steps on the rank's board (stats.py). The loader bounds every wait
 for a batch (``timeout``, and ``first_batch_timeout`` for a pass's first one) and raises
 ``WorkerTimeout`` naming the rank, the worker, its pid and its last step, so a hung rank fails the
 job (and ``torchrun`` restarts it from a checkpoint) instead of every rank waiting forever.
 
-Death. A worker dies with its rank: ``PR_SET_PDEATHSIG`` on Linux, and everywhere a thread that
+Death. A worker dies with its rank: ``PR_SET_PDEATHSIG`` on Linux where the thread that started it
+lives as long as the process (the rank's main thread, a forkserver), and everywhere a thread that
 sees the parent go (``getppid`` changes) or, for a worker whose parent is a forkserver (which stays
-up while any worker it forked lives), the rank itself go (a pidfd). A worker of a killed rank
+up while any worker it forked lives) or that another thread of the rank started, the rank itself
+go (a pidfd). A worker of a killed rank
 otherwise blocks for good flushing its queue to a reader that is gone.
 """
 
@@ -36,19 +42,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker
+from multiprocessing import resource_tracker, synchronize
 from types import FrameType
 from typing import Any
 
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
-from shardstream.private import finalizer_registry as _registry
 from shardstream.private import (
     forkserver_preload,
     forkserver_running,
     is_iterator_timeout,
     iterator_workers,
     owed_worker,
-    python_threads,
     sem_unlink,
     semaphore_finalizers,
     set_iterator_timeout,
@@ -68,70 +72,79 @@ PRELOAD = ("torch", "numpy.random", "shardstream.loader")
 _PR_SET_PDEATHSIG = 1
 
 
-def fork_hazard() -> str | None:
-    """Why forking this process could deadlock the child, or None where it cannot (no native
-    thread seen in this process so far and torch.distributed not initialized, or a Python with
-    the fix for gh-112275)."""
-    if not hasattr(os, "fork"):
-        return "this platform has no fork()"
-    global _hazard
-    if sys.implementation.name != "cpython" or sys.version_info >= (3, 12):
-        return None
-    if _hazard is not None:  # once seen, for good: native threads come and go (a snapshot can miss them)
-        return _hazard
-    version = ".".join(map(str, sys.version_info[:3]))
-    native = native_threads()
-    if native > 0:
-        _hazard = (
-            f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
-            f"and this process has {native} thread{'s' if native > 1 else ''} that Python did not start"
-        )
-    elif _distributed_initialized():
-        _hazard = (
-            f"on Python {version} a fork can deadlock while a native thread enters Python (CPython gh-112275), "
-            "and torch.distributed is initialized (its threads do)"
-        )
-    return _hazard
-
-
-_hazard: str | None = None
-
-
-def _distributed_initialized() -> bool:
-    dist = sys.modules.get("torch.distributed")
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def native_threads() -> int:
-    """Threads of this process that Python did not start (gloo's, OpenMP's, any C library's): those
-    not running Python code now. Threads Python started take the lock in question only while
-    holding the GIL, as ``fork()`` does, so they cannot hold it at a fork; a native thread entering
-    Python takes it before the GIL. Where /proc is missing every other thread counts."""
-    python = python_threads()  # threads running Python code: threading's and _thread's alike
-    try:
-        return len(os.listdir("/proc/self/task")) - python
-    except OSError:
-        return threading.active_count() - 1
+ENV_START_METHOD = "SHARDSTREAM_START_METHOD"  # read by make_loader when start_method="auto"
+_process_method: str | None = None  # what "auto" means in this process, fixed by its first "auto" loader
 
 
 def resolve_start_method(start_method: str) -> tuple[str, str]:
-    """(the start method to use now, why) for ``make_loader``'s ``start_method``."""
+    """(the start method, why) for ``make_loader``'s ``start_method``, decided once per process.
+
+    ``"auto"`` (the default) is ``forkserver`` (what Python 3.14 chooses by default on Linux),
+    unless ``SHARDSTREAM_START_METHOD`` names another (read once, by the first "auto" loader of the
+    process): every later "auto" loader gets the same, so a run never changes method between
+    passes or loaders. A loader that asks for a method gets it; one asking for another than the
+    process's "auto" loaders chose is warned that one process then starts workers two ways."""
+    global _process_method
     if start_method not in START_METHODS:
         raise ConfigError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
-    if start_method != "auto":
-        return start_method, "asked for"
-    hazard = fork_hazard()
-    if hazard is None:
-        return "fork", "fork is safe here"
-    return "forkserver", hazard
+    if start_method == "auto":
+        if _process_method is not None:
+            return _process_method, "this process's start method, fixed by its first loader"
+        asked = os.environ.get(ENV_START_METHOD, "").strip()
+        if asked:
+            if asked not in START_METHODS[1:]:
+                raise ConfigError(f"{ENV_START_METHOD} must be one of {', '.join(START_METHODS[1:])}, got {asked!r}")
+            method, why = asked, f"{ENV_START_METHOD}={asked}"
+        else:
+            method, why = "forkserver", "the default: no fork of a process that has threads"
+    else:
+        method, why = start_method, "asked for"
+        if _process_method is not None and method != _process_method:
+            logger.warning(
+                "shardstream: this loader's workers start with %s, while this process's earlier loaders chose %s: "
+                "one start method per process is what docs/training.md describes",
+                method,
+                _process_method,
+            )
+            return method, why
+    if method == "fork" and not hasattr(os, "fork"):
+        raise ConfigError("start_method='fork': this platform has no fork()")
+    if start_method == "auto":
+        _process_method = method
+    return method, why
+
+
+def _reduce_generator(gen: Any) -> Any:
+    """A CPU ``torch.Generator`` as its state's bytes, for workers that are not forked. torch pickles
+    it with its state tensor, which multiprocessing's pickler sends as a shared-memory file that
+    the worker then fails to map ("unable to resize file ... Invalid argument"): a transform
+    holding a generator (as ``bind`` suggests) killed every forkserver or spawn worker."""
+    if gen.device.type != "cpu":
+        return gen.__reduce__()
+    return _rebuild_generator, (gen.get_state().numpy().tobytes(),)
+
+
+def _rebuild_generator(state: bytes) -> Any:
+    import torch
+
+    gen = torch.Generator()
+    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen
+
+
+def _register_generator() -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    ForkingPickler.register(torch.Generator, _reduce_generator)
 
 
 def context(method: str) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
     (and the main module, as it does by default), so a worker starts without importing them."""
+    if method != "fork":
+        _register_generator()
     if method == "forkserver":
         if not forkserver_running():  # not started yet: preload counts
             preload = forkserver_preload()
@@ -232,14 +245,18 @@ def _tests_main(test: ast.expr) -> bool:
 
 
 # -- in the worker --------------------------------------------------------------------------------
-def die_with_parent(main_pid: int, forked: bool) -> None:
+def die_with_parent(main_pid: int, forked: bool, main_thread: bool = True) -> None:
     """In a worker, first thing: be killed when the rank goes. ``main_pid`` is the rank's pid: the
     parent of a forked or spawned worker; a forkserver's worker has the server as its parent, and
-    watches the rank itself (below)."""
+    watches the rank itself (below). ``main_thread``: whether the rank's main thread started the
+    worker. ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child exits, not the
+    process: a worker started from another thread (an iterator made in a thread that then ends)
+    would be killed with the rank alive, so such a worker watches the rank's pid instead."""
     if forked and os.getppid() != main_pid:
         os.kill(os.getpid(), signal.SIGKILL)  # orphaned before we got here
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
+    # A forkserver's server is single-threaded (its thread lives as long as it does)
+    if sys.platform.startswith("linux") and (main_thread or parent != main_pid):
         try:
             import ctypes
 
@@ -250,9 +267,10 @@ def die_with_parent(main_pid: int, forked: bool) -> None:
     if os.getppid() != parent:  # the parent went between the check and prctl
         os.kill(os.getpid(), signal.SIGKILL)
     # A forkserver's worker holds the server's "alive" pipe open, so the server outlives the rank as
-    # long as the worker lives: the worker watches the rank itself (a pidfd where there is one).
+    # long as the worker lives: the worker watches the rank itself (a pidfd where there is one), as
+    # does a worker that no parent-death signal covers.
     rank = None
-    if main_pid != parent:
+    if main_pid != parent or not main_thread:
         try:
             rank = os.pidfd_open(main_pid)
         except (AttributeError, OSError):  # no pidfd (older kernel, not Linux): polled by pid
@@ -291,16 +309,18 @@ class WorkerStart:
         self.main_pid = os.getpid()
         self.method = "fork"  # set by the loader before each set of workers starts
         self.environ: dict[str, str] | None = None  # the rank's environment, for workers a forkserver forks
+        self.main_thread = True  # whether the rank's main thread starts this set of workers
 
     def start(self, method: str) -> None:
         """In the main process, just before a set of workers starts with ``method``."""
         self.method = method
+        self.main_thread = threading.current_thread() is threading.main_thread()
         # A forkserver's workers inherit the server's environment, taken when it started: they get
         # the rank's as it is now instead, as a forked or spawned worker would (credentials, settings).
         self.environ = dict(os.environ) if method not in ("fork", "spawn") else None
 
     def __call__(self, worker_id: int) -> None:
-        die_with_parent(self.main_pid, self.method == "fork")
+        die_with_parent(self.main_pid, self.method == "fork", self.main_thread)
         if self.environ is not None and self.environ != os.environ:
             os.environ.clear()
             os.environ.update(self.environ)
@@ -318,19 +338,42 @@ class WorkerStart:
 
 # -- in the main process: named semaphores -------------------------------------------------------
 # Workers that are not forked open the DataLoader's queues and events by name: each lock is a named
-# POSIX semaphore in /dev/shm, unlinked when it is collected or by the resource tracker, which a
-# kill -9 of the process group kills too. Once every worker has started (opened them all), the
-# names are no longer needed: they are unlinked then, and the objects work on through their handles.
-def semaphores_mark() -> int:
-    """Before a DataLoader iterator is made: the point after which its semaphores are registered."""
-    return max((key[1] for key in list(_registry())), default=-1)
+# POSIX semaphore in /dev/shm (``sem.mp-*``), unlinked when it is collected or, if this process dies,
+# by multiprocessing's resource tracker. A kill -9 of the job's process group killed the tracker
+# too and left every name: the tracker is started here in a session of its own, so it outlives a
+# kill of the group, sees the job's end and unlinks what is left (shared.isolate_resource_tracker). Once every worker has started
+# (opened them all), the loader unlinks its own semaphores' names at once, and the objects work on
+# through their handles.
+def _semaphore_names(obj: Any, depth: int = 0, seen: set[int] | None = None) -> set[str]:
+    """The names of the named semaphores inside ``obj`` (a DataLoader iterator, and within it its
+    multiprocessing queues, events, conditions and locks)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, synchronize.SemLock):
+        name = getattr(getattr(obj, "_semlock", None), "name", None)
+        return {name} if name else set()
+    if isinstance(obj, (list, tuple)):
+        return set().union(*(_semaphore_names(o, depth + 1, seen) for o in obj)) if obj else set()
+    module = type(obj).__module__ or ""
+    if depth and not module.startswith("multiprocessing"):
+        return set()
+    names: set[str] = set()
+    for value in getattr(obj, "__dict__", {}).values():
+        names |= _semaphore_names(value, depth + 1, seen)
+    return names
 
 
-def unlink_semaphores(mark: int) -> int:
-    """Unlink the names of the semaphores made since ``mark`` (their finalizers cancelled, the resource
-    tracker told): nothing of them stays in /dev/shm, whatever happens to this process. Returns how many."""
+def unlink_semaphores(batches: Any) -> int:
+    """Unlink the names of the named semaphores of ``batches`` (a DataLoader iterator): their
+    finalizers cancelled, the resource tracker told. Nothing of them stays in /dev/shm, whatever
+    happens to this process; other loaders' semaphores are not touched. Returns how many."""
+    names = _semaphore_names(batches)
     done = 0
-    for name, fin in semaphore_finalizers(mark):
+    for name, fin in semaphore_finalizers(-1):
+        if name not in names:
+            continue
         fin.cancel()
         try:
             sem_unlink(name)
@@ -349,15 +392,15 @@ def watched(
     rank: int,
     timeout: float | None,
     first_timeout: float | None,
-    semaphores: int | None = None,
+    semaphores: bool = False,
     method: str | None = None,
 ) -> Any:
     """Yield ``batches`` (a DataLoader iterator) with every wait bounded: ``first_timeout`` for the
     first batch, ``timeout`` for each later one (None: unbounded). A wait past its bound raises
     WorkerTimeout naming the worker that owes the next batch and its last step; a worker that
     died raises WorkerDied (DataLoader's own error says only "exited unexpectedly"). With
-    ``semaphores`` (a ``semaphores_mark()``), the names of the semaphores made since are unlinked
-    once every worker has started. ``method``: how the workers started (for the message)."""
+    ``semaphores``, the names of the iterator's named semaphores are unlinked once every worker
+    has started. ``method``: how the workers started (for the message)."""
     workers = iterator_workers(batches)
     if workers is None:  # no worker processes: nothing to watch
         yield from batches
@@ -391,9 +434,9 @@ def watched(
                 _shut_down(batches)
                 raise
         bound = timeout
-        if semaphores is not None and all(_has_started(stats, i, w) for i, w in enumerate(workers)):
-            unlink_semaphores(semaphores)
-            semaphores = None
+        if semaphores and all(_has_started(stats, i, w) for i, w in enumerate(workers)):
+            unlink_semaphores(batches)
+            semaphores = False
         yield batch
 
 

@@ -1,0 +1,88 @@
+"""A kill -9 of a whole job leaves nothing in /dev/shm, wherever it lands: each job runs in a
+private /dev/shm (a mount namespace with a tmpfs of its own: ``unshare -m``, as root), signals
+the point it reached through its stdout, and its process group is killed there. The named
+semaphores of a DataLoader whose workers start from a forkserver (``sem.mp-*``) exist from the
+pass's start until every worker has opened them; the resource tracker that unlinks them after a
+death now lives in a session of its own, out of the killed group."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import scaled, write_dataset
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs Linux, root and unshare for a private /dev/shm",
+)
+
+JOB = textwrap.dedent("""
+    import sys, time
+    from shardstream import ShardStream, make_loader
+
+    def stop_in_worker(worker_id):
+        print("point", flush=True)  # the workers are starting: the pass's semaphores are named
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        root, point = sys.argv[1], sys.argv[2]
+        init = stop_in_worker if point == "start" else None
+        loader = make_loader(ShardStream(root, batch_size=10), num_workers=2, worker_init_fn=init, prefetch_factor=1)
+        for i, batch in enumerate(loader):
+            if i == 1 and point == "mid":
+                print("point", flush=True)
+                time.sleep(600)
+""")
+
+# Runs inside the namespace: mounts the private /dev/shm, starts the job in its own group, kills
+# the group at the point, then waits (bounded) for what the job left to go.
+HARNESS = textwrap.dedent("""
+    import glob, json, os, signal, subprocess, sys, time
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"], check=True)
+    job = subprocess.Popen([sys.executable, *sys.argv[2:]], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    line = job.stdout.readline()
+    before = len(glob.glob("/dev/shm/sem.*"))
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + float(sys.argv[1])
+    while glob.glob("/dev/shm/sem.*") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the resource tracker sees the job's end and unlinks what it left
+    print(json.dumps({"line": line.strip(), "before": before, "after": sorted(glob.glob("/dev/shm/sem.*"))}))
+""")
+
+
+@pytest.mark.parametrize("point", ["start", "mid"])
+def test_a_killed_job_leaves_no_semaphore_in_dev_shm(tmp_path, point):
+    root = write_dataset(tmp_path / "ds", n=60, max_count=10)
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "harness.py").write_text(HARNESS)
+    out = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            sys.executable,
+            str(tmp_path / "harness.py"),
+            str(scaled(60)),
+            str(tmp_path / "job.py"),
+            root,
+            point,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(240),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["line"] == "point", out.stderr
+    if point == "start":
+        assert result["before"] >= 6  # the pass's queues and events, named while its workers start
+    assert result["after"] == []
