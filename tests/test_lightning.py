@@ -2,7 +2,9 @@
 they are, the loader's epoch follows the trainer's, training resumes mid-epoch through Lightning's
 own checkpoint with every sample exactly once over the interrupted and the resumed run (2 DDP ranks,
 gloo, killed with SIGKILL after a checkpoint), and validation weighted by ``__valid__`` equals a
-single-process run's."""
+single-process run's. A Parquet table as train and val data, on 1 process and on 2 DDP ranks: its
+columnar batches reach training_step, every row once per epoch, and the masked validation counts
+each of the table's rows exactly once."""
 
 from __future__ import annotations
 
@@ -168,3 +170,116 @@ def _single_process_validation(val: str) -> list[float]:
     _trainer(devices=1).validate(model, ShardDataModule(val=val, batch_size=4, num_workers=0), verbose=False)
     (result,) = model.val_results
     return result
+
+
+# -- a Parquet table as the train and val data ----------------------------------------------------
+TABLE_TRAIN = (40, 24)  # 64 rows: 4 per batch, 16 batches on 1 rank, 8 on 2
+TABLE_VAL = (20, 17)  # 37 rows: batches of 5 repeat 3 on 1 rank, of 4 on 2 ranks repeat 3
+
+
+class TableModel(pl.LightningModule):
+    """A linear layer on the ``x`` column; keeps the ids it trains on and the ids its masked
+    validation counts (``__valid__``: False for pad mode's repeats), written too when ``out``."""
+
+    def __init__(self, out: str | None = None):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.out = out
+        self.trained: list[list[int]] = []
+        self.validated: list[list[int]] = []
+        self.repeats = 0
+
+    def _write(self, record: dict) -> None:
+        if self.out is not None:
+            with open(self.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def training_step(self, batch, batch_idx):
+        assert set(batch) == {"id", "x"} and batch["x"].dtype == torch.float32  # the projected columns, as tensors
+        assert torch.equal(batch["x"], batch["id"].float() * 0.5)
+        self.trained.append(batch["id"].tolist())
+        self._write({"train": batch["id"].tolist(), "epoch": self.current_epoch})
+        return self.layer(batch["x"].unsqueeze(1)).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        valid = batch["__valid__"]
+        assert valid.dtype == torch.bool and len(valid) == len(batch["id"])
+        self.validated.append(batch["id"][valid].tolist())
+        self.repeats += int((~valid).sum())
+        self._write({"val": batch["id"][valid].tolist(), "repeats": int((~valid).sum()), "epoch": self.current_epoch})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _table(root, rows) -> str:
+    from test_parquet import write_table
+
+    return write_table(root, rows=rows, group=8)
+
+
+def _table_ids(root: str) -> list[int]:
+    import pyarrow.parquet as pq
+
+    return sorted(pq.read_table(root, columns=["id"]).column("id").to_pylist())
+
+
+def test_single_process_fit_over_a_parquet_table(tmp_path):
+    train = _table(tmp_path / "train", TABLE_TRAIN)
+    val = _table(tmp_path / "val", TABLE_VAL)
+    dm = ShardDataModule(
+        shardstream.Table(train, columns=["id", "x"]),
+        shardstream.Table(val, columns=["id", "x"]),
+        batch_size=4,
+        eval_batch_size=5,
+        num_workers=1,
+        shuffle=shardstream.Shuffle(16),
+        seed=3,
+    )
+    model = TableModel()
+    trainer = _trainer(devices=1, max_epochs=2)
+    trainer.fit(model, dm)
+    assert isinstance(trainer.train_dataloader, ShardLoader) and isinstance(trainer.val_dataloaders, ShardLoader)
+    per_epoch = len(model.trained) // 2
+    assert len(model.trained) == 2 * per_epoch and per_epoch == sum(TABLE_TRAIN) // 4
+    epochs = [sorted(i for b in model.trained[e * per_epoch : (e + 1) * per_epoch] for i in b) for e in (0, 1)]
+    assert epochs[0] == epochs[1] == _table_ids(train)  # every row once per epoch
+    assert model.trained[:per_epoch] != model.trained[per_epoch:]  # another shuffle: the trainer's epoch reached the loader
+    # Validation ran after each epoch: every validation row counted exactly once per run, the
+    # repeats that filled the last batch masked out.
+    counted = sorted(i for b in model.validated for i in b)
+    assert counted == sorted(_table_ids(val) * 2)
+    assert model.repeats == 2 * (-sum(TABLE_VAL) % 5) > 0
+
+
+def _table_rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, work: str, phase: str, ready) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+    out = os.path.join(work, f"{phase}.keys.{rank}")
+    open(out, "w").close()
+    tables = [shardstream.Table(t, columns=["id", "x"]) for t in (train, val)]
+    dm = ShardDataModule(*tables, batch_size=4, num_workers=1, shuffle=shardstream.Shuffle(16), seed=11)
+    _trainer(devices=world, strategy="ddp", max_epochs=1).fit(TableModel(out), dm)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_fit_over_a_parquet_table(tmp_path):
+    train = _table(tmp_path / "train", TABLE_TRAIN)
+    val = _table(tmp_path / "val", TABLE_VAL)
+    ranks = launch_phase(_table_rank_main, 2, str(tmp_path), "fit", (free_port(), train, val))
+    trained = [[rec["train"] for rec in rank if "train" in rec] for rank in ranks]
+    assert [len(t) for t in trained] == [sum(TABLE_TRAIN) // 8] * 2  # equal batches on both ranks
+    assert sorted(i for t in trained for b in t for i in b) == _table_ids(train)  # every row once across ranks
+    validated = [[rec for rec in rank if "val" in rec] for rank in ranks]
+    assert len(validated[0]) == len(validated[1])  # pad mode: the same number of batches on every rank
+    assert sorted(i for v in validated for rec in v for i in rec["val"]) == _table_ids(val)  # each row counted once
+    assert sum(rec["repeats"] for v in validated for rec in v) == -sum(TABLE_VAL) % 8 > 0
