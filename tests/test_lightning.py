@@ -122,7 +122,8 @@ class Crash(pl.Callback):
                 time.sleep(1)
 
 
-def _rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, work: str, phase: str, ready) -> None:
+def _rank_env(rank: int, world: int, port: int, work: str, phase: str) -> str:
+    """A rank's environment as Lightning's DDP reads it; returns the (new, empty) file it records to."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -135,6 +136,11 @@ def _rank_main(rank: int, world: int, store: str, port: int, train: str, val: st
     torch.set_num_threads(1)
     out = os.path.join(work, f"{phase}.keys.{rank}")
     open(out, "w").close()
+    return out
+
+
+def _rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, work: str, phase: str, ready) -> None:
+    out = _rank_env(rank, world, port, work, phase)
     ckpt = os.path.join(work, "step.ckpt")
     dm = ShardDataModule(train, val, batch_size=4, num_workers=1, shuffle=shardstream.Shuffle(16), seed=11)
     callbacks = [Crash(3, ckpt, ready, rank)] if phase == "crash" else []
@@ -253,18 +259,7 @@ def test_single_process_fit_over_a_parquet_table(tmp_path):
 
 
 def _table_rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, work: str, phase: str, ready) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        NODE_RANK="0",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
-    out = os.path.join(work, f"{phase}.keys.{rank}")
-    open(out, "w").close()
+    out = _rank_env(rank, world, port, work, phase)
     tables = [shardstream.Table(t, columns=["id", "x"]) for t in (train, val)]
     dm = ShardDataModule(*tables, batch_size=4, num_workers=1, shuffle=shardstream.Shuffle(16), seed=11)
     _trainer(devices=world, strategy="ddp", max_epochs=1).fit(TableModel(out), dm)
