@@ -3,8 +3,9 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_workers.py [--repeats 5] [--passes 8]
 
 1. Time to the first batch of each pass with workers new every pass (``persistent_workers=False``,
-   the default), for ``fork``, ``forkserver`` (what ``start_method="auto"`` picks where a fork could
-   deadlock) and ``spawn``, with 1 and 2 workers, over a small dataset (2,000 samples of 1 KiB).
+   asked for here: make_loader's default is persistent workers now), for ``fork``, ``forkserver``
+   (what ``start_method="auto"`` picks) and ``spawn``, with 1 and 2 workers, over a small dataset
+   (2,000 samples of 1 KiB).
    That is the worker start per epoch. The first pass of a process is reported apart: it starts
    the forkserver's server (which imports torch and shardstream once).
 2. The large-sample hand-off (benchmarks/bench_handoff.py: 4 MiB ``.npy`` samples from tmpfs, batches
@@ -35,7 +36,7 @@ sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 from shardstream import ShardStream, World, make_loader
 if __name__ == "__main__":
     ds = ShardStream({root!r}, batch_size=64, world=World(0, 1))
-    loader = make_loader(ds, num_workers={workers}, start_method={method!r}, log_interval=None)
+    loader = make_loader(ds, num_workers={workers}, start_method={method!r}, log_interval=None, persistent_workers=False)
     out = []
     for _ in range({passes}):
         t = time.perf_counter()
