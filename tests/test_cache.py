@@ -133,6 +133,16 @@ def _cached_tars(cache_dir):
     return [os.path.join(cache_dir, n) for n in cache_files(cache_dir)[0]]
 
 
+def _flip(path, at, mask):
+    """XOR the byte at ``at`` of ``path`` with ``mask`` in place (the size stays); returns the byte as it was."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ mask]))
+    return byte
+
+
 def test_a_flipped_byte_in_a_cached_shard_is_never_served(s3, tmp_path, caplog):
     """A bit flipped on disk after the fill (same size): the next epoch's hit checks the copy
     against the checksum of its fill, drops it with a warning, counts it, fetches the shard again,
@@ -148,11 +158,7 @@ def test_a_flipped_byte_in_a_cached_shard_is_never_served(s3, tmp_path, caplog):
     tars = _cached_tars(cache_dir)
     assert len(tars) == 3 and all(os.path.exists(t[: -len(".tar")] + ".crc32") for t in tars)
     victim = tars[1]
-    with open(victim, "r+b") as f:  # a byte inside a sample's data (past the first header)
-        f.seek(700)
-        byte = f.read(1)
-        f.seek(700)
-        f.write(bytes([byte[0] ^ 0x10]))
+    byte = _flip(victim, 700, 0x10)  # a byte inside a sample's data (past the first header)
     before = ds.stats()
     ds.set_epoch(1)
     with caplog.at_level(logging.WARNING, logger="shardstream.storage.cache"):
@@ -178,11 +184,7 @@ def test_a_cached_shard_without_a_record_is_checked_once_against_the_manifest(s3
     tars = _cached_tars(cache_dir)
     for t in tars:
         os.unlink(t[: -len(".tar")] + ".crc32")
-    with open(tars[0], "r+b") as f:  # and one of them is damaged too
-        f.seek(600)
-        b = f.read(1)
-        f.seek(600)
-        f.write(bytes([b[0] ^ 1]))
+    _flip(tars[0], 600, 1)  # and one of them is damaged too
     before = ds.stats()
     ds.set_epoch(1)
     assert sorted(k for b in ds for k in b["__key__"]) == sorted(s["__key__"] for s in make_samples(40))

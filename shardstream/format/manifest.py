@@ -231,8 +231,6 @@ class Manifest:
         """The URL or path of shard ``index``'s offset sidecar, resolved like ``shard_url``."""
         return self.resolve(self.sidecar_path(index))
 
-    _resolve = resolve  # the name format/parquet.py's table manifest still calls
-
     # -- offsets ---------------------------------------------------------------------------------
     def offsets(
         self, i: int, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None

@@ -129,7 +129,7 @@ class TableManifest(Manifest):
         self._set_arrays(paths, counts, spans[:, 1] - spans[:, 0], [None] * len(counts), spans, None, {})
 
     def file_url(self, f: int) -> str:
-        return self._resolve(self.files[f])
+        return self.resolve(self.files[f])
 
     def group_name(self, g: int) -> str:
         return f"{self.file_url(int(self.group_file[g]))} row group {int(self.group_index[g])}"
