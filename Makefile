@@ -4,11 +4,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 DEMO_DIR ?= data/demo
-# The lint, type-check and docs tools (the lint and docs extras) have no Python 3.10 release: on
-# 3.10 the venv gets .[test,dask] only, and `make lint` says so and skips its step.
-DEV_TOOLS := $(shell $(PYTHON) -c 'import sys; print(int(sys.version_info >= (3, 11)))' 2>/dev/null)
-comma := ,
-EXTRAS := test,dask$(if $(filter 1,$(DEV_TOOLS)),$(comma)lint$(comma)docs)
+EXTRAS := test,dask,lint,docs
 
 .PHONY: install demo lint test matrix bench docs clean
 
@@ -32,18 +28,14 @@ demo: install
 	    examples/train_ddp.py $(DEMO_DIR)/shards --epochs 3 --batch-size 32 --workers 1
 
 lint: install
-ifeq ($(DEV_TOOLS),1)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
-else
-	@echo "make lint: skipped on $$($(PYTHON) -V): ruff, mypy, import-linter and mkdocs (the lint and docs extras) are pinned to releases for Python 3.11+"
-endif
 
-# the way users run it: no OMP_NUM_THREADS (torch's own threads are there, so DataLoader workers
-# start from forkserver on Python < 3.12 where start_method="auto" sees them)
+# the way users run it: no OMP_NUM_THREADS (torch's own threads are there; DataLoader workers
+# start from a forkserver unless a test asks for fork or spawn)
 test: lint
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 

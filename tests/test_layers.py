@@ -5,9 +5,8 @@ with ':' (modules of one layer that may import each other)."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 import shardstream
 
