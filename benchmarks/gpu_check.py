@@ -70,7 +70,15 @@ def table_to_device(work: str, device: str) -> dict:
         pinned += int(batch["id"].is_pinned()) if device != "cpu" else 0
     ids_seen = torch.cat(seen)
     once = sorted(ids_seen.tolist()) == list(range(rows))
-    return {"rows": rows, "rows_seen": len(ids_seen), "each_once": bool(once), "wrong_values": wrong, "batches": batches, "pinned_epoch2": pinned, "seconds": round(elapsed, 3)}
+    return {
+        "rows": rows,
+        "rows_seen": len(ids_seen),
+        "each_once": bool(once),
+        "wrong_values": wrong,
+        "batches": batches,
+        "pinned_epoch2": pinned,
+        "seconds": round(elapsed, 3),
+    }
 
 
 def write_shards(root: str, n: int) -> None:
@@ -180,7 +188,7 @@ def main() -> None:
             try:
                 result = check(work, args.device)
                 ok = all(v for k, v in result.items() if k.startswith(("each_once", "train_each", "val_exact"))) and not result.get("wrong_values")
-            except Exception as exc:  # report and go on to the next check
+            except Exception as exc:  # noqa: BLE001 - a failed check is reported, and the others still run
                 result, ok = {"error": f"{type(exc).__name__}: {exc}"}, False
             failed += not ok
             emit(out, check=check.__name__, ok=ok, **result)
