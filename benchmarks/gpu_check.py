@@ -62,7 +62,8 @@ def table_to_device(work: str, device: str) -> dict:
     for batch in to_device(loader, device):
         got_id, got_x = batch["id"], batch["x"]
         assert got_id.device.type == torch.device(device).type, got_id.device
-        wrong += int((got_x != (got_id % 1000).float() / 7).sum().item())
+        expected = torch.from_numpy(x)[got_id.cpu()]  # what was written, by each row's id
+        wrong += int((got_x.cpu() != expected).sum().item())
         seen.append(got_id.cpu())
         batches += 1
     elapsed = time.perf_counter() - start
