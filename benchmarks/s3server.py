@@ -52,6 +52,21 @@ KINDS = ("seaweedfs", "s3rver", "moto")
 REGION = "us-east-1"
 START_TIMEOUT = 120.0  # seconds for a server to answer its first request (a loaded machine is slow)
 
+# s3rver as its CLI runs it (path-style buckets only, quiet), except that an idle kept-alive
+# connection stays open for 10 minutes rather than Node's 5 seconds: between two passes of a
+# benchmark every client's connections would be closed, and each pass would start by reconnecting
+# (through latency_proxy.py, a closed upstream connection fails that request and the client retries).
+S3RVER_MAIN = """
+const [moduleDir, directory, port] = process.argv.slice(1);
+const S3rver = require(moduleDir);
+const server = new S3rver({ address: '127.0.0.1', port: Number(port), directory, silent: true, vhostBuckets: false });
+server.run().then(() => {
+  server.httpServer.keepAliveTimeout = 600000;
+  server.httpServer.headersTimeout = 601000;
+  console.log('s3rver listening on 127.0.0.1:' + port);
+}, err => { console.error(err); process.exit(1); });
+"""
+
 
 @dataclass
 class S3Server:
@@ -86,6 +101,18 @@ class S3Server:
     def storage_options(self) -> dict[str, Any]:
         """For ``Store(options=...)``: the endpoint (credentials come from the environment)."""
         return {"endpoint_url": self.endpoint}
+
+    def version(self) -> str:
+        """The server and its version, e.g. ``s3rver 3.7.1``."""
+        if self.kind == "s3rver":
+            with open(os.path.join(self.proc.args[3], "package.json")) as f:  # type: ignore[index]
+                return f"s3rver {json.load(f)['version']}"
+        if self.kind == "moto":
+            from importlib.metadata import version
+
+            return f"moto {version('moto')}"
+        out = subprocess.run([self.proc.args[0], "version"], capture_output=True, text=True, timeout=60).stdout.split()  # type: ignore[index]
+        return f"seaweedfs {out[2] if len(out) > 2 else '?'}"
 
     def client(self, endpoint: str | None = None):
         """A boto3 S3 client for this server (or for a proxy in front of it, ``endpoint``)."""
@@ -148,7 +175,7 @@ def _find(kind: str) -> list[str]:
         node = shutil.which("node")
         if node is None or not os.path.exists(script):
             raise SystemExit(f"s3rver is not installed ({script}): run `bash benchmarks/install_s3server.sh s3rver`")
-        return [node, script]
+        return [node, "-e", S3RVER_MAIN, os.path.dirname(os.path.dirname(script))]
     if kind == "seaweedfs":
         weed = os.environ.get("SHARDSTREAM_WEED") or shutil.which("weed") or os.path.join(CACHE, "seaweedfs", "weed")
         if not os.path.exists(weed):
@@ -166,8 +193,8 @@ def _command(kind: str, base: list[str], workdir: str, port: int) -> tuple[list[
     """(argv, access key, secret key) for this kind on ``port``."""
     if kind == "s3rver":
         # s3rver signs with its one built-in account; --no-vhost-buckets: path-style only
-        argv = [*base, "-d", os.path.join(workdir, "data"), "-a", "127.0.0.1", "-p", str(port), "--silent", "--no-vhost-buckets"]
-        return argv, "S3RVER", "S3RVER"
+        os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+        return [*base, os.path.join(workdir, "data"), str(port)], "S3RVER", "S3RVER"
     if kind == "seaweedfs":
         key, secret = "shardstream", "shardstream-bench-secret"
         config = {
