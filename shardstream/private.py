@@ -80,6 +80,11 @@ NAMES: dict[str, tuple[str, str, str]] = {
         "tells a semaphore's finalizer from the others in that registry",
     ),
     "_multiprocessing.sem_unlink": ("_multiprocessing", "sem_unlink", "unlinks a named semaphore"),
+    "multiprocessing.synchronize.SemLock._semlock": (
+        "_multiprocessing",
+        "SemLock.name",  # the instance attribute _semlock holds one of these (see semaphore_name())
+        "the name of a multiprocessing lock's POSIX semaphore, to find a DataLoader's own among the finalizers",
+    ),
     "multiprocessing.resource_tracker.unregister": (
         "multiprocessing.resource_tracker",
         "unregister",
@@ -250,6 +255,17 @@ def semaphore_finalizers(after: int) -> Iterator[tuple[str, Any]]:
     for key, fin in list(finalizer_registry().items()):
         if key[1] > after and getattr(fin, "_callback", None) is cleanup:
             yield fin._args[0], fin
+
+
+def semaphore_name(lock: Any) -> str | None:
+    """The name of a ``multiprocessing.synchronize.SemLock``'s (Lock, Semaphore, ...) POSIX semaphore;
+    None for one with no name (already unlinked)."""
+    resolve("multiprocessing.synchronize.SemLock._semlock")
+    try:
+        semlock = lock._semlock
+    except AttributeError:
+        raise gone("multiprocessing.synchronize.SemLock._semlock") from None
+    return semlock.name
 
 
 def sem_unlink(name: str) -> None:

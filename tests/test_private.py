@@ -97,6 +97,7 @@ def test_multiprocessing_names():
     lock = ctx.Lock()  # a named semaphore, with its finalizer
     found = list(private.semaphore_finalizers(mark))
     assert len(found) == 1 and isinstance(found[0][0], str)
+    assert private.semaphore_name(lock) == found[0][0]
     name, fin = found[0]
     fin.cancel()
     private.sem_unlink(name)

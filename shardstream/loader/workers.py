@@ -55,6 +55,7 @@ from shardstream.private import (
     owed_worker,
     sem_unlink,
     semaphore_finalizers,
+    semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
     tracker_unregister,
@@ -353,7 +354,7 @@ def _semaphore_names(obj: Any, depth: int = 0, seen: set[int] | None = None) -> 
         return set()
     seen.add(id(obj))
     if isinstance(obj, synchronize.SemLock):
-        name = getattr(getattr(obj, "_semlock", None), "name", None)
+        name = semaphore_name(obj)
         return {name} if name else set()
     if isinstance(obj, (list, tuple)):
         return set().union(*(_semaphore_names(o, depth + 1, seen) for o in obj)) if obj else set()
