@@ -11,7 +11,8 @@ Here too: multiprocessing's undocumented names without an underscore (``context.
 the others. Not here: names private to shardstream's own classes, and names done the public way
 instead: the CLI's option suggestions read the actions ``add_argument`` returns (no argparse
 ``_actions``), the ``.npy`` header is read by numpy's public ``read_array_header_1_0``/``2_0``, and a
-dead DataLoader worker is told by its process's exit code and pid, not by DataLoader's message.
+dead DataLoader worker is told by the type of DataLoader's error, the worker pids it holds and their
+exit codes, not by its words (``loader/workers.py``).
 """
 
 from __future__ import annotations
