@@ -8,8 +8,8 @@ On a 2-core machine every process shares the same two cores, so a reader's rate 
 2 / (its CPU per sample + the server's CPU per sample). 4 MB float32 ``.npy`` samples, undecoded,
 batch 4, one read request per 16 MB shard range, as in bench_s3. Worker CPU includes each worker's
 start-up (fork, first request); the row with 8 samples shows that fixed part. The last two rows
-make their GETs through s3fs/aiobotocore (``StorageConfig(direct_get=False)``), as before
-``storage/direct.py``.
+make their GETs through s3fs/aiobotocore (``StorageConfig(s3_client="s3fs")``) rather than
+obstore (the default, ``storage/objects.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
                     shuffle=False,
                     decode=False,
                     world=World(0, 1),
-                    store=Store(options=options, read=Read(read_size=17 << 20), config=StorageConfig(direct_get=direct)),
+                    store=Store(options=options, read=Read(read_size=17 << 20), config=StorageConfig(s3_client="obstore" if direct else "s3fs")),
                 )
                 return sum(len(b["__key__"]) for b in make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None))
 

@@ -12,7 +12,8 @@ default), read undecoded, in manifest order, batch 4. The contenders, interleave
   ``get_object``, its body in 1 MiB pieces;
 - boto3, 2 streams: two forked processes (forked per pass, a client each), half the objects each;
 - shardstream with 0 and 2 workers (``make_loader``, workers forked per pass), one ``ShardStream``
-  made before the clock starts; direct GETs (the default) and s3fs's path (``direct_get=False``).
+  made before the clock starts; GETs through obstore (the default) and s3fs's path
+  (``StorageConfig(s3_client="s3fs")``).
 
 Ratios are to one stream for 0 workers and to two streams for 2 workers. The time to the first
 batch is a fresh ``ShardStream`` (its manifest read) and loader up to the first batch, in this
@@ -85,7 +86,7 @@ def main() -> None:
                     shuffle=False,
                     decode=False,
                     world=World(0, 1),
-                    store=Store(options=options, config=StorageConfig(direct_get=direct)),
+                    store=Store(options=options, config=StorageConfig(s3_client="obstore" if direct else "s3fs")),
                 )
 
             def ours(workers: int, direct: bool = True):
