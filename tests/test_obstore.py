@@ -43,7 +43,7 @@ def test_obstore_serves_the_usual_options_and_s3fs_the_rest(s3):
         StorageConfig(s3_client="boto")
 
 
-def test_a_profile_a_wrong_secret_and_a_missing_object(s3, tmp_path, monkeypatch):
+def test_a_profile_and_a_missing_object(s3, tmp_path, monkeypatch):
     bucket, options, client = s3
     client.put_object(Bucket=bucket, Key="k", Body=b"x" * 10)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
@@ -57,13 +57,42 @@ def test_a_profile_a_wrong_secret_and_a_missing_object(s3, tmp_path, monkeypatch
         read_object(f"s3://{bucket}/k", {**options, "profile": "nobody"})
     with pytest.raises(StorageNotFound, match="not found"):
         read_object(f"s3://{bucket}/missing", {**options, "profile": "reader"})
-    # moto checks no signature: a wrong secret is refused by a server that does (here: a 403 answer's words)
-    err = objects.translate(Exception("status code: 403 Forbidden: <Error><Code>SignatureDoesNotMatch</Code><Message>no</Message></Error>"))
-    assert isinstance(err, PermissionError)
-    from shardstream.storage.classify import storage_error
 
-    words = str(storage_error(f"s3://{bucket}/k", err))
-    assert isinstance(storage_error(f"s3://{bucket}/k", err), AccessDenied) and "secret key does not match" in words
+
+def _moto_auth(endpoint: str, free_requests: str) -> None:
+    """moto's server checks credentials after ``free_requests`` more requests ("inf": never)."""
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=free_requests.encode(), method="POST", headers={"Content-Type": "text/plain"}
+    )
+    urllib.request.urlopen(request, timeout=30).read()
+
+
+class Counter(dict):
+    def add(self, name: str, value: int = 1) -> None:
+        self[name] = self.get(name, 0) + value
+
+    def __missing__(self, name: str) -> int:
+        return 0
+
+
+def test_wrong_credentials_are_refused_at_once_with_what_to_check(s3):
+    """A key the server does not know: its 403 (InvalidAccessKeyId) is AccessDenied naming what to
+    check, through obstore and s3fs alike, with no retry."""
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"x" * 10)
+    wrong = {**options, "key": "AKIANOBODY", "secret": "wrong"}
+    _moto_auth(options["endpoint_url"], "0")
+    try:
+        for s3_client in ("obstore", "s3fs"):
+            counted = Counter()
+            with pytest.raises(AccessDenied, match="the access key ID is not known to this endpoint"):
+                read_object(f"s3://{bucket}/k", wrong, config=StorageConfig(s3_client=s3_client), counters=counted)
+            assert counted["retries"] == 0, s3_client
+    finally:
+        _moto_auth(options["endpoint_url"], "inf")
+    assert read_object(f"s3://{bucket}/k", wrong) == b"x" * 10  # (the server checks no credentials again)
 
 
 def test_fork_started_workers_after_obstore_read_through_s3fs(s3):
