@@ -11,7 +11,7 @@ import pytest
 from conftest import make_samples, write_dataset
 
 from shardstream import Read, ShardStream, Store, World, make_loader
-from shardstream.errors import AccessDenied, ConfigError, StorageNotFound
+from shardstream.errors import AccessDenied, ConfigError, NoCredentials, StorageNotFound
 from shardstream.storage import objects, ranges
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.ranges import read_object
@@ -93,6 +93,20 @@ def test_wrong_credentials_are_refused_at_once_with_what_to_check(s3):
     finally:
         _moto_auth(options["endpoint_url"], "inf")
     assert read_object(f"s3://{bucket}/k", wrong) == b"x" * 10  # (the server checks no credentials again)
+
+
+def test_no_credentials_and_an_unreadable_ca_bundle_say_so(s3_endpoint, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"endpoint_url": s3_endpoint}
+    with pytest.raises(NoCredentials, match="no credentials found"):
+        read_object("s3://bucket/k", options)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match=r"CA bundle .*missing\.pem \(AWS_CA_BUNDLE or REQUESTS_CA_BUNDLE\) cannot be read"):
+        read_object("s3://bucket/k", {**options, "key": "a", "secret": "b"})
 
 
 def test_fork_started_workers_after_obstore_read_through_s3fs(s3):

@@ -41,6 +41,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from shardstream.buffers import uninitialized_bytearray
+from shardstream.errors import ConfigError
 from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.fs import check_profile
@@ -172,8 +173,12 @@ def _store_args(options: Mapping[str, Any], bucket: str) -> dict[str, Any]:
     if verify is False:
         client["allow_invalid_certificates"] = True
     elif bundle:
-        with open(bundle, "rb") as f:
-            client["root_certificate"] = f.read()
+        try:
+            with open(bundle, "rb") as f:
+                client["root_certificate"] = f.read()
+        except OSError as exc:
+            source = "client_kwargs['verify']" if isinstance(verify, str) else "AWS_CA_BUNDLE or REQUESTS_CA_BUNDLE"
+            raise ConfigError(f"the CA bundle {bundle} ({source}) cannot be read: {exc.strerror or exc}") from exc
     args["client_options"] = client
     return args
 

@@ -26,11 +26,12 @@ from typing import Any
 
 import fsspec
 
+from shardstream.errors import ConfigError
 from shardstream.stats import NullCounters
 from shardstream.storage import fs as storage
 from shardstream.storage import objects
 from shardstream.storage.cache import ShardCache
-from shardstream.storage.classify import storage_error
+from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
 
@@ -51,7 +52,12 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
         options = objects.options_for(storage_options)
         if options is not None:
             path = url.split("://", 1)[1]
-            client = objects.client_for(path, options, config)
+            try:
+                client = objects.client_for(path, options, config)
+            except Exception as exc:  # no credentials, an unreadable CA bundle: the error tree's words
+                if isinstance(exc, ConfigError) or classify(exc) is None:
+                    raise
+                raise storage_error(url, exc) from exc
             key = objects.key_of(path)
             return client, path, Fetcher("obstore", functools.partial(client.fetch, key), functools.partial(client.open, key))
     fs, path = storage.get_fs(url, config.fs_options(storage_options, protocol))
