@@ -1,4 +1,4 @@
-"""Every private name of torch, multiprocessing, s3fs and botocore that shardstream uses, here.
+"""Every private name of torch, multiprocessing and s3fs that shardstream uses, here.
 
 Each accessor below says what it reaches and why no public way does it. A name is looked up at its
 first use and checked then: where a torch, Python, s3fs or botocore release has removed or renamed
@@ -117,14 +117,9 @@ NAMES: dict[str, tuple[str, str, str]] = {
         "Pool._help_stuff_finish",
         "a pool given up on (Ctrl-C, an error) stopped without joining its result thread, which never returns when a worker died mid-result",
     ),
-    # s3fs, fsspec, botocore
+    # s3fs, fsspec
     "s3fs.S3FileSystem._call_s3": ("s3fs", "S3FileSystem._call_s3", "s3fs's GET with its retries and error mapping, on its own client"),
     "s3fs.S3FileSystem._cache": ("s3fs", "S3FileSystem._cache", "fsspec's instance cache, held across a fork so a worker's copy is not finalized"),
-    "botocore client._request_signer._credentials": (
-        "botocore.client",
-        "BaseClient.__init__",  # instance attributes: checked on a client (see check())
-        "the credentials a client signs with (given to s3fs as key/secret or from its session), for the direct reader's own signing",
-    ),
 }
 
 _resolved: dict[str, Any] = {}
@@ -385,7 +380,7 @@ def abandon_pool(pool: Any) -> None:
         thread.join(2)
 
 
-# -- s3fs, fsspec, botocore -------------------------------------------------------------------------
+# -- s3fs, fsspec ----------------------------------------------------------------------------------
 async def s3_call(fs: Any, method: str, **params: Any) -> Any:
     """An S3 call through s3fs's own client, retries and error mapping."""
     resolve("s3fs.S3FileSystem._call_s3")
@@ -395,15 +390,6 @@ async def s3_call(fs: Any, method: str, **params: Any) -> Any:
 def cached_s3_filesystems(s3fs: Any) -> list[Any]:
     """The S3 filesystems fsspec's instance cache holds."""
     return list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
-
-
-def client_signer(client: Any) -> tuple[Any, Any]:
-    """(signer, credentials) of a botocore client: the signer and the credentials it signs with."""
-    try:
-        signer = client._request_signer
-        return signer, signer._credentials
-    except AttributeError:
-        raise gone("botocore client._request_signer._credentials") from None
 
 
 def check() -> list[str]:

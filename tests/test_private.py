@@ -127,12 +127,6 @@ def test_s3_names(s3):
     fs = s3fs.S3FileSystem(**options)
     assert fs in private.cached_s3_filesystems(s3fs)
 
-    async def signer():
-        return private.client_signer(await fs.set_session())
-
-    signer_, credentials = sync(fs.loop, signer)
-    assert signer_ is not None and credentials.access_key == "testing"
-
     async def listing():
         return await private.s3_call(fs, "list_objects_v2", Bucket=bucket)
 
