@@ -33,9 +33,10 @@ from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import PlannedReads, RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, batch_refs, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
+from shardstream.plan.cursor import Cursor
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
-from shardstream.plan.run import Cursor, PassPlan, RunPlan, RunSettings
+from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy

@@ -43,7 +43,7 @@ from shardstream.loader.workers import (
     warm_forkserver,
     watched,
 )
-from shardstream.plan.run import Cursor
+from shardstream.plan.cursor import Cursor
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
 
