@@ -115,10 +115,11 @@ class EpochClock:
 
     def close(self, plan: int) -> None:
         """The announced pass ``plan`` is over in the main process: later passes are recognised by
-        the workers again (a plain DataLoader over the same dataset), until the next announce."""
-        with self._lock:
-            if self._state[_PLAN] == plan:
-                self._state[_PLAN] = 0
+        the workers again (a plain DataLoader over the same dataset), until the next announce.
+        Without the lock: only the main process writes a plan there (workers only clear it), and
+        a loader's pass may be closed by the garbage collector after the lock's file is closed."""
+        if self._state[_PLAN] == plan:
+            self._state[_PLAN] = 0
 
     def start_pass(self, worker: int, num_workers: int) -> tuple[int, bool, int]:
         """Called once per pass by each worker (or the main process as worker 0 of 1): (its epoch,

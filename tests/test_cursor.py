@@ -122,3 +122,16 @@ def test_a_copy_keeps_the_loaded_state_kind_but_not_this_process_pass(root):
     place.cursor, place.iterated, place.own_state, place.loader_workers = Cursor(stream(root).pass_plan(1)), True, True, 2
     copy = pickle.loads(pickle.dumps(place))
     assert (copy.cursor, copy.iterated, copy.own_state, copy.loader_workers) == (None, False, True, 2)
+
+
+def test_a_stage_that_yields_more_items_than_batches_leaves_the_position_unknown_not_wrong(root):
+    ds = stream(root)
+    expected = ds.pass_plan(1).state_after(2)
+    samples = make_loader(ds, num_workers=0, log_interval=None).unbatched()  # webdataset's stage: one item per sample
+    it = iter(samples)
+    for _ in range(10):
+        next(it)
+    with pytest.raises(StateError, match="yields more items than the batches it receives"):
+        samples.state_dict()
+    assert samples.state_dict(batches=2) == expected  # the loop's own count still works
+    del it
