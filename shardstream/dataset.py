@@ -7,7 +7,10 @@
 Between read_ranges and batch_samples, samples travel as lists (one per read block). What each
 (rank, worker) reads in a pass, for one dataset or a mix, by epochs or by steps, fresh or resumed
 (exactly or elastically), is ``plan/run.py``'s answer; this class holds the settings, the epoch
-clock and a loaded state, and asks it.
+clock and a loaded state, and asks it. Its position in this process is one ``Place``
+(plan/cursor.py): the cursor of the pass it iterates (in a worker, its own share, each batch
+handed over with its origin) and how a loaded state reached it. Under make_loader the main
+process opens each pass (``open_pass``) and every worker checks its plan against it.
 """
 
 from __future__ import annotations
