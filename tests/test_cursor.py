@@ -135,3 +135,13 @@ def test_a_stage_that_yields_more_items_than_batches_leaves_the_position_unknown
         samples.state_dict()
     assert samples.state_dict(batches=2) == expected  # the loop's own count still works
     del it
+
+
+def test_after_a_loader_pass_a_plain_dataloader_over_the_same_dataset_takes_the_next_epoch(root):
+    ds = stream(root)
+    first = [b["__key__"] for b in make_loader(ds, num_workers=2, log_interval=None, start_method="fork", persistent_workers=False)]
+    then = [b["__key__"] for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)]  # the announced pass was closed
+    fresh = stream(root)
+    fresh.set_epoch(1)
+    assert then == [b["__key__"] for b in torch.utils.data.DataLoader(fresh, batch_size=None, num_workers=2)] and then != first
+    assert ds.epoch == 1
