@@ -1,5 +1,8 @@
 """The epoch clock: which loader epoch each pass follows, and which pass continues a loaded state,
-shared by the main process and its DataLoader workers (persistent ones too)."""
+shared by the main process and its DataLoader workers (persistent ones too). Under make_loader
+the main process opens each pass (``announce``: the pass and its plan's identity, plan/cursor.py)
+and its workers join it and check their plan against it; under a plain DataLoader each worker
+recognises a new pass where it starts."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from shardstream.shared import ProcessLock
 from shardstream.stats import MAX_SLOTS
 
 _NONE, _PENDING = -1, 0  # no loaded state waits for a pass; one does (> 0: the pass number that took it)
-_EPOCH, _PASSES, _WORKERS, _RESUME, _RESUME_EPOCH, _SLOTS = range(6)
+_EPOCH, _PASSES, _WORKERS, _RESUME, _RESUME_EPOCH, _PLAN, _SLOTS = range(7)
 
 
 class EpochClock:
@@ -23,11 +26,16 @@ class EpochClock:
 
     ``load(e)``: a state was loaded for loader epoch e; the first pass over epoch e that starts
     continues it (``start_pass`` says so), every later pass starts afresh.
+
+    ``announce(K, plan)``: the main process opens the next pass itself, for K workers, planned as
+    ``plan`` (a ``plan_id``); until ``close(plan)`` its workers join that pass rather than decide
+    (a worker that iterates twice stays in it) and ``start_pass`` tells them the plan to check.
     """
 
     def __init__(self) -> None:
         # [set epoch, passes started since, workers in the current pass, resume marker, the loaded
-        # state's epoch, then per worker slot the pass it last took part in]
+        # state's epoch, the plan the main process announced for the current pass (0: none), then
+        # per worker slot the pass it last took part in]
         self._state: Any = multiprocessing.RawArray("q", _SLOTS + MAX_SLOTS)
         self._state[_RESUME] = _NONE
         self._lock: Any = ProcessLock()
@@ -85,22 +93,46 @@ class EpochClock:
         """The next pass will continue the loaded state."""
         return self._state[_RESUME] == _PENDING and self._state[_RESUME_EPOCH] == self.upcoming
 
-    def start_pass(self, worker: int, num_workers: int) -> tuple[int, bool]:
+    def _open(self, num_workers: int) -> None:
+        """A new pass starts (under the lock)."""
+        state = self._state
+        state[_PASSES] += 1
+        state[_WORKERS] = num_workers
+        state[_PLAN] = 0
+        epoch = state[_EPOCH] + state[_PASSES] - 1
+        if state[_RESUME] > 0:
+            state[_RESUME] = _NONE  # the resumed pass is over
+        if state[_RESUME] == _PENDING and state[_RESUME_EPOCH] == epoch:
+            state[_RESUME] = state[_PASSES]
+
+    def announce(self, num_workers: int, plan: int) -> tuple[int, bool]:
+        """The main process opens the next pass, for ``num_workers`` workers (1: its own
+        process), planned as ``plan`` (nonzero): (its epoch, whether it continues the loaded state)."""
+        state = self._state
+        with self._lock:
+            self._open(num_workers)
+            state[_PLAN] = plan
+            return state[_EPOCH] + state[_PASSES] - 1, state[_RESUME] == state[_PASSES]
+
+    def close(self, plan: int) -> None:
+        """The announced pass ``plan`` is over in the main process: later passes are recognised by
+        the workers again (a plain DataLoader over the same dataset), until the next announce.
+        Without the lock: only the main process writes a plan there (workers only clear it), and
+        a loader's pass may be closed by the garbage collector after the lock's file is closed."""
+        if self._state[_PLAN] == plan:
+            self._state[_PLAN] = 0
+
+    def start_pass(self, worker: int, num_workers: int) -> tuple[int, bool, int]:
         """Called once per pass by each worker (or the main process as worker 0 of 1): (its epoch,
-        whether it continues the loaded state)."""
+        whether it continues the loaded state, the plan the main process announced for it or 0)."""
         state = self._state
         slot = _SLOTS + worker % MAX_SLOTS
         with self._lock:
-            if state[_PASSES] == 0 or state[slot] == state[_PASSES] or state[_WORKERS] != num_workers:
-                state[_PASSES] += 1
-                state[_WORKERS] = num_workers
-                epoch = state[_EPOCH] + state[_PASSES] - 1
-                if state[_RESUME] > 0:
-                    state[_RESUME] = _NONE  # the resumed pass is over
-                if state[_RESUME] == _PENDING and state[_RESUME_EPOCH] == epoch:
-                    state[_RESUME] = state[_PASSES]
+            announced = state[_PLAN] != 0 and state[_WORKERS] == num_workers
+            if not announced and (state[_PASSES] == 0 or state[slot] == state[_PASSES] or state[_WORKERS] != num_workers):
+                self._open(num_workers)
             state[slot] = state[_PASSES]
-            return state[_EPOCH] + state[_PASSES] - 1, state[_RESUME] == state[_PASSES]
+            return state[_EPOCH] + state[_PASSES] - 1, state[_RESUME] == state[_PASSES], state[_PLAN]
 
     def __getstate__(self):
         if not spawning():

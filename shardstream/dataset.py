@@ -7,7 +7,10 @@
 Between read_ranges and batch_samples, samples travel as lists (one per read block). What each
 (rank, worker) reads in a pass, for one dataset or a mix, by epochs or by steps, fresh or resumed
 (exactly or elastically), is ``plan/run.py``'s answer; this class holds the settings, the epoch
-clock and a loaded state, and asks it.
+clock and a loaded state, and asks it. Its position in this process is one ``Place``
+(plan/cursor.py): the cursor of the pass it iterates (in a worker, its own share, each batch
+handed over with its origin) and how a loaded state reached it. Under make_loader the main
+process opens each pass (``open_pass``) and every worker checks its plan against it.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import PlannedReads, RangeSource, read_ranges, read_scattered
 from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, batch_refs, columnar_batch, image_columns, table_refs, table_rows
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
+from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
-from shardstream.plan.run import Cursor, PassPlan, RunPlan, RunSettings
+from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
@@ -155,15 +159,9 @@ class ShardStream(torch.utils.data.IterableDataset):
             ),
         )
         self._loaded: State | None = None  # a loaded state: its pass continues it (a run by steps goes on from it)
-        # Loaded inside a DataLoader worker: StatefulDataLoader's snapshot of that worker, which goes
-        # on with its own batches (StatefulDataLoader deals on from where it stopped, not from worker 0).
-        self._loaded_in_worker = False
-        self._share_over = False  # ...and this worker's share of that pass was over (see _load_in_worker)
-        # This process's iterator: the pass it follows and the batches it yielded (None: no pass
-        # started here since its last iter(), set_epoch or load). In a worker, its own share.
-        self._cursor: Cursor | None = None
-        self._iterated_here = False  # iter() was called in this process (a copy sent to workers: not)
-        self.loader_workers: int | None = None  # the workers of the loader make_loader built (plan's default)
+        # This process's own position (plan/cursor.py): the pass it iterates and the batches it
+        # yielded (in a worker, its own share), and how the loaded state reached it.
+        self._place = Place()
         # Shared with DataLoader workers (persistent ones too), so set_epoch and a loaded state reach them.
         self._clock = EpochClock()
         self._stats = StreamStats()
@@ -181,10 +179,14 @@ class ShardStream(torch.utils.data.IterableDataset):
                 opened.check_fits([(int(m.sizes[i]), m.shard_url(i)) for i in sorted(picks)])
         return opened
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_cursor"], state["_iterated_here"] = None, False  # this process's own iteration, not the copy's
-        return state
+    @property
+    def loader_workers(self) -> int | None:
+        """The workers of the loader ``make_loader`` built over this dataset (what ``plan()`` assumes)."""
+        return self._place.loader_workers
+
+    @loader_workers.setter
+    def loader_workers(self, workers: int | None) -> None:
+        self._place.loader_workers = workers
 
     @classmethod
     def from_urls(cls, urls: str | Sequence[str], *, store: Store | None = None, threads: int = 8, **options: Any) -> ShardStream:
@@ -213,7 +215,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Make the next pass follow epoch ``epoch`` (same on every rank); later passes go on from it."""
         self._clock.set(epoch)
-        self._cursor = None
+        self._place.cursor = None
 
     def _workers(self) -> int:
         """Workers per rank a plan assumes when not told: in a DataLoader worker, its loader's; in
@@ -249,6 +251,23 @@ class ShardStream(torch.utils.data.IterableDataset):
         workers = self._workers() if num_workers is None else num_workers
         return self._run.pass_plan(self._clock.upcoming, workers, self._loaded, self._clock.upcoming_resumed)
 
+    def open_pass(self, num_workers: int) -> Cursor:
+        """In the main process, as its loader's pass starts: the pass planned once, announced to
+        the workers (they join it and check their plan against it), and the loop's cursor over it."""
+        cursor = Cursor(self.pass_plan(num_workers))
+        epoch, _ = self._clock.announce(max(1, num_workers), cursor.id)
+        assert epoch == cursor.plan.loader_epoch
+        return cursor
+
+    def close_pass(self, cursor: Cursor) -> None:
+        """The loop's pass over ``cursor`` is over (or abandoned): workers recognise passes again."""
+        self._clock.close(cursor.id)
+
+    def origin(self) -> Origin | None:
+        """Where the batch this process's pass handed over last came from (None before one)."""
+        cursor = self._place.cursor
+        return cursor.last if cursor is not None else None
+
     def resume_plan(self, num_workers: int | None = None) -> PassPlan | None:
         """How the next pass continues a loaded state (None when none waits for it): exactly, or
         elastically on another topology; ``.summary()`` says it in one line. Pure, no I/O."""
@@ -269,8 +288,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     # -- iteration (runs in each DataLoader worker) ---------------------------------------------
     def __iter__(self):
-        self._cursor, self._iterated_here = None, True  # until its pass starts, this process's state is that pass's start
-        share_over, self._share_over = self._share_over, False
+        share_over = self._place.begin()  # until its pass starts, this process's state is that pass's start
         return self._iterate(share_over)
 
     def _iterate(self, share_over: bool = False):
@@ -280,13 +298,19 @@ class ShardStream(torch.utils.data.IterableDataset):
             return
         worker, num_workers = current_worker()
         rank = self.world.rank
-        epoch, resumed = self._clock.start_pass(worker, num_workers)  # self.epoch is this pass's from here on
+        epoch, resumed, announced = self._clock.start_pass(worker, num_workers)  # self.epoch is this pass's from here on
         plan = self._run.pass_plan(epoch, num_workers, self._loaded, resumed)
         # The DataLoader slot this worker fills: its own, or (StatefulDataLoader's own resume) the
         # one that has it go on with its own batches.
-        slot = (worker - plan.received) % num_workers if resumed and self._loaded_in_worker else worker
+        slot = (worker - plan.received) % num_workers if resumed and self._place.own_state else worker
         part = plan.worker(rank, slot)
-        cursor = self._cursor = Cursor(plan, slot, num_workers)
+        cursor = self._place.cursor = Cursor(plan, slot, num_workers, worker)
+        if announced and cursor.id != announced:
+            raise StateError(
+                f"rank {rank} worker {worker} planned loader epoch {epoch} as {cursor.id:016x}, but the main process "
+                f"planned that pass as {announced:016x}: this worker's copy of the dataset differs from the main "
+                "process's (changed after the workers started?); it reads nothing rather than other data"
+            )
         if worker == 0 and rank == 0:
             logger.info("%s", plan.summary())
         for fn in (*self.decoder.decoders.values(), self._transform):
@@ -355,7 +379,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         )
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
-            cursor.taken = made  # counted as it is handed over: a state taken now includes it
+            cursor.take()  # counted as it is handed over: a state taken now includes it
             yield batch
         if policy.skipped or stats.refilled or filtered[0]:
             dropped = f" (and the transform dropped {filtered[0]})" if filtered[0] else ""
@@ -391,7 +415,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         batches = batch_refs(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats, pad=self.mode == "pad")
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
-            cursor.taken = made
+            cursor.take()
             yield batch
 
     def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None, budget: Budget | None = None) -> RangeSource | TableSource:
@@ -434,10 +458,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         prefer ``loader.state_dict()``. Every rank receives the same count, so rank 0's state is
         enough for all ranks. Before a pass starts: the state at its start (a loaded one, as loaded).
         """
-        cursor = self._cursor
+        cursor = self._place.cursor
         if cursor is not None and num_workers in (None, cursor.plan.topology.num_workers) and self._clock.current == cursor.plan.loader_epoch:
             return cursor.state(batches)  # the pass this process iterates
-        if not self._clock.started or (cursor is None and (self._iterated_here or torch.utils.data.get_worker_info() is not None)):
+        if not self._clock.started or (cursor is None and (self._place.iterated or torch.utils.data.get_worker_info() is not None)):
             return self.pass_plan(num_workers).state_after(batches or 0)  # the next pass, not started
         if batches is None:
             raise ConfigError(
@@ -466,9 +490,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if "_snapshot" in state or "_num_yielded" in state:
             state = self._from_stateful_dataloader(state)
         loaded = self._loaded = self._run.load(state)
-        self._cursor = None
         info = torch.utils.data.get_worker_info()
-        self._loaded_in_worker = info is not None
+        self._place.cursor, self._place.own_state = None, info is not None
         if info is not None:  # StatefulDataLoader's snapshot of this worker: it goes on with its own batches
             self._load_in_worker(loaded, info.id, info.num_workers)
             return
@@ -493,7 +516,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._clock.load(loaded.loader_epoch)
         else:
             self._clock.follow(loaded.loader_epoch + 1)
-            self._share_over = True
+            self._place.share_over = True
 
     def _from_stateful_dataloader(self, sdl: Mapping[str, Any]) -> dict[str, Any]:
         """The position in a StatefulDataLoader's state_dict (torchdata 0.11): with no

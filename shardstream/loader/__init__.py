@@ -14,6 +14,13 @@ no copy); large ones (images) keep the shared-memory path. Large undecoded ``byt
 (``SHARED_FIELD_MIN_BYTES`` and up) cross in shared memory too, and are ``bytes`` again on arrival.
 Under make_loader a worker writes its large batches into segments it used before, once the main
 process is done with them, and sends those by number (segments.py).
+
+Position: the loader plans each pass once, in the main process, and announces it to its workers
+(``ShardStream.open_pass``: they join that pass and check their own plan against it). Each batch
+a worker packs carries its origin (plan/cursor.py's ``Origin``: worker, pass, which of its
+batches) beside it, under ``ORIGIN``; the unpack stage takes it off and the loop's ``Cursor``
+counts the batch from it, so the user's batch is what the dataset made and the state is the
+pass's batches received without a gap.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +51,7 @@ from shardstream.loader.workers import (
     warm_forkserver,
     watched,
 )
-from shardstream.plan.run import Cursor
+from shardstream.plan.cursor import Cursor, Origin
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
 
@@ -61,6 +69,7 @@ RESUMED_LENS = ("rest", "whole")  # make_loader's resumed_len: what len(loader) 
 PACKED = "__shardstream_inline__"
 SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
 SEGMENTS = "__shardstream_segments__"  # the batch's segments.Handoff, if tensors lie on pooled segments
+ORIGIN = "__shardstream_origin__"  # where the batch came from (plan/cursor.py's Origin), under make_loader
 _ON_SEGMENT = "segment"  # the spec of a tensor replaced by a segments.PooledTensor
 _SCALARS = (str, bytes, int, float, bool, type(None))
 
@@ -172,10 +181,10 @@ def _rebuild(obj: list | tuple, items: list[Any]) -> Any:
     return tuple(items) if type(obj) is tuple else type(obj)(items)
 
 
-def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool | None = None) -> Any:
+def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool | None = None, origin: Origin | None = None) -> Any:
     """In a worker: small CPU tensors anywhere in ``batch`` become numpy arrays, large bytes
     shared-memory tensors, and tensors on ``pool``'s segments markers; all marked for
-    unpack_batch."""
+    unpack_batch. ``origin`` (where the batch came from) travels beside it, never in it."""
     ctx = _Packing(max_bytes, pool)
     packed, spec = _pack(batch, ctx)
     shared = None
@@ -188,9 +197,11 @@ def pack_batch(batch: Any, max_bytes: int = INLINE_MAX_BYTES, pool: WorkerPool |
     handoff = pool.sent({m.segment for m in ctx.markers}) if pool is not None else None
     for m in ctx.markers:
         m.handoff = handoff
-    if spec is None:
+    if spec is None and origin is None:
         return batch
     out = {PACKED: spec, "batch": packed}
+    if origin is not None:
+        out[ORIGIN] = origin
     if shared is not None:
         out[SHARED] = shared
     if handoff is not None:
@@ -226,6 +237,8 @@ def unpack_batch(batch: Any, pin: bool = False, channels: Channels | None = None
     ``channels`` maps the batch's pooled segments (see segments.py)."""
     if type(batch) is not dict or PACKED not in batch:
         return batch
+    if batch[PACKED] is None:  # nothing packed: only its origin travelled beside it
+        return batch["batch"]
     handoff: Handoff | None = batch.get(SEGMENTS)
     if handoff is not None and handoff.channels is None:
         handoff.channels = channels  # (a batch that was not pickled: tests)
@@ -249,7 +262,15 @@ class PackInWorker:
     def __call__(self, batch: Any) -> Any:
         if self.fn is not None:
             batch = self.fn(batch)
-        return pack_batch(batch, self.max_bytes, worker_pool())
+        return pack_batch(batch, self.max_bytes, worker_pool(), _origin_here())
+
+
+def _origin_here() -> Origin | None:
+    """In a DataLoader worker over a ShardStream: the origin of the batch its dataset just yielded
+    (DataLoader calls the collate_fn on each batch right after taking it from the dataset)."""
+    info = torch.utils.data.get_worker_info()
+    dataset = info.dataset if info is not None else None
+    return dataset.origin() if isinstance(dataset, ShardStream) else None
 
 
 def _passthrough(batch: Any) -> Any:
@@ -261,10 +282,18 @@ class UnpackStage:
     """The loader's first pipeline stage: unpack_batch on every batch, so stages added later
     (``loader.map(...)``) see the batches as the dataset made them. Every wait for a batch is
     bounded (``watch``: workers.watched's keywords). When a pass ends, the segments of its workers
-    are unmapped, unless the workers persist into the next pass."""
+    are unmapped, unless the workers persist into the next pass. Each batch's origin goes to
+    ``arrived``, for the loop's cursor; the batch goes on without it."""
 
-    def __init__(self, pin: bool, channels: Channels | None = None, persistent: bool = False, watch: dict[str, Any] | None = None):
-        self.pin, self.channels, self.persistent, self.watch = pin, channels, persistent, watch
+    def __init__(
+        self,
+        pin: bool,
+        channels: Channels | None = None,
+        persistent: bool = False,
+        watch: dict[str, Any] | None = None,
+        arrived: deque[Origin] | None = None,
+    ):
+        self.pin, self.channels, self.persistent, self.watch, self.arrived = pin, channels, persistent, watch, arrived
 
     def __call__(self, batches):
         pin, channels = self.pin, self.channels
@@ -275,9 +304,14 @@ class UnpackStage:
             tokens |= channels.workers_tokens()  # this pass's workers (forked as it starts), batches or not
         ran_out = False
         try:
+            arrived = self.arrived
             for batch in batches:
-                if type(batch) is dict and SEGMENTS in batch:
-                    tokens.add(batch[SEGMENTS].token)
+                if type(batch) is dict and PACKED in batch:
+                    if SEGMENTS in batch:
+                        tokens.add(batch[SEGMENTS].token)
+                    origin = batch.get(ORIGIN)
+                    if origin is not None and arrived is not None:
+                        arrived.append(Origin(*origin))  # (pinning turns a tuple into a list)
                 yield unpack_batch(batch, pin, channels)
             ran_out = True  # DataLoader has joined the pass's workers: their segments can be inherited
         finally:
@@ -285,9 +319,13 @@ class UnpackStage:
                 channels.forget(tokens, retire=ran_out)
 
 
-def _in_process(dataset: Any, collate: Callable[[Any], Any], pin: bool, pin_device: str) -> Any:
-    """Batches of ``dataset`` iterated in this process: what DataLoader does with no workers."""
+def _in_process(dataset: ShardStream, collate: Callable[[Any], Any], pin: bool, pin_device: str, arrived: deque[Origin]) -> Any:
+    """Batches of ``dataset`` iterated in this process: what DataLoader does with no workers
+    (each batch's origin to ``arrived``, as UnpackStage does for workers' batches)."""
     for batch in dataset:
+        origin = dataset.origin()
+        if origin is not None:
+            arrived.append(origin)
         batch = collate(batch)
         yield pin_memory(batch, pin_device) if pin else batch
 
@@ -342,7 +380,10 @@ class ShardLoader(webdataset.WebLoader):
             "semaphores": False,
             "method": None,  # how this pass's workers start, for WorkerDied's message
         }
-        self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch))
+        # Where each batch the loop is about to receive came from, oldest first (UnpackStage, or
+        # _in_process with no workers, put them; __iter__ gives each to the loop's cursor).
+        self._arrived: deque[Origin] = deque()
+        self.append(UnpackStage(bool(kwargs.get("pin_memory")), channels, self.persistent_workers, self._watch, self._arrived))
         self._cursor: Cursor | None = None  # the last pass's plan, and the batches the loop received in it
         self._in_pass = False  # a pass of this loader is being iterated (its generator is open)
         dataset.loader_workers = self.num_workers  # what dataset.plan() and its summary assume
@@ -369,12 +410,14 @@ class ShardLoader(webdataset.WebLoader):
     def __iter__(self):
         interval = self.log_interval
         next_log = time.monotonic() + interval if interval else None
-        # Counted here, in the main process, as the loop receives them: batches still in worker
-        # queues at checkpoint time are not counted, so they are delivered again after a resume.
-        plan = self.dataset.pass_plan(self.num_workers)
-        if plan.loaded is not None:
-            logger.info("%s", plan.summary())
-        cursor = self._cursor = Cursor(plan)
+        # Counted here, in the main process, as the loop receives them, from where each came:
+        # batches still in worker queues at checkpoint time are not counted, so they are
+        # delivered again after a resume. The pass is planned here, once, and its workers told.
+        cursor = self._cursor = self.dataset.open_pass(self.num_workers)
+        if cursor.plan.loaded is not None:
+            logger.info("%s", cursor.plan.summary())
+        arrived = self._arrived
+        arrived.clear()
         self._in_pass = True
         if self.persistent_workers and not self._workers_alive():
             self._forget_workers()  # a persistent worker died (killed, out of memory): start a new set
@@ -383,7 +426,13 @@ class ShardLoader(webdataset.WebLoader):
             self._start_workers()
         try:
             for batch in super().__iter__():
-                cursor.taken += 1
+                if arrived:
+                    cursor.see(arrived.popleft())
+                elif cursor.lost is None:
+                    cursor.lost = (
+                        "a stage added to the loader yields more items than the batches it receives (unbatched, ...); "
+                        "take state_dict(batches=...) with your own count, or resume from a loader without such stages"
+                    )
                 yield batch
                 if interval and next_log is not None and time.monotonic() >= next_log:
                     next_log = time.monotonic() + interval
@@ -393,6 +442,7 @@ class ShardLoader(webdataset.WebLoader):
                 self._forget_workers()  # a failed pass leaves no half-dead workers for the next one
             raise
         finally:
+            self.dataset.close_pass(cursor)
             if self._cursor is cursor:
                 self._in_pass = False
 
@@ -405,7 +455,7 @@ class ShardLoader(webdataset.WebLoader):
         if self.num_workers > 0:
             return super().iterator1()
         loader = self.pipeline[0]
-        source = _in_process(self.dataset, loader.collate_fn, bool(loader.pin_memory), loader.pin_memory_device)
+        source = _in_process(self.dataset, loader.collate_fn, bool(loader.pin_memory), loader.pin_memory_device, self._arrived)
         for step in self.pipeline[1:]:
             source = self.invoke(step, source)
         return source
@@ -510,7 +560,8 @@ def make_loader(
 
     ``pin_memory`` only takes effect where an accelerator is present. Extra keyword arguments go
     to ``torch.utils.data.DataLoader`` (a ``collate_fn`` runs in the worker on each batch; ``in_order``
-    must stay True: exact resume counts batches in the order they come). Every
+    must stay True: a state counts the pass's batches received without a gap, from the origin
+    each batch carries). Every
     ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
     level; ``loader.stats()`` reads them any time. The dataset is not changed.
 
@@ -552,9 +603,9 @@ def make_loader(
         )
     if kwargs.get("in_order", True) is not True:
         raise ConfigError(
-            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, which "
-            "names the same batches again only when they arrive in order (with in_order=False a fast worker's "
-            "batches overtake a slow one's, and a resume would repeat some and skip others)"
+            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, from each "
+            "batch's origin, as the batches of the pass received without a gap (with in_order=False a fast worker's "
+            "batches overtake a slow one's, and a resume would deliver those again)"
         )
     why = "given as multiprocessing_context"
     if kwargs.get("multiprocessing_context") is not None:

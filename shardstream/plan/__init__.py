@@ -6,6 +6,7 @@
     shuffle.py   the shuffle as arithmetic (RNG streams, where a shuffle stood after k outputs)
     layout.py    a data epoch laid out over a topology: a worker's reads, what a pass left unconsumed
     state.py     the resume state (versioned JSON)          run.py  RunPlan: passes, resume, the one interface
+    cursor.py    where a consumer stands in a pass (Cursor): every state is a cursor's
 
 Planning imports nothing above it (checked by `lint-imports`, see pyproject.toml).
 """

@@ -27,8 +27,8 @@ rest of that epoch in the resumed pass; a run by steps yields the rest of the pa
 ``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``report(e)`` (a data epoch's plan),
 ``pass_plan(loader_epoch, num_workers, state)`` -> ``PassPlan`` (``.worker(rank, worker)``: its
 reads; ``.state_after(n)``: the state after n received batches; ``.summary()``) and ``load(doc)``.
-A ``Cursor`` is where one consumer stands in a pass (the loop, or one DataLoader worker): every
-state the loader or the dataset gives is a cursor's.
+A ``Cursor`` (plan/cursor.py) is where one consumer stands in a pass: every state the loader or
+the dataset gives is a cursor's.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError, StateError
+from shardstream.plan.cursor import Cursor as Cursor  # re-exported: it lived here
 from shardstream.plan.epoch import WHOLE, EpochPlan
 from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
 from shardstream.plan.mix import Ask, MixPlan, mix_batches, plan_mix, quotas
@@ -297,31 +298,6 @@ class PassPlan:
         if not self.run.by_epochs:
             text += f"; this pass yields {self.batches_per_rank} batches per rank, then fresh data epochs follow"
         return text
-
-
-class Cursor:
-    """Where one consumer of a pass stands: the pass's plan and the batches it has taken from it;
-    every resume state is a cursor's ``state()``. The training loop takes every batch
-    (``stride=1``); DataLoader worker w of K takes every K-th (``stride=K``), the first at ``slot``:
-    w where DataLoader deals the pass out from worker 0, or where the pass resumes mid-round
-    (StatefulDataLoader goes on dealing from the worker after the last one it received from)
-    the slot that makes w deliver its own next batches. Once the loop received a worker's last
-    batch it had received ``received`` batches of the pass at least: a worker's own state is
-    that position, and of the K workers' states the furthest is the loop's."""
-
-    __slots__ = ("plan", "slot", "stride", "taken")
-
-    def __init__(self, plan: PassPlan, slot: int = 0, stride: int = 1):
-        self.plan, self.slot, self.stride, self.taken = plan, slot, stride, 0
-
-    @property
-    def received(self) -> int:
-        """Batches of this pass (after the plan's own ``received``) the loop had received with this consumer's last."""
-        return self.slot + (self.taken - 1) * self.stride + 1 if self.taken else 0
-
-    def state(self, batches: int | None = None) -> dict[str, Any]:
-        """The resume state at this cursor (``batches``: the loop's own count of this pass instead)."""
-        return self.plan.state_after(self.received if batches is None else batches)
 
 
 def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
