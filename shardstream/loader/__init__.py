@@ -47,6 +47,7 @@ from shardstream.loader.workers import (
     check_main_guarded,
     check_picklable,
     context,
+    preload_remote,
     resolve_start_method,
     warm_forkserver,
     watched,
@@ -54,6 +55,7 @@ from shardstream.loader.workers import (
 from shardstream.plan.cursor import Cursor, Origin
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
+from shardstream.storage.requests import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -619,6 +621,8 @@ def make_loader(
         if num_workers > 0 and start_method != "fork":
             isolate_resource_tracker()  # before the forkserver, which inherits it: a kill of the job leaves no semaphore
         if num_workers > 0 and start_method == "forkserver":
+            if any(is_remote(m) for m in dataset.sources.manifests):
+                preload_remote()
             warm_forkserver()  # its 1.4-2.1 s start overlaps the script's own set-up, not the first batch
     collate_fn = kwargs.pop("collate_fn", None)
     channels = None
