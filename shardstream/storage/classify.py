@@ -222,15 +222,6 @@ def classify(exc: BaseException) -> Kind | None:
     return wrapped
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: throttling, timeouts, refused or broken connections, 5xx answers."""
-    return classify(exc) in TRANSIENT
-
-
-def is_throttle(exc: BaseException) -> bool:
-    return classify(exc) is Kind.THROTTLED
-
-
 def is_past_end(exc: BaseException) -> bool:
     """An HTTP 416 (S3's InvalidRange): the range asked for starts at or past the object's end,
     i.e. the object is shorter than the caller believed. For a range a manifest promised, that is

@@ -267,18 +267,6 @@ def write_bytes_atomic(fs, dest_path: str, data: bytes) -> None:
         raise destination_error(full_url(fs, dest_path), exc) from exc
 
 
-def read_bytes(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
-    """Read a whole file or a byte range, turning storage failures into StorageError."""
-    try:
-        if start is None and end is None:
-            return fs.cat_file(path)
-        return fs.cat_file(path, start=start, end=end)
-    except Exception as exc:  # network trouble from any fsspec backend; programming errors pass through
-        if classify(exc) is None:
-            raise
-        raise storage_error(full_url(fs, path), exc, fs=fs, path=path) from exc
-
-
 def destination_error(url: str, exc: BaseException) -> BaseException:
     """A storage failure while writing ``url`` as a DestinationError (a bug stays itself)."""
     if classify(exc) is None:

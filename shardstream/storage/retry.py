@@ -30,7 +30,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from shardstream.buffers import uninitialized_bytearray
@@ -49,11 +49,6 @@ class Fetch(Protocol):
     """Bytes [a, b) of one object, or fewer (a short body); at most ``timeout`` seconds (None: no bound)."""
 
     def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes: ...
-
-
-def reader_storage_options(options: Mapping[str, Any] | None, protocol: str, config: StorageConfig = DEFAULT_STORAGE) -> dict[str, Any]:
-    """Storage options for reading under ``config`` (kept for callers of the old name)."""
-    return config.fs_options(options, protocol)
 
 
 JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
