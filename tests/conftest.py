@@ -226,12 +226,34 @@ def no_leaks():
 
 
 # -- real multi-process runs (gloo DDP tests) -----------------------------------------------------
+# Ranks start from multiprocessing's forkserver, whose server imported torch and shardstream once
+# (shardstream's own preload, the one its DataLoader workers start from), not by spawn, which
+# started a new interpreter importing torch for every rank of every phase (about 2 s of CPU each,
+# 50-odd ranks in the suite). A rank is still a separate process with its own DDP process group,
+# loaders, workers (from its own forkserver, as a user's rank has) and SIGKILL. What differs from
+# spawn, and is put right in the rank: a forkserver child has the server's environment, from when
+# the server started, so the rank takes this process's environment as it is at the rank's start.
+def rank_context():
+    """The multiprocessing context ranks start from: the forkserver, preloading torch and shardstream."""
+    from shardstream.loader.workers import context
+
+    return context("forkserver")
+
+
+def _rank_entry(environ: dict, target, rank: int, *args) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    target(rank, *args)
+
+
 @contextlib.contextmanager
 def spawned_ranks(target, world: int, args: tuple):
-    """``world`` spawned processes running ``target(rank, *args)``; any still alive when the block
-    ends is killed, so a hung rank never outlives its test."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(world)]
+    """``world`` processes running ``target(rank, *args)`` (from the forkserver: ``rank_context``)
+    with this process's environment; any still alive when the block ends is killed, so a hung rank
+    never outlives its test."""
+    ctx = rank_context()
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_rank_entry, args=(environ, target, r, *args)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -267,7 +289,7 @@ def launch_phase(target, world: int, work: str, phase: str, args: tuple) -> list
     ``"crash"`` each rank puts its rank on ``ready`` at its checkpoint and waits there; once all
     have, every rank is killed with SIGKILL. Any other phase runs to the end; every rank must exit
     0. Returns, per rank, the JSON lines it wrote to ``{work}/{phase}.keys.{rank}``."""
-    ready = multiprocessing.get_context("spawn").Queue()
+    ready = rank_context().Queue()
     store = os.path.join(work, f"{phase}.store")
     with spawned_ranks(target, world, (world, store, *args, work, phase, ready)) as procs:
         if phase == "crash":
