@@ -110,7 +110,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shuffler: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.shuffle = self.shuffler is not None
         # Batched(fn): fn takes whole columnar batches of Parquet tables (pipeline/table.py), not samples.
-        self.batch_transform = transform.fn if isinstance(transform, Batched) else None
+        self.batch_transform = transform if isinstance(transform, Batched) else None
         self.transform = None if isinstance(transform, Batched) else transform
         self.collate = collate or default_collate
         self._transform = source_transforms(self.sources, self.transform)  # a mix's per-source transforms, then this one
@@ -384,7 +384,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         def collate(batch: Any) -> Any:
             rows = blocks.gather(batch)
-            return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
+            return transform.apply(rows) if transform is not None else columnar_batch(rows, images)
 
         if not part.num_batches:
             return

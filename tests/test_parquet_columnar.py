@@ -162,3 +162,50 @@ def test_gather_across_row_groups_matches_arrow(tmp_path):
     check(np.arange(n - 5, n + 7))  # consecutive across a row group's end (slices joined)
     check(np.arange(2 * n + 3, 2 * n + 9))  # consecutive in a packed row group
     check(np.concatenate([np.arange(3 * n + 10, 3 * n + 13), np.arange(n + 1, n + 4)]))  # two runs, blocks out of order
+
+
+def frame_to_dict(frame):
+    return {"id": torch.tensor(frame["id"].to_numpy())}  # drops __valid__: the stream adds it back
+
+
+def frame_sees_valid(frame):
+    assert frame.column_names[-1] == "__valid__" and frame.schema.field("__valid__").type == pa.bool_()
+    return {"id": torch.tensor(frame["id"].to_numpy()), "seen": frame["__valid__"].to_pylist()}
+
+
+def frame_to_tuple(frame):
+    return (torch.tensor(frame["id"].to_numpy()), frame["__valid__"].to_pylist() if "__valid__" in frame.column_names else None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batched_in_pad_mode_gets_the_valid_mask(table, workers):
+    from shardstream import Batched
+
+    def batches(rank, transform):
+        ds = ShardStream(table, batch_size=48, world=World(rank, 3), mode="pad", seed=3, shuffle=Shuffle(100), transform=transform)
+        return list(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None))
+
+    repeats = 0
+    for rank in range(3):
+        columnar = run_batches(batches(rank, None))
+        added = batches(rank, Batched(frame_to_dict))
+        assert [([int(i) for i in b["id"]], b["__valid__"].tolist()) for b in added] == columnar  # the mask added after fn
+        seen = batches(rank, Batched(frame_sees_valid))
+        assert [([int(i) for i in b["id"]], b["seen"]) for b in seen] == columnar  # fn saw the same mask as a column
+        assert all(b["__valid__"].tolist() == b["seen"] for b in seen)
+        tuples = batches(rank, Batched(frame_to_tuple))
+        assert [([int(i) for i in ids], valid) for ids, valid in tuples] == columnar  # a tuple: what fn put there
+        repeats += sum(valid.count(False) for _, valid in columnar)
+    assert repeats == 3 * 48 * len(columnar) - sum(ROWS)
+
+
+def test_batched_in_drop_mode_has_no_valid(table):
+    from shardstream import Batched
+
+    ids, valid = next(iter(ShardStream(table, batch_size=16, world=World(0, 1), transform=Batched(frame_to_tuple))))
+    assert valid is None and len(ids) == 16
+    assert "__valid__" not in next(iter(ShardStream(table, batch_size=16, world=World(0, 1), transform=Batched(frame_to_dict))))
+
+
+def run_batches(batches):
+    return [([int(i) for i in b["id"]], b["__valid__"].tolist()) for b in batches]

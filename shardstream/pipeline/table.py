@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 CHUNK = 1024  # rows per list handed on
 BLOCK_BITS = 32
 ROW_MASK = (1 << BLOCK_BITS) - 1
+VALID = "__valid__"  # pad mode's mask of the plan's repeats, in a batch
 REF_MASK = REPEAT - 1  # a ref without its REPEAT bit (pad mode's mark of a repeated row)
 HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
 
@@ -70,9 +71,23 @@ class HFImage:
 class Batched:
     """``ShardStream(table, transform=Batched(fn))``: ``fn`` takes each whole batch of a Parquet
     table stream as a ``pyarrow.Table`` (its rows in the batch's order) and returns the batch, in
-    place of per-row samples and the default columnar batch (a DataModule's ``transform(df)``)."""
+    place of per-row samples and the default columnar batch (a DataModule's ``transform(df)``).
+
+    In ``mode="pad"`` the table ``fn`` gets has a last bool column ``__valid__`` (False for the
+    plan's repeats), and when ``fn`` returns a dict without a ``"__valid__"`` key, the mask is
+    added to it as a bool tensor (so a masked validation metric works whatever ``fn`` keeps);
+    anything else ``fn`` returns (a tuple, a tensor) carries the mask only if ``fn`` puts it there."""
 
     fn: Callable[[Any], Any]
+
+    def apply(self, rows: Rows) -> Any:
+        """``fn`` over a gathered batch, the pad mask added to a dict result (see above)."""
+        out = self.fn(rows.to_arrow())
+        if rows.valid is not None and isinstance(out, MutableMapping) and VALID not in out:
+            import torch
+
+            out[VALID] = torch.from_numpy(rows.valid)
+        return out
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -221,11 +236,15 @@ class Rows:
         self.schema, self.columns, self.sources, self.valid = schema, columns, sources, valid
 
     def to_arrow(self) -> Any:
-        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy)."""
+        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy); in pad mode with
+        a last bool column ``__valid__`` (False for the plan's repeats)."""
         import pyarrow as pa
 
         arrays = [pa.array(c) if isinstance(c, np.ndarray) else c for c in self.columns]
-        return pa.Table.from_arrays(arrays, schema=self.schema)
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        if self.valid is not None:
+            table = table.append_column(VALID, pa.array(self.valid, type=pa.bool_()))
+        return table
 
 
 class Held:
@@ -557,5 +576,5 @@ def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Ba
     if rows.sources is not None:
         out["__source__"] = rows.sources
     if rows.valid is not None:
-        out["__valid__"] = torch.from_numpy(rows.valid)  # (a fresh, writable array)
+        out[VALID] = torch.from_numpy(rows.valid)  # (a fresh, writable array)
     return out
