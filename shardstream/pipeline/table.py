@@ -20,6 +20,7 @@ Two shapes out, from one plan:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
@@ -27,22 +28,26 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMappin
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
 import numpy as np
 
 from shardstream.errors import ConfigError, SampleError, ShardFormatError, StorageError, TooManyErrors
-from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_bytes, read_group
+from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_group
 from shardstream.pipeline.batch import Batch, BatchStats, finish_upstream, stack_tensors
 from shardstream.pipeline.interleave import REPEAT
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
+from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.readahead import Prefetcher
+from shardstream.storage.ranges import DOWNLOAD_BLOCK, open_range
+from shardstream.storage.readahead import Budget, Prefetcher
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024  # rows per list handed on
 BLOCK_BITS = 32
 ROW_MASK = (1 << BLOCK_BITS) - 1
+LOCAL = ("file", "local")  # protocols of local files: read directly, never cached
 VALID = "__valid__"  # pad mode's mask of the plan's repeats, in a batch
 REF_MASK = REPEAT - 1  # a ref without its REPEAT bit (pad mode's mark of a repeated row)
 HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
@@ -95,7 +100,9 @@ class Batched:
 
 
 class TableSource:
-    """Where a worker's row ranges come from: the table, storage options, counters, read-ahead."""
+    """Where a worker's row ranges come from: the table, storage options, counters, read-ahead
+    (``budget``: the worker's one read-ahead budget, shared with its other sources, tar or table;
+    without one, ``readahead_bytes`` of its own), and the local ``cache`` of whole files."""
 
     def __init__(
         self,
@@ -106,6 +113,8 @@ class TableSource:
         config: StorageConfig = DEFAULT_STORAGE,
         readahead_bytes: int = 0,
         read_size: int = 4 << 20,
+        budget: Budget | None = None,
+        cache: Any = None,
     ):
         self.manifest = manifest
         self.storage_options = storage_options
@@ -113,33 +122,169 @@ class TableSource:
         self.config = config
         self.readahead_bytes = readahead_bytes
         self.read_size = read_size
+        self.budget = budget
+        self.cache = cache
 
     def runs(self, g: int) -> list[tuple[int, int]]:
         m = self.manifest
         metadata = footer_for(m, int(m.group_file[g]), self.storage_options, config=self.config, counters=self.counters)
         return group_runs(metadata, int(m.group_index[g]), m.projection)
 
-    def opener(self, g: int):
-        """Open row group g's projected runs as one stream of bytes (for the read-ahead)."""
+    def opener(self, g: int) -> Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]:
+        """Open row group g's projected runs as one stream of bytes for the read-ahead: one
+        ranged request per run, handed over in blocks of at most the read-ahead's block size (so a
+        row group's bytes count against the budget block by block, as a shard's do)."""
 
-        def open_it():
-            runs = self.runs(g)
-            url = self.manifest.file_url(int(self.manifest.group_file[g]))
-            pending = list(runs)
-
-            def read(n: int) -> Any:
-                while pending:
-                    a, b = pending.pop(0)
-                    return read_bytes(url, a, b, self.storage_options, config=self.config, counters=self.counters)
-                return b""
-
-            return read, _noop
+        def open_it() -> tuple[Callable[[int], bytes], Callable[[], None]]:
+            f = int(self.manifest.group_file[g])
+            runs = RunsReader(self, f, self.runs(g))
+            return runs.read, runs.close
 
         return open_it
 
 
-def _noop() -> None:
-    pass
+class RunsReader:
+    """``read(n)``: the next <= n bytes of a row group's runs, one run after another (each run one
+    ``open_range``: one ranged request, or a cached file's bytes); bytes, so the read-ahead counts them."""
+
+    def __init__(self, source: TableSource, f: int, runs: list[tuple[int, int]]):
+        self.source, self.f, self.runs = source, f, runs
+        self.url = source.manifest.file_url(f)
+        self.k = 0
+        self.left = self.at = 0
+        self.cached: list[memoryview] | None = None  # the runs from the cache, while it serves them
+        self._read: Any = None
+        self._close: Callable[[], None] | None = None
+
+    def read(self, n: int) -> bytes:
+        if self.cached is None and self.source.cache is not None:
+            self.cached = cached_runs(self.source, self.f, self.runs) or []
+        if self.cached:
+            block, rest = self.cached[0][:n], self.cached[0][n:]
+            self.cached[0] = rest
+            if not len(rest):
+                self.cached.pop(0)
+                if not self.cached:
+                    self.k = len(self.runs)  # all served
+            return bytes(block)
+        while True:
+            if self._read is None:
+                if self.k >= len(self.runs):
+                    return b""
+                a, b = self.runs[self.k]
+                self.k += 1
+                self._read, self._close = open_bytes(self.source, self.f, a, b)
+                self.left, self.at = b - a, a
+            if self.left > 0:
+                chunk = self._read(min(n, self.left))
+                if not len(chunk):
+                    what = "the file ends before the row group's column chunks do (truncated, or changed since it was indexed)"
+                    raise ShardFormatError(self.url, self.at, what)
+                self.left -= len(chunk)
+                self.at += len(chunk)
+                return chunk if isinstance(chunk, (bytes, bytearray)) else bytes(chunk)
+            self.close()
+
+    def close(self) -> None:
+        close, self._read, self._close = self._close, None, None
+        if close is not None:
+            close()
+
+
+def open_bytes(source: TableSource, f: int, a: int, b: int) -> tuple[Any, Callable[[], None]]:
+    """``(read, close)`` for bytes [a, b) of file f: one ranged read."""
+    m = source.manifest
+    return open_range(m.file_url(f), a, b, source.storage_options, source.counters, config=source.config, hint="")
+
+
+def cached_runs(source: TableSource, f: int, runs: list[tuple[int, int]]) -> list[memoryview] | None:
+    """A row group's projected runs through the cache (``Cache``: ``storage/cache.py``), or None
+    where there is none (no cache, a local file, or the cache bypassed: full, no room).
+
+    The cache holds one entry per row group and projection: the runs' bytes, fetched once (the same
+    requests as without a cache) and CRC-checked on every hit, so a hit checks exactly the bytes
+    it serves (a whole file per row group read would check the file once per row group) and the
+    disk holds the projected columns only. Its key is the file's URL and size and the runs."""
+    m = source.manifest
+    url = m.file_url(f)
+    if source.cache is None or fsspec.utils.get_protocol(url) in LOCAL:
+        return None
+    size = sum(b - a for a, b in runs)
+    key = f"{url}@{int(m.file_sizes[f])}#" + ",".join(f"{a}-{b}" for a, b in runs)
+
+    def download(write: Callable[[bytes], None]) -> None:
+        for a, b in runs:
+            read, close = open_bytes(source, f, a, b)
+            try:
+                left = b - a
+                while left > 0:
+                    chunk = read(min(left, DOWNLOAD_BLOCK))
+                    if not len(chunk):
+                        raise ShardFormatError(url, b - left, f"the file ends before byte {b} (truncated, or changed since it was indexed)")
+                    write(chunk if isinstance(chunk, bytes) else bytes(chunk))
+                    left -= len(chunk)
+            finally:
+                close()
+
+    handle = source.cache.open(key, None, size, download, source.counters)
+    if handle is None:
+        return None
+    file, lock = handle
+    try:
+        data = fetch_whole(_Into(file.read), url, [(0, size)])[0]
+    finally:
+        ShardCache.release(file, lock)
+    view, out, at = memoryview(data), [], 0
+    for a, b in runs:
+        out.append(view[at : at + b - a])
+        at += b - a
+    return out
+
+
+def fetch_whole(read: Any, url: str, runs: list[tuple[int, int]]) -> list[bytearray]:
+    """The runs' bytes, each whole, from a read-ahead reader handing them over in blocks."""
+    out = []
+    for a, b in runs:
+        data = bytearray(b - a)
+        view = memoryview(data)
+        got = 0
+        while got < len(data):
+            k = read.readinto(view[got:])
+            if not k:
+                raise ShardFormatError(url, a + got, f"the row group's bytes end at {a + got}, before byte {b}")
+            got += k
+        out.append(data)
+    return out
+
+
+def _read_runs(source: TableSource, f: int, runs: list[tuple[int, int]]) -> list[Any]:
+    """The runs of file f, each whole: through the cache (``cached_runs``), else ranged reads."""
+    cached = cached_runs(source, f, runs)
+    if cached is not None:
+        return cached
+    out: list[Any] = []
+    for a, b in runs:
+        read, close = open_bytes(source, f, a, b)
+        try:
+            out.extend(fetch_whole(_Into(read), source.manifest.file_url(f), [(a, b)]))
+        finally:
+            close()
+    return out
+
+
+class _Into:
+    """``readinto`` over a ``read(n)``."""
+
+    def __init__(self, read: Any):
+        self.read = read
+
+    def readinto(self, view: memoryview) -> int:
+        into = getattr(self.read, "readinto", None)
+        if into is not None:
+            return int(into(view))
+        chunk = self.read(len(view))
+        view[: len(chunk)] = chunk
+        return len(chunk)
 
 
 def _groups(ranges: Sequence[Range]) -> list[int]:
@@ -158,8 +303,12 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
     ranges = list(ranges)
     groups = _groups(ranges)
     prefetcher = None
-    if source.readahead_bytes > 0 and groups:
-        prefetcher = Prefetcher([source.opener(g) for g in groups], block_size=source.read_size, max_bytes=source.readahead_bytes)
+    if (source.budget is not None or source.readahead_bytes > 0) and groups:
+        openers = [source.opener(g) for g in groups]
+        if source.budget is not None:
+            prefetcher = Prefetcher(openers, block_size=source.read_size, budget=source.budget)
+        else:
+            prefetcher = Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
     m = source.manifest
     try:
         k = -1
@@ -175,12 +324,11 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
                 if source.counters is not None:
                     source.counters.step(f"reading {m.group_name(rng.shard)}")
                 try:
-                    fetch = None
+                    fetch: Callable[[list[tuple[int, int]]], list[Any]] | None = None
                     if prefetcher is not None:
-                        read = prefetcher.reader(k)
-
-                        def fetch(runs: list[tuple[int, int]], read: Any = read) -> list[Any]:
-                            return [read(b - a) for a, b in runs]
+                        fetch = functools.partial(fetch_whole, prefetcher.reader(k), m.file_url(int(m.group_file[rng.shard])))
+                    elif source.cache is not None:
+                        fetch = functools.partial(_read_runs, source, int(m.group_file[rng.shard]))
 
                     current = read_group(m, rng.shard, source.storage_options, config=source.config, counters=source.counters, fetch=fetch)
                 except (ShardFormatError, StorageError) as exc:
