@@ -103,3 +103,65 @@ def get_object_stream(endpoint: str, keys: list[str], bucket: str = "bench") -> 
         while chunk := body.read(1 << 20):
             total += len(chunk)
     return total
+
+
+# Readers for the S3 benchmarks' persistent process pools (benchmarks/bench_s3_latency.py,
+# bench_s3_cpu.py): each process keeps its client across passes, as a DataLoader's persistent
+# worker keeps its connections, so a pass times the reads and not a client's set-up.
+_clients: dict[tuple, object] = {}
+
+
+def _s3_client(kind: str, endpoint: str, bucket: str, key: str, secret: str):
+    """This process's boto3 client or obstore store for ``endpoint``, made once."""
+    ident = (kind, endpoint, bucket, key, secret)
+    if ident not in _clients:
+        if kind == "boto3":
+            import boto3
+            from botocore.config import Config
+
+            _clients[ident] = boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                aws_access_key_id=key,
+                aws_secret_access_key=secret,
+                region_name="us-east-1",
+                config=Config(s3={"addressing_style": "path"}),
+            )
+        else:
+            from s3server import obstore_store  # type: ignore[import-not-found]
+
+            _clients[ident] = obstore_store(endpoint, bucket, key, secret)
+    return _clients[ident]
+
+
+def stream_objects(kind: str, endpoint: str, bucket: str, key: str, secret: str, keys: list[str]) -> int:
+    """Read each of ``keys`` to its end in turn, in 1 MiB pieces, with boto3 ``get_object``
+    (``kind="boto3"``) or ``obstore.get`` (``kind="obstore"``). Returns the bytes read."""
+    client = _s3_client(kind, endpoint, bucket, key, secret)
+    total = 0
+    if kind == "boto3":
+        for k in keys:
+            body = client.get_object(Bucket=bucket, Key=k)["Body"]  # type: ignore[attr-defined]
+            while chunk := body.read(1 << 20):
+                total += len(chunk)
+    else:
+        import obstore
+
+        for k in keys:
+            for chunk in obstore.get(client, k).stream(min_chunk_size=1 << 20):
+                total += len(chunk)
+    return total
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def wait_for_quiet(max_load: float, wait: float) -> tuple[float, float]:
+    """Wait up to ``wait`` seconds for the 1-minute load to fall below ``max_load`` (a shared
+    machine: timings at a quiet moment). Returns (the load then, seconds waited)."""
+    t = time.monotonic()
+    while load_average() >= max_load and time.monotonic() - t < wait:
+        time.sleep(10)  # the load average moves over a minute: polling more often gains nothing
+    return load_average(), time.monotonic() - t
