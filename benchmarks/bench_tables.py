@@ -26,8 +26,9 @@ torch is installed; each peer's own pyarrow/numpy come first):
 
 The table: ``--rows`` rows of 7 float32 columns and one int64 in ``--files`` files of row groups of
 ``--group`` rows, in /dev/shm (warm page cache: the figures are the loaders' CPU, not a disk's).
-``--where s3`` serves the same files from a moto server behind ``latency_proxy.py`` (``--latency``
-seconds before each request). Every pass reads 8 columns, or 2 for the projected read check.
+``--where s3`` serves the same files from a real S3-compatible server (``--server``, default s3rver:
+``benchmarks/s3server.py``; moto copies a whole object for every ranged GET) behind
+``latency_proxy.py`` (``--latency`` seconds before each request). Every pass reads 8 columns, or 2 for the projected read check.
 
 Rates are rows per CPU second (this process and its workers): the machine these run on is shared
 and loaded, where wall time measures the neighbours. A pass stops after ``--max-seconds`` of wall
@@ -251,6 +252,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--where", default="local")
     parser.add_argument("--latency", type=float, default=0.03)
+    parser.add_argument("--server", default="s3rver", help="the S3 server for --where s3 (benchmarks/s3server.py: s3rver, seaweedfs, moto)")
     parser.add_argument("--max-seconds", type=float, default=20.0)
     parser.add_argument("--only", default=",".join(CONTENDERS))
     parser.add_argument("--data", default="/dev/shm/bench-tables")
@@ -310,17 +312,17 @@ def main() -> None:
                 places.append(("local", paths, None))
             elif where == "s3":
                 sys.path.insert(0, HERE)
-                import boto3
-                from common import start_moto, stop  # type: ignore[import-not-found]
                 from latency_proxy import start_proxy  # type: ignore[import-not-found]
+                from s3server import s3_server  # type: ignore[import-not-found]
 
-                proc, endpoint = start_moto()
-                servers.append(lambda proc=proc: stop(proc))
-                client = boto3.client("s3", endpoint_url=endpoint)
-                client.create_bucket(Bucket="bench")
+                running = s3_server(args.server, bucket="bench")  # credentials into os.environ: every pass inherits them
+                server = running.__enter__()
+                servers.append(lambda running=running: running.__exit__(None, None, None))
+                print(f"# S3: {server.version()}, {args.latency * 1000:.0f} ms before each request (latency_proxy.py)", flush=True)
+                client = server.client()
                 for p in paths:
                     client.upload_file(p, "bench", f"t/{os.path.basename(p)}")
-                proxy = start_proxy(endpoint, args.latency)
+                proxy = start_proxy(server.endpoint, args.latency)
                 url, _ = proxy.__enter__()
                 servers.append(lambda proxy=proxy: proxy.__exit__(None, None, None))
                 places.append(("s3", [f"s3://bench/t/{os.path.basename(p)}" for p in paths], url))
