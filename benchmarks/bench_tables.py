@@ -223,6 +223,47 @@ def one_pass(args) -> dict:
     return out
 
 
+def steady(args) -> None:
+    """``--steady``: whole passes over the local table in this one process (start-up excluded),
+    interleaved: the floor, shardstream unshuffled and shuffled, rows per CPU second of the
+    process. The per-row cost without the 6 s cap, which on a loaded machine cuts the slower
+    passes short and leaves their start-up (imports, footers) as most of their CPU."""
+    import warnings
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    sys.path.insert(0, REPO)
+    from shardstream import ShardStream, Shuffle, Table, World
+
+    warnings.simplefilter("ignore")  # torch's read-only warning in the floor
+    files, columns, batch = urls(args), COLUMNS[: args.columns], int(args.batch)
+
+    def floor() -> int:
+        n = 0
+        for path in files:
+            with open(path, "rb") as f:
+                for b in pq.ParquetFile(f).iter_batches(batch_size=batch, columns=columns):
+                    n += len({c: torch.from_numpy(b.column(c).to_numpy()) for c in columns}[columns[0]])
+        return n
+
+    def shardstream(shuffled: bool) -> int:
+        ds = ShardStream(Table(files, columns=columns), batch_size=batch, shuffle=Shuffle(SHUFFLE) if shuffled else False, world=World(0, 1))
+        return sum(len(b[columns[0]]) for b in ds)
+
+    passes = {"floor": floor, "shardstream": lambda: shardstream(False), "shardstream-shuffled": lambda: shardstream(True)}
+    rates: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, one in passes.items():
+            c = time.process_time()
+            rows = one()
+            rates.setdefault(name, []).append(rows / (time.process_time() - c) / 1e6)
+    for name, r in rates.items():
+        ratio = float(np.median(r) / np.median(rates["floor"]))
+        print(f"steady batch {batch} {name:22} {np.median(r):6.2f} M rows/CPU-s  x floor {ratio:.2f}  runs {', '.join(f'{x:.2f}' for x in r)}")
+
+
 def version(name: str) -> str:
     import importlib.metadata as md
 
@@ -266,6 +307,7 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=8)
     parser.add_argument("--litdata-dir")
     parser.add_argument("--version")
+    parser.add_argument("--steady", action="store_true", help="whole passes in this process, local only (see steady())")
     args = parser.parse_args()
     if args.version:
         print(version(args.version))
@@ -287,6 +329,14 @@ def main() -> None:
         make_table(root, args.rows, args.files, args.group)
         open(os.path.join(root, "done"), "w").close()
     paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".parquet"))
+    if args.steady:
+        args.urls = json.dumps(paths)
+        threads = os.environ.get("OMP_NUM_THREADS", "(unset)")
+        print(f"# {args.rows} rows x 8 columns in {len(paths)} files, groups {args.group}; OMP_NUM_THREADS={threads}, load {os.getloadavg()[0]:.1f}")
+        for batch in args.batch.split(","):
+            args.batch = batch
+            steady(args)
+        return
     names = [n for n in args.only.split(",") if n]
     pythons = {n: getattr(args, f"{n}_python", sys.executable) for n in names}
     if "litdata" in names:  # litdata's index.json in a copy of its own (a folder with index.json is a shardstream manifest)
