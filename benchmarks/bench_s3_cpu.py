@@ -12,13 +12,12 @@ the default; the pools keep their clients), so a row is the steady state of a pa
 8 samples makes a new loader each run and shows the fixed cost of starting 2 workers. The other
 processes' CPU is read from /proc for every process below this one (the forkserver's children
 included, live or reaped), less the server's. Medians of ``--repeats`` interleaved runs. With
-``--s3fs`` also shardstream's s3fs path (``StorageConfig(direct_get=False)``), where it exists.
+``--s3fs`` also shardstream's s3fs path (``StorageConfig(s3_client="s3fs")``; obstore is the default).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import multiprocessing
 import os
 import statistics
@@ -84,13 +83,13 @@ def main() -> None:
     parser.add_argument("--server", choices=KINDS, default="s3rver", help="the S3-compatible server (benchmarks/s3server.py)")
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--s3fs", action="store_true", help="add the s3fs-path rows (StorageConfig(direct_get=False)), where it exists")
+    parser.add_argument("--s3fs", action="store_true", help="add the s3fs-path rows (StorageConfig(s3_client='s3fs'))")
     parser.add_argument("--max-load", type=float, default=3.0, help="wait for the 1-minute load to fall below this")
     parser.add_argument("--wait", type=float, default=600, help="seconds to wait for it at most")
     args = parser.parse_args()
     # forkserver children (the reference pools, shardstream's workers) import from here and the repo
     os.environ["PYTHONPATH"] = os.pathsep.join([common.HERE, common.REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
-    s3fs_rows = args.s3fs and any(f.name == "direct_get" for f in dataclasses.fields(StorageConfig))
+    s3fs_rows = args.s3fs
     with s3_server(args.server) as server:
         url, creds = server.endpoint, (server.bucket, server.access_key, server.secret_key)
         for prefix, n in (("many", args.samples), ("few", 8)):
@@ -110,7 +109,7 @@ def main() -> None:
         pools = {kind: ProcessPoolExecutor(2, mp_context=ctx) for kind in ("boto3", "obstore")}
 
         def stream(prefix: str, direct: bool) -> ShardStream:
-            config = StorageConfig() if direct else StorageConfig(direct_get=False)  # type: ignore[call-arg]
+            config = StorageConfig() if direct else StorageConfig(s3_client="s3fs")
             read = Read(read_size=17 << 20)  # one request per 16 MB shard
             store = Store(options=server.storage_options, read=read, config=config)
             return ShardStream(f"s3://bench/{prefix}", batch_size=4, shuffle=False, decode=False, world=World(0, 1), store=store)

@@ -19,7 +19,7 @@ interleaved, medians of ``--repeats`` passes after one warm-up pass each:
   client kept across passes), half the objects each;
 - shardstream with 0 and 2 workers: one ``make_loader`` made before the clock (its workers are
   persistent, the default), ``Store(options={"endpoint_url": ...})`` with the defaults; with
-  ``--s3fs`` also the s3fs path (``StorageConfig(direct_get=False)``) where that option exists.
+  ``--s3fs`` also the s3fs path (``StorageConfig(s3_client="s3fs")``; obstore is the default).
 
 The goals of issue 35: 0 workers >= one obstore stream, 2 workers >= 0.95 of two obstore streams
 (with and without latency), first batch <= 0.3 s at 2 workers at 30 ms. The first batch is a fresh
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import os
@@ -73,7 +72,7 @@ def main() -> None:
     parser.add_argument("--per-shard", type=int, default=8, help="4 MiB samples per shard")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--first-batch", type=int, default=5, help="times to the first batch, per worker count")
-    parser.add_argument("--s3fs", action="store_true", help="add the s3fs-path rows (StorageConfig(direct_get=False)), where it exists")
+    parser.add_argument("--s3fs", action="store_true", help="add the s3fs-path rows (StorageConfig(s3_client='s3fs'))")
     parser.add_argument("--max-load", type=float, default=3.0, help="wait for the 1-minute load to fall below this")
     parser.add_argument("--wait", type=float, default=600, help="seconds to wait for it at most")
     parser.add_argument("--json", default=None, help="also write the figures here")
@@ -81,7 +80,7 @@ def main() -> None:
     # forkserver children (the reference pools, shardstream's workers) import from here and the repo
     os.environ["PYTHONPATH"] = os.pathsep.join([common.HERE, common.REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
     n = args.shards * args.per_shard
-    s3fs_rows = args.s3fs and any(f.name == "direct_get" for f in dataclasses.fields(StorageConfig))
+    s3fs_rows = args.s3fs
     results: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": git_rev(),
@@ -136,7 +135,7 @@ def main() -> None:
                     return run
 
                 def stream(direct: bool = True) -> ShardStream:
-                    config = StorageConfig() if direct else StorageConfig(direct_get=False)  # type: ignore[call-arg]
+                    config = StorageConfig() if direct else StorageConfig(s3_client="s3fs")
                     return ShardStream(
                         "s3://bench/lat",
                         batch_size=4,

@@ -6,8 +6,9 @@
 Each JSONL line is ``{"__key__": "0001", "jpg": {"$file": "images/0001.jpg"}, "txt": "a red square"}``
 (``txt`` may be missing: such samples are dropped by the transform, returning None). The transform
 turns a decoded sample into the tuple the model takes, ``(image, tokens)``: a random crop and
-flip of the uint8 image, and the caption as a fixed-length tensor of word ids. The default
-collate batches tuples position by position, so the loop reads ``for images, tokens in loader``.
+flip of the uint8 image (one smaller than the crop is scaled up to cover it first), and the
+caption as a fixed-length tensor of word ids. The default collate batches tuples position by
+position, so the loop reads ``for images, tokens in loader``.
 The model is a toy (an image encoder trained to predict the caption's words), enough to show a
 real loss going down.
 """
@@ -64,6 +65,11 @@ class CaptionTransform:
             return None
         image = sample["jpg"]  # uint8 CHW tensor from the default decoder
         _, h, w = image.shape
+        if min(h, w) < self.size:  # smaller than the crop: scaled up until its shorter side fits it
+            scale = self.size / min(h, w)
+            h, w = max(self.size, round(h * scale)), max(self.size, round(w * scale))
+            image = F.interpolate(image[None].float(), size=(h, w), mode="bilinear", align_corners=False)[0]
+            image = image.round().clamp(0, 255).to(torch.uint8)
         top = int(torch.randint(0, h - self.size + 1, (1,), generator=self.rng))
         left = int(torch.randint(0, w - self.size + 1, (1,), generator=self.rng))
         image = image[:, top : top + self.size, left : left + self.size]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+from shardstream.private import spawning
 from shardstream.shared import ProcessLock
 from shardstream.stats import MAX_SLOTS
 
@@ -102,7 +103,7 @@ class EpochClock:
             return state[_EPOCH] + state[_PASSES] - 1, state[_RESUME] == state[_PASSES]
 
     def __getstate__(self):
-        if multiprocessing.context.get_spawning_popen() is None:
+        if not spawning():
             return {"values": list(self._state)}  # a plain copy (pickle, deepcopy): its own clock
         return {"state": self._state, "lock": self._lock}
 

@@ -211,7 +211,7 @@ class Store:
 
     ``options``: fsspec storage options, e.g. ``{"endpoint_url": ..., "profile": ...}`` for S3 (a
     mix's ``Source`` may give its own). ``config``: ``StorageConfig``, one policy for every storage
-    request (timeouts, retries, deadline, allowed roots, direct GETs). ``read``: ``Read(...)``,
+    request (timeouts, retries, deadline, allowed roots, the S3 client). ``read``: ``Read(...)``,
     how ranges are read. ``cache``: ``Cache(dir, limit)``, local copies of remote shards, or None.
     """
 

@@ -1,4 +1,4 @@
-"""Every private name of torch, multiprocessing, s3fs and botocore that shardstream uses, here.
+"""Every private name of torch, multiprocessing and s3fs that shardstream uses, here.
 
 Each accessor below says what it reaches and why no public way does it. A name is looked up at its
 first use and checked then: where a torch, Python, s3fs or botocore release has removed or renamed
@@ -6,12 +6,13 @@ it, the use raises ``PrivateNameGone`` naming the name and the versions installe
 ``AttributeError`` deep in a worker. ``NAMES`` lists them all; ``check()`` resolves every one (the
 suite's tests/test_private.py does, on every combination of the version matrix, .ci/matrix).
 
-Not here: names private to shardstream's own classes; argparse's ``_SubParsersAction`` and
-``_actions`` (the CLI's option suggestions; standard library, unchanged since Python 3.2); numpy's
-``lib.format._read_array_header`` (``shardstream preview`` of a .npy header, any format version);
-and multiprocessing's undocumented but unprefixed ``context.get_spawning_popen``,
-``reduction.DupFd`` and ``resource_tracker.unregister`` (tests/test_private.py and the suite use
-them through the code that calls them).
+Here too: multiprocessing's undocumented names without an underscore (``context.get_spawning_popen``,
+``reduction.DupFd``, ``resource_tracker.unregister``, ``util.spawnv_passfds``), as undocumented as
+the others. Not here: names private to shardstream's own classes, and names done the public way
+instead: the CLI's option suggestions read the actions ``add_argument`` returns (no argparse
+``_actions``), the ``.npy`` header is read by numpy's public ``read_array_header_1_0``/``2_0``, and a
+dead DataLoader worker is told by the type of DataLoader's error, the worker pids it holds and their
+exit codes, not by its words (``loader/workers.py``).
 """
 
 from __future__ import annotations
@@ -80,20 +81,45 @@ NAMES: dict[str, tuple[str, str, str]] = {
         "tells a semaphore's finalizer from the others in that registry",
     ),
     "_multiprocessing.sem_unlink": ("_multiprocessing", "sem_unlink", "unlinks a named semaphore"),
+    "multiprocessing.synchronize.SemLock._semlock": (
+        "_multiprocessing",
+        "SemLock.name",  # the instance attribute _semlock holds one of these (see semaphore_name())
+        "the name of a multiprocessing lock's POSIX semaphore, to find a DataLoader's own among the finalizers",
+    ),
+    "multiprocessing.resource_tracker.unregister": (
+        "multiprocessing.resource_tracker",
+        "unregister",
+        "tells the resource tracker a semaphore's name is unlinked already (else it warns at exit and unlinks it again)",
+    ),
+    "multiprocessing.resource_tracker._resource_tracker": (
+        "multiprocessing.resource_tracker",
+        "_resource_tracker",
+        "the tracker process's handle: whether it runs yet (its _fd), and its start (ensure_running)",
+    ),
+    "multiprocessing.util.spawnv_passfds": (
+        "multiprocessing.util",
+        "spawnv_passfds",
+        "the call that starts the resource tracker, wrapped for that one start so the tracker runs in a session of its own",
+    ),
+    "multiprocessing.context.get_spawning_popen": (
+        "multiprocessing.context",
+        "get_spawning_popen",
+        "whether an object is being pickled for a new process (its handles travel) or copied (pickle, deepcopy)",
+    ),
+    "multiprocessing.reduction.DupFd": (
+        "multiprocessing.reduction",
+        "DupFd",
+        "a file descriptor pickled for a new process: sent by the spawning process, a duplicate in the child",
+    ),
     "sys._current_frames": ("sys", "_current_frames", "counts the threads running Python code (threading.enumerate misses _thread's)"),
     "multiprocessing.pool.Pool._outqueue": (
         "multiprocessing.pool",
         "Pool._help_stuff_finish",
         "a pool given up on (Ctrl-C, an error) stopped without joining its result thread, which never returns when a worker died mid-result",
     ),
-    # s3fs, fsspec, botocore
+    # s3fs, fsspec
     "s3fs.S3FileSystem._call_s3": ("s3fs", "S3FileSystem._call_s3", "s3fs's GET with its retries and error mapping, on its own client"),
     "s3fs.S3FileSystem._cache": ("s3fs", "S3FileSystem._cache", "fsspec's instance cache, held across a fork so a worker's copy is not finalized"),
-    "botocore client._request_signer._credentials": (
-        "botocore.client",
-        "BaseClient.__init__",  # instance attributes: checked on a client (see check())
-        "the credentials a client signs with (given to s3fs as key/secret or from its session), for the direct reader's own signing",
-    ),
 }
 
 _resolved: dict[str, Any] = {}
@@ -227,8 +253,74 @@ def semaphore_finalizers(after: int) -> Iterator[tuple[str, Any]]:
             yield fin._args[0], fin
 
 
+def semaphore_name(lock: Any) -> str | None:
+    """The name of a ``multiprocessing.synchronize.SemLock``'s (Lock, Semaphore, ...) POSIX semaphore;
+    None for one with no name (already unlinked)."""
+    resolve("multiprocessing.synchronize.SemLock._semlock")
+    try:
+        semlock = lock._semlock
+    except AttributeError:
+        raise gone("multiprocessing.synchronize.SemLock._semlock") from None
+    return semlock.name
+
+
 def sem_unlink(name: str) -> None:
     resolve("_multiprocessing.sem_unlink")(name)
+
+
+def spawning() -> bool:
+    """Whether this thread is pickling for a new process's start (spawn, forkserver): what such a
+    pickle holds reaches that process only (file descriptors travel with it), where a plain pickle or
+    deepcopy shares nothing."""
+    return resolve("multiprocessing.context.get_spawning_popen")() is not None
+
+
+def dup_fd(fd: int) -> Any:
+    """``fd`` for the new process being pickled for (``spawning()``): the unpickled object's
+    ``detach()`` is a descriptor of the same open file in that process."""
+    return resolve("multiprocessing.reduction.DupFd")(fd)
+
+
+def tracker_unregister(name: str, rtype: str) -> None:
+    """Tell the resource tracker ``name`` (of resource type ``rtype``, e.g. "semaphore") is gone."""
+    resolve("multiprocessing.resource_tracker.unregister")(name, rtype)
+
+
+# The command the resource tracker starts with (Python 3.11-3.14: "...import main;main(fd)").
+_TRACKER_CODE = "from multiprocessing.resource_tracker import main;"
+_tracker_lock = threading.Lock()
+
+
+def resource_tracker_in_own_session() -> bool:
+    """Start multiprocessing's resource tracker now in a session of its own (``setsid``), if it is
+    not running; False where it runs already (started by anything else: left alone) or where there
+    are no sessions. multiprocessing starts the tracker on demand as a child in the caller's process
+    group, through ``util.spawnv_passfds``, and has no way to ask for another session: that call is
+    wrapped for this one start to put ``os.setsid()`` before the tracker's own code."""
+    import os
+
+    if not hasattr(os, "setsid"):
+        return False
+    tracker = resolve("multiprocessing.resource_tracker._resource_tracker")
+    util: Any = importlib.import_module("multiprocessing.util")
+    spawnv = resolve("multiprocessing.util.spawnv_passfds")
+    if not hasattr(tracker, "_fd") or not callable(getattr(tracker, "ensure_running", None)):
+        raise gone("multiprocessing.resource_tracker._resource_tracker", "no _fd or ensure_running")
+
+    def in_own_session(path: str, args: list[str], passfds: Any) -> int:
+        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_TRACKER_CODE):
+            args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
+        return spawnv(path, args, passfds)
+
+    with _tracker_lock:
+        if tracker._fd is not None:
+            return False
+        util.spawnv_passfds = in_own_session  # the tracker's start calls it by this name
+        try:
+            tracker.ensure_running()
+        finally:
+            util.spawnv_passfds = spawnv
+    return True
 
 
 def python_threads() -> int:
@@ -288,7 +380,7 @@ def abandon_pool(pool: Any) -> None:
         thread.join(2)
 
 
-# -- s3fs, fsspec, botocore -------------------------------------------------------------------------
+# -- s3fs, fsspec ----------------------------------------------------------------------------------
 async def s3_call(fs: Any, method: str, **params: Any) -> Any:
     """An S3 call through s3fs's own client, retries and error mapping."""
     resolve("s3fs.S3FileSystem._call_s3")
@@ -298,15 +390,6 @@ async def s3_call(fs: Any, method: str, **params: Any) -> Any:
 def cached_s3_filesystems(s3fs: Any) -> list[Any]:
     """The S3 filesystems fsspec's instance cache holds."""
     return list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
-
-
-def client_signer(client: Any) -> tuple[Any, Any]:
-    """(signer, credentials) of a botocore client: the signer and the credentials it signs with."""
-    try:
-        signer = client._request_signer
-        return signer, signer._credentials
-    except AttributeError:
-        raise gone("botocore client._request_signer._credentials") from None
 
 
 def check() -> list[str]:

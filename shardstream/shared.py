@@ -17,8 +17,9 @@ import os
 import tempfile
 import threading
 import weakref
-from multiprocessing import context, reduction, resource_tracker, util
 from typing import Any
+
+from shardstream.private import dup_fd, resource_tracker_in_own_session, spawning
 
 _locks: weakref.WeakSet[ProcessLock] = weakref.WeakSet()
 
@@ -49,8 +50,9 @@ class ProcessLock:
         self._thread.release()
 
     def __getstate__(self) -> dict[str, Any]:
-        context.assert_spawning(self)  # a plain copy would share nothing: pickled only for a new process
-        return {"fd": reduction.DupFd(self._fd)}
+        if not spawning():  # a plain copy would share nothing: pickled only for a new process
+            raise RuntimeError("a ProcessLock is shared with a new process only as it starts (in its arguments or dataset)")
+        return {"fd": dup_fd(self._fd)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._setup(state["fd"].detach())
@@ -70,29 +72,8 @@ if hasattr(os, "register_at_fork"):
 # multiprocessing's named semaphores (a DataLoader's queues for workers that are not forked, a
 # spawn pool's) are unlinked by its resource tracker when the process that made them is gone. A
 # kill -9 of the job's process group killed the tracker with it and left every name in /dev/shm.
-_TRACKER_CODE = "from multiprocessing.resource_tracker import main;"
-
-
 def isolate_resource_tracker() -> None:
     """Start multiprocessing's resource tracker now, if it is not running, in a new session (not in
     this process's group), so that a kill of the job's process group leaves it to clean up after the
     job. Where it already runs (started by anything else), it is left alone."""
-    tracker = getattr(resource_tracker, "_resource_tracker", None)
-    spawnv = getattr(util, "spawnv_passfds", None)
-    if tracker is None or spawnv is None or getattr(tracker, "_fd", 0) is not None or not hasattr(os, "setsid"):
-        return
-
-    def in_own_session(path: str, args: list[str], passfds: Any) -> int:
-        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_TRACKER_CODE):
-            args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
-        return spawnv(path, args, passfds)
-
-    with _tracker_lock:
-        util.spawnv_passfds = in_own_session  # type: ignore[assignment]  # the tracker's launch calls it by this name
-        try:
-            tracker.ensure_running()
-        finally:
-            util.spawnv_passfds = spawnv
-
-
-_tracker_lock = threading.Lock()
+    resource_tracker_in_own_session()

@@ -38,7 +38,7 @@ from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
 from shardstream.format.scan import scan_shards
 from shardstream.plan.epoch import EpochPlan
-from shardstream.plan.mix import Ask, MixPlan, plan_mix
+from shardstream.plan.mix import Ask, MixPlan
 from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.storage import fs as storage
@@ -179,21 +179,7 @@ class Mix:
     manifests: list[Manifest]
     storage_options: list[dict[str, Any]]
     names: list[str] = field(default_factory=list)
-    mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__)
-
-    def plan(self, *, world_size: int, num_workers: int, batch_size: int, seed: int, epoch: int, shuffle: bool, per_batch: str) -> MixPlan:
-        return plan_mix(
-            [m.counts.tolist() for m in self.manifests],
-            [s.ask() for s in self.sources],
-            world_size=world_size,
-            num_workers=num_workers,
-            batch_size=batch_size,
-            names=self.names,
-            seed=seed,
-            epoch=epoch,
-            shuffle=shuffle,
-            per_batch=per_batch,
-        )
+    mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__; planned alike)
 
     def report(
         self,
@@ -418,12 +404,12 @@ def manifest_digest(m: Manifest) -> str:
 
 
 def plan_sources(mix: Mix) -> Sources:
-    """What planning knows of the sources, and what a resume state names them by."""
-    if mix.mixed:
-        identity = tuple(
-            {"name": name, "manifest": manifest_digest(m), "samples": m.total_samples, "ask": s.ask().describe()}
-            for name, s, m in zip(mix.names, mix.sources, mix.manifests)
-        )
-        return Sources(tuple(m.counts for m in mix.manifests), identity, True, tuple(mix.names), tuple(s.ask() for s in mix.sources))
-    (m,) = mix.manifests
-    return Sources((m.counts,), ({"manifest": manifest_digest(m), "samples": int(m.counts.sum())},), False, compressed_shards=int(m.compressed.sum()))
+    """What planning knows of the sources, and what a resume state names them by (``Sources.of``:
+    one source by its manifest alone, given as a root or as a mix of one)."""
+    return Sources.of(
+        [m.counts for m in mix.manifests],
+        [manifest_digest(m) for m in mix.manifests],
+        mix.names if mix.mixed else (),
+        [s.ask() for s in mix.sources],
+        0 if mix.mixed else int(mix.manifests[0].compressed.sum()),
+    )

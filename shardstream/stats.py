@@ -16,6 +16,8 @@ import struct
 import time
 from typing import Any
 
+from shardstream.private import spawning
+
 COUNTERS = (
     "bytes_read",  # bytes received from storage
     "ranges_opened",  # shard ranges started
@@ -76,7 +78,7 @@ class StreamStats:
         return {name: sum(values[i::width]) for i, name in enumerate(COUNTERS)}
 
     def __getstate__(self):
-        if multiprocessing.context.get_spawning_popen() is None:  # a plain copy: counts no longer shared
+        if not spawning():  # a plain copy: counts no longer shared
             return {"_array": list(self._array), "_board": bytes(memoryview(self._board).cast("B"))}
         return {"_array": self._array, "_board": self._board}
 

@@ -155,8 +155,9 @@ def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, sam
 # the default executor threads of that loop ("asyncio_N", not daemons, joined at exit).
 LEAK_GRACE_S = 10.0
 ALLOWED_DAEMON_THREADS = ("fsspecIO", "(_server_entry)", "(process_request_thread)", "(serve_forever)")
-# Dask-Offload: distributed's process-wide offload executor, started on first use and kept by design.
-ALLOWED_THREAD_PREFIXES = ("asyncio_", "Dask-Offload")
+# Dask-Offload: distributed's process-wide offload executor, started on first use and kept by design;
+# shardstream-get: storage/objects.py's process-wide pool that waits for S3 answers (kept likewise).
+ALLOWED_THREAD_PREFIXES = ("asyncio_", "Dask-Offload", "shardstream-get")
 # multiprocessing's helper processes, started once on first use (spawn, shared memory) and kept for
 # the interpreter's lifetime by design.
 ALLOWED_CHILDREN = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")

@@ -25,17 +25,14 @@ def counts_for(num_shards: int, seed: int = 0, low: int = 1, high: int = 30) -> 
 
 
 def make_sources(counts: list[list[int]], asks: list[Ask] | None = None, mixed: bool | None = None) -> Sources:
+    """Sources as a stream makes them: ``mixed`` (default: more than one source) gives them names
+    (a mix, or a mix of one: samples tagged, a MixPlan report); else a dataset given as a root."""
     arrays = tuple(np.asarray(c, dtype=np.int64) for c in counts)
     if mixed is None:
         mixed = len(counts) > 1
-    if not mixed:
-        return Sources(arrays, ({"manifest": "m", "samples": int(arrays[0].sum())},), False)
     asks = asks or [Ask(repeat=1.0)] * len(counts)
-    names = tuple(f"s{i}" for i in range(len(counts)))
-    identity = tuple(
-        {"name": n, "manifest": str(i), "samples": int(a.sum()), "ask": k.describe()} for i, (n, a, k) in enumerate(zip(names, arrays, asks))
-    )
-    return Sources(arrays, identity, True, names, tuple(asks))
+    names = tuple(f"s{i}" for i in range(len(counts))) if mixed else ()
+    return Sources.of(arrays, ["m"] if len(counts) == 1 else [str(i) for i in range(len(counts))], names, asks)
 
 
 def make_run(

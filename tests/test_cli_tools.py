@@ -238,6 +238,10 @@ def test_a_mistyped_flag_or_command_gets_a_suggestion(capsys):
     with pytest.raises(SystemExit):
         main(["verfy", "a"])
     assert "did you mean 'verify'?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # flags of an argument group: the storage flags, ls's request accounting
+        main(["ls", "a", "--endpont-url", "x", "--batch-sise", "4"])
+    err = capsys.readouterr().err
+    assert "--endpont-url: did you mean --endpoint-url?" in err and "--batch-sise: did you mean --batch-size?" in err
 
 
 def test_errors_are_one_line_unless_debug(tmp_path, capsys):

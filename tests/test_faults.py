@@ -107,8 +107,8 @@ def test_unreachable_endpoint_mid_stream_gives_up_at_the_deadline_or_the_set_tri
     assert ds.stats()["retries"] == 7  # bounded: 8 tries, then the error
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_burst_of_slowdowns_is_waited_out_within_the_deadline(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_burst_of_slowdowns_is_waited_out_within_the_deadline(s3, s3_client):
     """12 answers of 503 SlowDown in a row (more than the 8 tries that once ended the epoch in
     4-8 s): the default policy backs off and tries again until the deadline, and the stream
     delivers every sample."""
@@ -116,7 +116,7 @@ def test_a_burst_of_slowdowns_is_waited_out_within_the_deadline(s3, direct_get):
 
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/burst", 40, max_count=20, size=2000, storage_options=options)
-    config = StorageConfig(direct_get=direct_get, backoff_cap=0.2)  # (a short cap keeps the test short; the default deadline and tries)
+    config = StorageConfig(s3_client=s3_client, backoff_cap=0.2)  # (a short cap keeps the test short; the default deadline and tries)
     with FaultProxy(options["endpoint_url"]) as proxy:
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options={"endpoint_url": proxy.url}, config=config))
         proxy.slowdown_burst = 12
@@ -143,22 +143,22 @@ def test_backoff_jitter_differs_between_processes():
 
 
 @pytest.mark.parametrize("cut", ["rst", "fin"])
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, direct_get, cut):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, s3_client, cut):
     """Every GET body is cut after 40 KB (a TCP reset or an orderly close): both S3 paths keep the
     bytes that arrived and resume at the byte where the cut fell, and every byte comes through intact
-    (direct GETs once restarted every try from the range's first byte and gave up after 8 tries)."""
+    (the direct GETs of an earlier client once restarted every try from the range's first byte and gave up after 8 tries)."""
     from shardstream.storage.config import StorageConfig
     from shardstream.storage.ranges import resolve
 
     bucket, options, _ = s3
     samples = make_samples(36, size=60_000, seed=3)  # ~1 MB in two shards (moto copies an object per GET)
     url = write_dataset(f"s3://{bucket}/cut", samples=samples, max_count=18, storage_options=options)
-    config = StorageConfig(direct_get=direct_get, backoff_base=0.001, backoff_cap=0.01)
+    config = StorageConfig(s3_client=s3_client, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"], reset_after=40_000, cut=cut) as proxy:
         faulty = {"endpoint_url": proxy.url}
         fetch = resolve(f"{url}/shard-000000.tar", faulty, config)[2]
-        assert fetch is not None and fetch.kind == ("direct" if direct_get else "s3fs")
+        assert fetch is not None and fetch.kind == s3_client
         ds = ShardStream(
             url,
             batch_size=4,
@@ -173,8 +173,8 @@ def test_cut_bodies_resume_where_they_broke_on_both_paths(s3, direct_get, cut):
     assert stats["bytes_read"] == int(ds.manifest.sizes.sum())  # each shard's bytes exactly once
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, s3_client):
     """The sidecar a range inside a shard needs is read with the stream's StorageConfig (its tries,
     deadline and timeouts), like the shard's bytes: here 2 tries of a store that throttles every
     GET, where the default policy would make 8."""
@@ -184,7 +184,7 @@ def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, direct_g
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/sidecar-policy", 80, max_count=20, size=2000, storage_options=options)
     OFFSET_CACHE.clear()
-    config = StorageConfig(direct_get=direct_get, max_attempts=2, backoff_base=0.001, backoff_cap=0.01)
+    config = StorageConfig(s3_client=s3_client, max_attempts=2, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"]) as proxy:
         # 3 ranks of 25 samples: rank 1 starts inside shard 1 (samples 5-20): its sidecar first
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(1, 3), store=Store(options={"endpoint_url": proxy.url}, config=config))
@@ -220,8 +220,8 @@ def test_show_reads_its_samples_under_its_storage_config(s3):
             find_key(manifest, "no-such-key", proxied, config=config)
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, s3_client):
     """The manifest's first read (and an offset sidecar's, the same code) keeps the bytes of a body
     that breaks and asks for the rest from there, as shard reads do: here every GET body is cut
     after 1,000 bytes, so a read that started again from byte 0 would never get further."""
@@ -232,7 +232,7 @@ def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, direct_get):
     url = write_dataset(f"s3://{bucket}/small", 60, max_count=2, size=100, storage_options=options)
     size = client.head_object(Bucket=bucket, Key="small/index.json")["ContentLength"]
     assert size > 3000
-    config = StorageConfig(direct_get=direct_get, backoff_base=0.001, backoff_cap=0.01)
+    config = StorageConfig(s3_client=s3_client, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"], reset_after=1000) as proxy:
         manifest = load_manifest(url, {"endpoint_url": proxy.url}, config=config)
     assert len(manifest.paths) == 30
@@ -241,8 +241,8 @@ def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, direct_get):
 
 
 @pytest.mark.parametrize("stall", ["headers", "accept"])
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, direct_get, stall):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, s3_client, stall):
     """With read and connect timeouts of 30 s, a deadline of 3 s ends a stalled request (no answer,
     or headers and then no body) after about 3 s: the manifest's read, a shard's range and an
     offset sidecar's. The bound asserted is generous (deadline * 1.5 + 2 s) for a loaded machine;
@@ -255,7 +255,7 @@ def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, dire
     bound = deadline * 1.5 + 2
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/stall", 40, max_count=20, size=500, storage_options=options)
-    config = StorageConfig(direct_get=direct_get, deadline=deadline, connect_timeout=30, read_timeout=30)
+    config = StorageConfig(s3_client=s3_client, deadline=deadline, connect_timeout=30, read_timeout=30)
     OFFSET_CACHE.clear()
     with FaultProxy(options["endpoint_url"]) as proxy:
         proxied = {"endpoint_url": proxy.url}

@@ -64,7 +64,7 @@ def test_forked_children_start_from_the_parents_session(s3, monkeypatch):
 
 
 def test_every_s3_filesystem_shares_the_session(s3):
-    # the readers' filesystems carry their own retry policy in config_kwargs; they once made a
+    # the readers' filesystems (s3fs's path) carry their own retry policy in config_kwargs; they once made a
     # botocore session (and parsed its models) of their own in every process
     from shardstream.storage.config import StorageConfig
     from shardstream.storage.ranges import resolve
@@ -72,7 +72,7 @@ def test_every_s3_filesystem_shares_the_session(s3):
     bucket, options, _ = s3
     session = storage.shared_s3_session(options)
     assert storage.get_fs(f"s3://{bucket}/x", options)[0].session is session
-    assert resolve(f"s3://{bucket}/x", options, StorageConfig())[0].session is session
+    assert resolve(f"s3://{bucket}/x", options, StorageConfig(s3_client="s3fs"))[0].session is session
     user_retries = {**options, "config_kwargs": {"retries": {"max_attempts": 2}}}
     assert storage.get_fs(f"s3://{bucket}/x", user_retries)[0].session is session
 

@@ -5,10 +5,15 @@ every (Python, torch) combination, so a release that renames one fails here, by 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import pickle
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
+from conftest import scaled
 
 from shardstream import private
 from shardstream.private import PrivateNameGone
@@ -92,12 +97,11 @@ def test_multiprocessing_names():
     lock = ctx.Lock()  # a named semaphore, with its finalizer
     found = list(private.semaphore_finalizers(mark))
     assert len(found) == 1 and isinstance(found[0][0], str)
+    assert private.semaphore_name(lock) == found[0][0]
     name, fin = found[0]
     fin.cancel()
     private.sem_unlink(name)
-    from multiprocessing import resource_tracker
-
-    resource_tracker.unregister(name, "semaphore")
+    private.tracker_unregister(name, "semaphore")
     with lock:  # still works through its handle
         pass
 
@@ -123,12 +127,6 @@ def test_s3_names(s3):
     fs = s3fs.S3FileSystem(**options)
     assert fs in private.cached_s3_filesystems(s3fs)
 
-    async def signer():
-        return private.client_signer(await fs.set_session())
-
-    signer_, credentials = sync(fs.loop, signer)
-    assert signer_ is not None and credentials.access_key == "testing"
-
     async def listing():
         return await private.s3_call(fs, "list_objects_v2", Bucket=bucket)
 
@@ -137,3 +135,55 @@ def test_s3_names(s3):
 
 def test_the_module_lists_the_python_version():
     assert f"Python {sys.version_info[0]}.{sys.version_info[1]}" in private.versions()
+
+
+class _Handle:
+    """Pickled with a pipe's write end for a new process only; a plain pickle carries nothing."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __getstate__(self):
+        return {"fd": private.dup_fd(self.fd)} if private.spawning() else {"fd": None}
+
+    def __setstate__(self, state):
+        self.fd = state["fd"].detach() if state["fd"] is not None else None
+
+
+def _write_through(handle):
+    os.write(handle.fd, b"through the passed descriptor")
+    os.close(handle.fd)
+
+
+def test_a_descriptor_travels_to_a_spawned_process_only_while_it_starts():
+    r, w = os.pipe()
+    try:
+        assert not private.spawning()
+        assert pickle.loads(pickle.dumps(_Handle(w))).fd is None  # a plain copy: not spawning
+        proc = multiprocessing.get_context("spawn").Process(target=_write_through, args=(_Handle(w),))
+        proc.start()
+        os.close(w)
+        w = -1
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert os.read(r, 100) == b"through the passed descriptor"
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_the_resource_tracker_starts_in_a_session_of_its_own():
+    code = textwrap.dedent("""
+        import os, time
+        from shardstream import private
+        started = private.resource_tracker_in_own_session()
+        again = private.resource_tracker_in_own_session()  # running: left alone
+        tracker = private.resolve("multiprocessing.resource_tracker._resource_tracker")
+        while os.getsid(tracker._pid) == os.getsid(0):  # until its first line, os.setsid(), has run
+            time.sleep(0.01)
+        print(started, again, os.getpgid(tracker._pid) != os.getpgid(0))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "True"]

@@ -1,4 +1,4 @@
-"""How many requests a read makes. On S3 a range is one GET whatever the read size, on the direct
+"""How many requests a read makes. On S3 a range is one GET whatever the read size, on the obstore
 path and on s3fs's, with and without read-ahead and DataLoader workers (counted by a proxy in front
 of the moto server); a new request is made only to resume after a break, from the byte reached;
 read-ahead sends the next range's request before the current range's last block is in. And how
@@ -30,8 +30,8 @@ def _shard_gets(proxy: FaultProxy, bucket: str) -> Counter:
 
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("readahead", [0, None], ids=["no-readahead", "readahead"])
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_whole_shard_is_one_get_on_both_paths(s3, direct_get, readahead, workers):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_whole_shard_is_one_get_on_both_paths(s3, s3_client, readahead, workers):
     bucket, options, _ = s3
     # 4 shards of 20 samples; batch 5 and 2 workers split them at shard boundaries (2 shards each)
     url = write_dataset(f"s3://{bucket}/one", 80, max_count=20, size=6000, storage_options=options)
@@ -44,7 +44,7 @@ def test_a_whole_shard_is_one_get_on_both_paths(s3, direct_get, readahead, worke
             world=World(0, 1),
             store=Store(
                 options={"endpoint_url": proxy.url},
-                config=StorageConfig(direct_get=direct_get),
+                config=StorageConfig(s3_client=s3_client),
                 read=Read(read_size=16 << 10, readahead_bytes=readahead),
             ),
         )
@@ -58,8 +58,8 @@ def test_a_whole_shard_is_one_get_on_both_paths(s3, direct_get, readahead, worke
     assert ds.stats()["requests"] == 4 and ds.stats()["retries"] == 0
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, s3_client):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/part", 80, max_count=20, size=6000, storage_options=options)
     OFFSET_CACHE.clear()
@@ -70,7 +70,7 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, direct_get):
             batch_size=5,
             shuffle=False,
             world=World(0, 3),
-            store=Store(options={"endpoint_url": proxy.url}, config=StorageConfig(direct_get=direct_get), read=Read(read_size=16 << 10)),
+            store=Store(options={"endpoint_url": proxy.url}, config=StorageConfig(s3_client=s3_client), read=Read(read_size=16 << 10)),
         )
         assert sum(len(b["__key__"]) for b in ds) == 25
         gets = _shard_gets(proxy, bucket)
@@ -82,14 +82,14 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, direct_get):
 
 
 @pytest.mark.parametrize("cut", ["rst", "fin"])
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_new_request_only_to_resume_a_broken_body(s3, direct_get, cut):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_new_request_only_to_resume_a_broken_body(s3, s3_client, cut):
     """Every body is cut after 30 KB: each following request starts at the byte the one before
     reached, and the requests are one per shard plus one per resume."""
     bucket, options, _ = s3
     samples = make_samples(20, size=20_000, seed=5)
     url = write_dataset(f"s3://{bucket}/cut", samples=samples, max_count=20, storage_options=options)
-    config = StorageConfig(direct_get=direct_get, backoff_base=0.001, backoff_cap=0.01)
+    config = StorageConfig(s3_client=s3_client, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"], reset_after=30_000, cut=cut) as proxy:
         ds = ShardStream(
             url,

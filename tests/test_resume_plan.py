@@ -161,7 +161,7 @@ def test_state_refused_for_another_dataset_seed_mode_run_or_version():
     counts = [10, 10]
     topo = (1, 1, 2, 8, 3)
     doc = pass_for(counts, topo).state_after(3)
-    assert len(json.dumps(doc)) < 600 and doc["format"] == "shardstream-resume" and doc["version"] == 2
+    assert len(json.dumps(doc)) < 600 and doc["format"] == "shardstream-resume" and doc["version"] == 3
     run = run_for(counts, topo)
     run.load(doc)
     with pytest.raises(StateError, match="another dataset"):

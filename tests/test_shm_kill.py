@@ -3,7 +3,9 @@ private /dev/shm (a mount namespace with a tmpfs of its own: ``unshare -m``, as 
 the point it reached through its stdout, and its process group is killed there. The named
 semaphores of a DataLoader whose workers start from a forkserver (``sem.mp-*``) exist from the
 pass's start until every worker has opened them; the resource tracker that unlinks them after a
-death now lives in a session of its own, out of the killed group."""
+death now lives in a session of its own, out of the killed group. ``shardstream pack --workers 2``
+(a spawn process pool, whose queues' locks are named semaphores too) is killed the same way while
+a pool worker loads a sample."""
 
 from __future__ import annotations
 
@@ -85,4 +87,54 @@ def test_a_killed_job_leaves_no_semaphore_in_dev_shm(tmp_path, point):
     assert result["line"] == "point", out.stderr
     if point == "start":
         assert result["before"] >= 6  # the pass's queues and events, named while its workers start
+    assert result["after"] == []
+
+
+# Runs inside the namespace: mounts the private /dev/shm, starts `shardstream pack --workers 2` in its
+# own group over a source holding a FIFO, and waits for the point: a pool worker opened the FIFO to
+# load it (the pool and its named semaphores are up, the pack is mid-way). The group is killed there.
+PACK_HARNESS = textwrap.dedent("""
+    import errno, glob, json, os, signal, subprocess, sys, time
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"], check=True)
+    bound, fifo = float(sys.argv[1]), sys.argv[2]
+    job = subprocess.Popen([sys.executable, "-m", "shardstream", *sys.argv[3:]], start_new_session=True)
+    deadline, reached = time.monotonic() + bound, False
+    while not reached and job.poll() is None and time.monotonic() < deadline:
+        try:  # opens only once a reader has it open: a pool worker, loading the sample
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reached = True
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            time.sleep(0.05)
+    before = len(glob.glob("/dev/shm/sem.*"))
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    deadline = time.monotonic() + bound
+    while glob.glob("/dev/shm/sem.*") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the resource tracker sees the job's end and unlinks what it left
+    print(json.dumps({"reached": reached, "before": before, "after": sorted(glob.glob("/dev/shm/sem.*"))}))
+""")
+
+
+def test_a_killed_pack_with_a_process_pool_leaves_no_semaphore_in_dev_shm(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"s{i:03d}.txt").write_text(f"sample {i}")
+    fifo = src / "s020.bin"  # s020's second file: a worker that loads it waits for a writer
+    os.mkfifo(fifo)
+    (tmp_path / "harness.py").write_text(PACK_HARNESS)
+    pack = ["pack", str(src), str(tmp_path / "out"), "--workers", "2", "--max-count", "10", "--no-progress"]
+    out = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", sys.executable, str(tmp_path / "harness.py"), str(scaled(60)), str(fifo), *pack],
+        capture_output=True,
+        text=True,
+        timeout=scaled(240),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["reached"], out.stderr
+    assert result["before"] >= 2  # the pool's queues' locks, named while it runs
     assert result["after"] == []

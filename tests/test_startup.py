@@ -121,14 +121,15 @@ def test_construction_plans_no_shard_order(tmp_path, monkeypatch):
     the first pass; the same ConfigErrors still come at construction."""
     from shardstream import make_loader
     from shardstream.errors import ConfigError
-    from shardstream.plan import epoch as epochmod
+    from shardstream.plan import mix as planner
 
     root = write(tmp_path / "d", n=640, size=10)
 
     def refuse(*args):
         raise AssertionError("a shard order was planned at construction")
 
-    monkeypatch.setattr(epochmod, "shard_permutation", refuse)
+    monkeypatch.setattr(planner, "shard_permutation", refuse)  # the one planner's draws: a single dataset's order
+    monkeypatch.setattr(planner, "_passes", refuse)  # and any source's passes
     ds = ShardStream(root, batch_size=64, world=World(0, 1))
     make_loader(ds, num_workers=2, log_interval=None, pin_memory=False)
     with pytest.raises(ConfigError, match="num_workers is 11"):

@@ -60,14 +60,14 @@ def test_a_hostile_sidecar_is_a_manifest_error_on_local_disk(tmp_path):
         list(ShardStream(root, batch_size=5, shuffle=False, world=World(0, 12)))
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_a_hostile_sidecar_is_a_manifest_error_on_s3(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_hostile_sidecar_is_a_manifest_error_on_s3(s3, s3_client):
     bucket, options, client = s3
     url = write_dataset(f"s3://{bucket}/d", max_count=10, storage_options=options)
     key = "d/shard-000000.tar.idx"
     data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     client.put_object(Bucket=bucket, Key=key, Body=hostile_sidecar(data))
-    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12), store=Store(options=options, config=StorageConfig(direct_get=direct_get)))
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 12), store=Store(options=options, config=StorageConfig(s3_client=s3_client)))
     with pytest.raises(ManifestError, match=rf"s3://{bucket}/{key}: .*sample #0 is byte {HOSTILE}"):
         list(ds)
 
@@ -79,7 +79,7 @@ def _truncation_error(src, **kwargs) -> ShardFormatError:
 
 
 @pytest.mark.parametrize("world", [World(0, 1), World(1, 2)], ids=["whole", "from-the-sidecar"])
-@pytest.mark.parametrize("how", ["direct", "s3fs", "cache"])
+@pytest.mark.parametrize("how", ["obstore", "s3fs", "cache"])
 def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_on_s3_as_on_local_disk(s3, tmp_path, how, world):
     """S3 answers 416 to a range that starts past the object's end: for a range the manifest
     promised that is a truncated shard (as a short local file is), not a request to check."""
@@ -93,7 +93,9 @@ def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_on_s3_as_on_loca
     client.put_object(Bucket=bucket, Key="d/shard-000001.tar", Body=cut)
     on_disk = _truncation_error(local, world=world)
     cache = Cache(str(tmp_path / "cache"), 10**8) if how == "cache" else None
-    on_s3 = _truncation_error(url, world=world, store=Store(options=options, config=StorageConfig(direct_get=how != "s3fs"), cache=cache))
+    on_s3 = _truncation_error(
+        url, world=world, store=Store(options=options, config=StorageConfig(s3_client="s3fs" if how == "s3fs" else "obstore"), cache=cache)
+    )
     assert "416" not in str(on_s3) and "truncated shard" in str(on_s3)
     assert str(on_s3).startswith(f"s3://{bucket}/d/shard-000001.tar at byte ")
     if how != "cache":  # the same words as on local disk: where the stream ended, where it should have
@@ -110,11 +112,11 @@ def _reported_seconds(message: str) -> float:
     return float(found.group(1))
 
 
-@pytest.mark.parametrize("direct_get", [True, False], ids=["direct", "s3fs"])
-def test_the_time_a_retry_message_reports_is_the_wall_time_of_the_request(s3, direct_get):
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_the_time_a_retry_message_reports_is_the_wall_time_of_the_request(s3, s3_client):
     bucket, options, client = s3
     client.put_object(Bucket=bucket, Key="k", Body=b"x" * 100)
-    small = dict(max_attempts=3, backoff_base=0.01, backoff_cap=0.02, direct_get=direct_get)
+    small = dict(max_attempts=3, backoff_base=0.01, backoff_cap=0.02, s3_client=s3_client)
     # refused at once, from a filesystem made for this request (its setup is part of the request)
     began = time.monotonic()
     with pytest.raises(StorageUnavailable) as refused:

@@ -90,7 +90,7 @@ def test_a_pass_plan_is_built_whole():
 
     from shardstream.plan.run import RunPlan, RunSettings, Sources
 
-    run = RunPlan(Sources((np.array([10, 10, 10]),), ({"manifest": "m", "samples": 30},), False), RunSettings(0, True, "drop", "spread", 1, 2, 0, 0))
+    run = RunPlan(Sources.of([np.array([10, 10, 10])], ["m"]), RunSettings(0, True, "drop", "spread", 1, 2, 0, 0))
     plan = run.pass_plan(0, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.received = 3  # type: ignore[misc]

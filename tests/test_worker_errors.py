@@ -117,3 +117,22 @@ def test_a_guarded_script_runs_its_workers_from_forkserver(root, tmp_path):
     done = _run_script(tmp_path, "train.py", GUARDED, root, "forkserver")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "ran as __main__" and done.stdout.splitlines()[-1] == "batches 20"
+
+
+def raise_in_worker_1(worker_id):
+    """A worker_init_fn: worker 1 raises a RuntimeError of its own (as a library it sets up may)."""
+    if worker_id == 1:
+        raise RuntimeError("worker 1's own error: 2 of 3 devices missing")
+
+
+def test_a_workers_own_runtime_error_stays_itself_not_worker_died(root):
+    """A dead worker is told by its exit code (DataLoader's error is a bare RuntimeError too), so a
+    worker's own RuntimeError, its worker alive, reaches the loop as itself."""
+    from shardstream import WorkerDied
+
+    ds = ShardStream(root, batch_size=4, world=World(0, 1), shuffle=False)
+    loader = make_loader(ds, num_workers=2, start_method="fork", worker_init_fn=raise_in_worker_1, log_interval=None)
+    with pytest.raises(RuntimeError, match="worker 1's own error") as info:
+        for _ in loader:
+            pass
+    assert not isinstance(info.value, WorkerDied)

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def requests_of(args: argparse.Namespace, manifest):
     """``(RequestCount, rate)`` for the topology the flags give, or None when none was asked for:
-    a single dataset is planned as the stream plans it, a mix of one (``mixed=False``)."""
+    a single dataset is planned as the stream plans it (the one planner; reported as one dataset)."""
     from shardstream.sources import Mix, Source
 
     return mix_requests_of(args, Mix([Source(manifest)], [manifest], [{}], [""], mixed=False))

@@ -108,7 +108,41 @@ def human_bytes(n: float) -> str:
 
 class SuggestingParser(argparse.ArgumentParser):
     """An ArgumentParser whose "unrecognized arguments" and "invalid choice" errors name the
-    closest real flag or command (``--overwite`` -> ``did you mean --overwrite?``)."""
+    closest real flag or command (``--overwite`` -> ``did you mean --overwrite?``). Its flags are
+    those of the actions ``add_argument`` returned (on the parser or one of its groups), its
+    commands the ``choices`` of the action ``add_subparsers`` returned: argparse's public API."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags: list[str] = []  # before argparse's own __init__, which adds -h/--help
+        self.commands: dict[str, SuggestingParser] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        self.flags += action.option_strings
+        return action
+
+    def _recording(self, group):
+        add = group.add_argument
+
+        def add_argument(*args, **kwargs):
+            action = add(*args, **kwargs)
+            self.flags += action.option_strings
+            return action
+
+        group.add_argument = add_argument
+        return group
+
+    def add_argument_group(self, *args, **kwargs):
+        return self._recording(super().add_argument_group(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return self._recording(super().add_mutually_exclusive_group(**kwargs))
+
+    def add_subparsers(self, **kwargs):
+        action = super().add_subparsers(**kwargs)
+        self.commands = action.choices  # command -> its parser, filled by add_parser
+        return action
 
     def parse_known_args(self, args=None, namespace=None):
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -116,14 +150,12 @@ class SuggestingParser(argparse.ArgumentParser):
 
     def _options_in_use(self) -> list[str]:
         """This parser's flags and those of the command named in the arguments."""
-        options = [o for a in self._actions for o in a.option_strings]
-        argv = getattr(self, "_argv", [])
-        for action in self._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for token in argv:
-                    if token in action.choices:
-                        options += [o for a in action.choices[token]._actions for o in a.option_strings]
-                        break
+        options = list(self.flags)
+        for token in getattr(self, "_argv", []):
+            command = self.commands.get(token)
+            if command is not None:
+                options += getattr(command, "flags", [])
+                break
         return options
 
     def error(self, message: str):

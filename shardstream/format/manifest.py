@@ -249,7 +249,7 @@ class Manifest:
         def load() -> np.ndarray:
             try:
                 # A range of one byte more than expected: one GET and no HEAD first, under the
-                # retry policy (in a DataLoader worker, through the same direct GETs as the shards'
+                # retry policy (in a DataLoader worker, through the same client as the shards'
                 # bytes), and a sidecar too long still shows.
                 data = read_head(url, sidecar_size(samples) + 1, options, config=config, counters=counters)
             except StorageError as exc:  # its own class (AccessDenied, StorageNotFound, ...), said with the shard

@@ -9,6 +9,10 @@ asynchronous), unless ``copy_ahead=1`` asks for the same one-batch copy-ahead an
 The batch held copied ahead was received from the loader but not yet by the training loop, so
 ``state_dict`` asks the loader for its state one batch earlier (``loader.state_dict(batches=)``):
 the held batch is delivered again after a resume, whatever the state holds (one dataset or a mix).
+
+A device this machine does not have (``"cuda"`` under a CPU-only torch or with no GPU visible,
+``"cuda:3"`` with two) is refused when ``to_device`` is called, by one ``ConfigError`` naming it and
+the devices there are, not by torch's error at the first copy.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from shardstream.errors import ConfigError
 
 
 def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -54,6 +60,50 @@ def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     return obj
 
 
+# Accelerator kinds torch can say are there: (type, is_available, device_count).
+def _kinds() -> list[tuple[str, Any, Any]]:
+    kinds = [("cuda", torch.cuda.is_available, torch.cuda.device_count)]
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None:
+        kinds.append(("xpu", xpu.is_available, xpu.device_count))
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None:
+        kinds.append(("mps", mps.is_available, lambda: 1))
+    return kinds
+
+
+def available_devices() -> list[str]:
+    """The devices batches can be moved to here: "cpu" and each accelerator torch sees."""
+    found = ["cpu"]
+    for kind, is_available, count in _kinds():
+        if is_available():
+            found += [kind] if kind == "mps" else [f"{kind}:{i}" for i in range(count())]
+    return found
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or ConfigError where this machine has no such device."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"to_device: {device!r} is not a device ({exc}); available here: {', '.join(available_devices())}") from None
+    for kind, is_available, count in _kinds():
+        if dev.type != kind:
+            continue
+        if not is_available():
+            why = (
+                f"this torch ({torch.__version__}) is built without CUDA"
+                if kind == "cuda" and torch.version.cuda is None and torch.version.hip is None
+                else f"no {kind} device is visible"
+            )
+        elif dev.index is not None and dev.index >= count():
+            why = f"{count()} {kind} device(s) visible"
+        else:
+            break
+        raise ConfigError(f"to_device: no device {str(dev)!r} here ({why}); available: {', '.join(available_devices())}")
+    return dev
+
+
 def _record(obj: Any, stream: torch.cuda.Stream) -> None:
     if isinstance(obj, torch.Tensor):
         obj.record_stream(stream)
@@ -71,7 +121,7 @@ class DevicePrefetcher:
 
     def __init__(self, loader: Iterable[Any], device: str | torch.device, copy_ahead: int | None = None):
         self.loader = loader
-        self.device = torch.device(device)
+        self.device = check_device(device)
         if copy_ahead not in (None, 0, 1):
             raise ValueError(f"copy_ahead is 0 or 1 batches, got {copy_ahead!r}")
         self.copy_ahead = (1 if self.device.type == "cuda" else 0) if copy_ahead is None else copy_ahead

@@ -60,11 +60,10 @@ import struct
 import threading
 import weakref
 from collections.abc import Sequence
-from multiprocessing import context, reduction
 from typing import Any
 
 from shardstream.buffers import PAGE, new_shared, populate, set_shared_allocator
-from shardstream.private import storage_use_count
+from shardstream.private import dup_fd, spawning, storage_use_count
 
 _MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
 _UNMAPPED = 1 << 31  # released without being mapped: send the storage again
@@ -312,11 +311,11 @@ class Channels:
         self.dropped_releases = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        if context.get_spawning_popen() is None or not self.pipes:  # a plain copy: no pipes, no pool
+        if not spawning() or not self.pipes:  # a plain copy: no pipes, no pool
             return {"owner": -1, "pipes": [], "id": 0, "inherit": {}}
         # A worker started by a forkserver or spawn: the read ends of the release pipes go as passed
         # descriptors, the segments set aside for it as shared storages (torch's reduction: their fds).
-        return {"owner": _PASSED, "pipes": [(reduction.DupFd(r), -1) for r, _ in self.pipes], "id": self.id, "inherit": self.inherit}
+        return {"owner": _PASSED, "pipes": [(dup_fd(r), -1) for r, _ in self.pipes], "id": self.id, "inherit": self.inherit}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["pipes"] = [(r.detach() if hasattr(r, "detach") else r, w) for r, w in state["pipes"]]

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker, synchronize
+from multiprocessing import synchronize
 from types import FrameType
 from typing import Any
 
@@ -55,8 +55,10 @@ from shardstream.private import (
     owed_worker,
     sem_unlink,
     semaphore_finalizers,
+    semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
+    tracker_unregister,
 )
 
 logger = logging.getLogger(__name__)
@@ -352,7 +354,7 @@ def _semaphore_names(obj: Any, depth: int = 0, seen: set[int] | None = None) -> 
         return set()
     seen.add(id(obj))
     if isinstance(obj, synchronize.SemLock):
-        name = getattr(getattr(obj, "_semlock", None), "name", None)
+        name = semaphore_name(obj)
         return {name} if name else set()
     if isinstance(obj, (list, tuple)):
         return set().union(*(_semaphore_names(o, depth + 1, seen) for o in obj)) if obj else set()
@@ -379,7 +381,7 @@ def unlink_semaphores(batches: Any) -> int:
             sem_unlink(name)
         except FileNotFoundError:
             pass
-        resource_tracker.unregister(name, "semaphore")
+        tracker_unregister(name, "semaphore")
         done += 1
     return done
 
@@ -421,7 +423,7 @@ def watched(
                 return
             except RuntimeError as exc:
                 if not is_iterator_timeout(exc):
-                    died = _died(batches, stats, rank, str(exc), method) if str(exc).startswith(_DIED) else None
+                    died = _died(batches, stats, rank, str(exc), method)  # a worker gone: a bare RuntimeError
                     _shut_down(batches)
                     if died is not None:
                         raise died from exc
@@ -440,9 +442,9 @@ def watched(
         yield batch
 
 
-# DataLoader's words for a worker gone: "DataLoader worker (pid(s) 4711, 4712) exited unexpectedly"
-# (its liveness check) and "DataLoader worker (pid 4711) is killed by signal: Killed." (SIGCHLD).
-_DIED = "DataLoader worker (pid"
+# DataLoader says a worker is gone with a bare RuntimeError naming its pid ("DataLoader worker (pid(s)
+# 4711, 4712) exited unexpectedly", "... (pid 4711) is killed by signal: Killed."): told here by the
+# type, the pids of this iterator's workers in the message and their exit codes, not by the words.
 _SIGNAL_HINTS = {
     signal.SIGKILL: "SIGKILL comes from the kernel's OOM killer (dmesg says so) or a kill -9: if memory ran out, "
     "lower num_workers, Shuffle(buffer) or prefetch_factor",
@@ -453,11 +455,12 @@ _SIGNAL_HINTS = {
 
 
 def _died(it: Any, stats: Any, rank: int, message: str, method: str | None) -> WorkerDied | None:
-    """WorkerDied for the workers DataLoader's ``message`` names (their pids), or for every worker
-    that has exited when it names none; None if none is found dead."""
-    pids = {int(p) for p in re.findall(r"\d+", message.split(")", 1)[0])}
+    """WorkerDied for the workers whose pids DataLoader's ``message`` holds, or for every worker that
+    has exited when it holds none of theirs; None if none is found dead (another RuntimeError)."""
+    workers = iterator_workers(it) or []
+    pids = {int(p) for p in re.findall(r"\d+", message)} & {proc.pid for proc in workers}
     found = []
-    for w, proc in enumerate(iterator_workers(it) or []):
+    for w, proc in enumerate(workers):
         if pids and proc.pid not in pids:
             continue
         proc.join(STATUS_CHECK_S if proc.pid in pids else 0)  # its exit code (a forkserver's child: sent by the server)

@@ -3,15 +3,16 @@
 A *layout* is a mixed sequence of T positions, each one sample of one source (a single dataset
 is a mix of one source): source i's j-th sample sits where the interleave puts it
 (``plan/mix.py``, ``Interleave``). Rank r takes positions [r*R*B, (r+1)*R*B); in pad mode
-positions past T wrap around to p - T. Three layouts share this arithmetic:
+positions past T wrap around to p - T. Two layouts share this arithmetic:
 
-- ``epoch_layout(plan_epoch(...))``: a single dataset, its shards in the epoch's order;
-- ``epoch_layout(plan_mix(...))``: a mix, each source's sequence drawn pass by pass;
+- ``epoch_layout(plan_mix(...))``: a data epoch as planned, each source's sequence drawn pass by pass;
 - ``RestLayout``: the samples an interrupted epoch left unconsumed, per source, laid out again
   over a new topology (an elastic resume), interleaved the same way.
 
 What a worker reads in a window of a layout (``window_read``), and which samples a window left
-unconsumed after k batches (``unconsumed``), are written once here, for all three.
+unconsumed after k batches (``unconsumed``), are written once here, for both. A lone source's
+shuffle streams are a single dataset's (``stream_rng`` with no source), whether it was given as
+a root or as a mix of one.
 
 A pass hands its batches out round-robin (DataLoader delivers the pass's t-th batch from worker
 t % K), so worker w yields the batches t = w, w + K, ... of the pass; within each window of a
@@ -26,8 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardstream.plan.epoch import EpochPlan, Range
-from shardstream.plan.mix import PHASES, Interleave, MixPlan, apportion, exact_pattern
+from shardstream.plan.mix import PHASES, Interleave, MixPlan, Range, apportion, exact_pattern
 from shardstream.plan.shuffle import StreamCut, cut_stream, stream_rng
 from shardstream.plan.topology import batches_per_rank, consumed_in, worker_share
 
@@ -62,7 +62,6 @@ class Layout:
     epoch: int
     segment: int  # 0: the epoch as planned; k: its rest after the k-th elastic resume
     seed: int
-    mixed: bool  # a mix (its samples carry __source__, its RNG streams are per source), not one dataset
     world_size: int
     batch_size: int
     batches_per_rank: int
@@ -97,7 +96,8 @@ class Layout:
         return max(0, self.laid_out - self.total)
 
     def rng(self, rank: int, worker: int, source: int, at: int):
-        return stream_rng(self.seed, self.epoch, rank, worker, source=source if self.mixed else None, segment=self.segment, at=at)
+        # one stream per source of a mix; a lone source's is a single dataset's
+        return stream_rng(self.seed, self.epoch, rank, worker, source=source if len(self.ids) > 1 else None, segment=self.segment, at=at)
 
     def span(self, rank: int, lo: int, hi: int) -> tuple[int, int]:
         """Positions of rank ``rank``'s batches [lo, hi) of this layout."""
@@ -142,28 +142,22 @@ class Layout:
 
 
 class _EpochLayout(Layout):
-    """A data epoch as planned (segment 0): over ``plan_epoch`` (one dataset) or ``plan_mix``."""
+    """A data epoch as planned (segment 0), over ``plan_mix`` (one source or several)."""
 
-    def __init__(self, plan: EpochPlan | MixPlan, counts: Sequence[np.ndarray], *, seed: int, mixed: bool):
+    def __init__(self, plan: MixPlan, counts: Sequence[np.ndarray], *, seed: int):
         self.plan = plan
-        self.epoch, self.segment, self.seed, self.mixed = plan.epoch, 0, seed, mixed
+        self.epoch, self.segment, self.seed = plan.epoch, 0, seed
         self.world_size, self.batch_size, self.batches_per_rank = plan.world_size, plan.batch_size, plan.batches_per_rank
         self.total, self.mode = plan.total_samples, plan.mode
-        self.counts = [np.asarray(c, dtype=np.int64) for c in counts]
-        self.ids = [SampleIds(c) for c in self.counts]
-        if isinstance(plan, MixPlan):
-            self.interleave = plan.interleave
-        else:
-            self.interleave = Interleave((plan.total_samples,), "spread", plan.batch_size, (0,))
+        self.ids = [SampleIds(c) for c in counts]
+        self.interleave = plan.interleave
 
     def source_ranges(self, source: int, j0: int, j1: int) -> list[Range]:
-        if isinstance(self.plan, MixPlan):
-            return self.plan.source_ranges(source, j0, j1)
-        return self.plan.ranges_between(j0, j1, self.counts[0])
+        return self.plan.source_ranges(source, j0, j1)
 
 
-def epoch_layout(plan: EpochPlan | MixPlan, counts: Sequence[np.ndarray], *, seed: int, mixed: bool) -> Layout:
-    return _EpochLayout(plan, counts, seed=seed, mixed=mixed)
+def epoch_layout(plan: MixPlan, counts: Sequence[np.ndarray], *, seed: int) -> Layout:
+    return _EpochLayout(plan, counts, seed=seed)
 
 
 class RestLayout(Layout):
@@ -178,21 +172,20 @@ class RestLayout(Layout):
         segment: int,
         seed: int,
         shuffle: bool,
-        mixed: bool,
         world_size: int,
         batch_size: int,
         mode: str,
         per_batch: str,
         targets: Sequence[float],
     ):
-        self.epoch, self.segment, self.seed, self.mixed = epoch, segment, seed, mixed
+        self.epoch, self.segment, self.seed = epoch, segment, seed
         self.world_size, self.batch_size, self.mode = world_size, batch_size, mode
         self.ids = list(ids)
         self.rest = [np.asarray(r, dtype=np.int64) for r in rest]
         quotas = [len(r) for r in self.rest]
         counts: tuple[int, ...] = ()
         pattern: tuple[int, ...] = ()
-        if mixed and per_batch == "exact":
+        if len(self.rest) > 1 and per_batch == "exact":
             counts = tuple(apportion(batch_size, targets))
             batches = min((q // c if c else 0) for q, c in zip(quotas, counts))
             quotas = [c * batches for c in counts]  # the rest of each source beyond whole batches is left out

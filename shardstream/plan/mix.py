@@ -13,7 +13,10 @@ What an epoch of a mix is (docs/mixing.md says the same for users):
      others leave samples unseen this epoch (a fresh choice every epoch).
 2. A source's epoch sequence is q samples drawn pass by pass: every pass lays the source's shards
    end to end in a fresh order of (seed, epoch, source, pass) and starts at a random sample
-   offset on that circle, wrapping around. A full pass is every sample once; the last, partial
+   offset on that circle, wrapping around. A lone source (a single dataset: a stream over one
+   root, or a mix of one source) draws its first pass as single datasets always have: the shard
+   order of (seed, epoch) (``shard_permutation``), entered at its start when the pass is whole,
+   so their epochs and saved states stay what they were. A full pass is every sample once; the last, partial
    pass is a random window of the circle, so each sample is in it with probability exactly
    (length / N): fractional repeats are honoured exactly in expectation, integral ones exactly.
    No sample appears twice in an epoch unless q > N.
@@ -26,7 +29,7 @@ What an epoch of a mix is (docs/mixing.md says the same for users):
    - ``per_batch="exact"``: every batch carries the same count c_i of source i (the batch size
      apportioned by share, largest remainder; each source at least one sample, else an error).
      The epoch has min(q_i // c_i) such batches; what the quotas leave over is dropped.
-4. Topology exactly as for one dataset (plan/epoch.py): every rank gets R = floor(batches / W)
+4. Topology: every rank gets R = floor(batches / W)
    batches, rank r takes a contiguous slice of the mixed sequence, workers split a rank's slice
    in whole batches, and the tail that cannot make equal batches is dropped and counted per
    source (``mode="drop"``), or the mixed sequence wraps around to fill the last batches
@@ -35,6 +38,12 @@ What an epoch of a mix is (docs/mixing.md says the same for users):
    the pattern saying which source each position takes (``Interleave``).
 
 All arithmetic on keys is exact (integers), so every rank and worker agrees on every boundary.
+
+This is the one planner: a single dataset is a mix of one source (nothing to interleave, its
+samples untagged unless given as a ``Source``); ``plan_epoch``/``EpochPlan`` (plan/epoch.py) are
+views of it. Compressed shards (.tar.gz, .tar.zst, ...) are planned like plain ones, so batches
+stay equal per rank; a range that starts mid-shard costs more, not less data: its reader
+decompresses the shard from the start and skips to the range.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,13 +60,76 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError
-from shardstream.plan.epoch import MODES, Range, RankSlices
 from shardstream.plan.topology import batches_per_rank as _batches_per_rank
+from shardstream.plan.topology import worker_share, worker_starts
 from shardstream.storage.requests import RequestCount, count_mix_requests
 
+MODES = ("drop", "pad")
 PER_BATCH = ("spread", "exact")
 PHASES = 1 << 16  # phases are multiples of 1/PHASES, so keys are exact rationals
 _MIX_TAG = 0x6D6978  # "mix": keeps the mix's random streams apart from plan_epoch's
+
+
+@dataclass(frozen=True)
+class Range:
+    """Samples [start, stop) of shard ``shard`` (an index into the manifest)."""
+
+    shard: int
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+class RankSlices:
+    """Rank r takes a contiguous slice of R batches of the laid-out sequence, its workers split it
+    in whole batches (``topology.worker_share``, the split every pass uses)."""
+
+    world_size: int
+    num_workers: int
+    batch_size: int
+    batches_per_rank: int
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.batches_per_rank * self.batch_size
+
+    def worker_batches(self, worker: int) -> int:
+        return worker_share(0, self.batches_per_rank, self.num_workers, worker)[1]
+
+    def worker_slice(self, rank: int, worker: int) -> tuple[int, int]:
+        """[begin, end) positions in the laid-out (possibly wrapped) sequence."""
+        if not 0 <= rank < self.world_size or not 0 <= worker < self.num_workers:
+            raise ConfigError(f"(rank {rank}, worker {worker}) outside {self.world_size} ranks x {self.num_workers} workers")
+        before, count = worker_share(0, self.batches_per_rank, self.num_workers, worker)
+        begin = rank * self.samples_per_rank + before * self.batch_size
+        return begin, begin + count * self.batch_size
+
+    def slice_begins(self) -> np.ndarray:
+        """Every worker slice's first position, in (rank, worker) order (``worker_slice`` for all
+        at once): the slices tile [0, W x R x B) of the laid-out (maybe wrapped) sequence."""
+        before = np.asarray(worker_starts(self.batches_per_rank, self.num_workers), dtype=np.int64)
+        ranks = np.arange(self.world_size, dtype=np.int64)[:, None] * self.samples_per_rank
+        return (ranks + before[None, :] * self.batch_size).ravel()
+
+
+def shard_permutation(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    """A single dataset's shard order of (``seed``, ``epoch``). Any integer seed: a negative one
+    counts as its two's complement in 64 bits (``seed % 2**64``: -1 is 2**64 - 1, as the mix and
+    rest-of-data draws take it); a non-negative one is used whole, as ever, so every order made
+    before stays."""
+    seed = operator.index(seed)
+    if seed < 0:
+        seed %= 1 << 64
+    return np.random.default_rng([seed & 0xFFFFFFFF, seed >> 32, epoch]).permutation(num_shards)
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as an int, or ConfigError: any Python or numpy integer (negative or past 64 bits too)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
 
 
 @dataclass(frozen=True)
@@ -142,19 +215,22 @@ def _rng(seed: int, epoch: int, *more: int) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, _MIX_TAG, *more])
 
 
-def _passes(counts: Sequence[int], quota: int, *, seed: int, epoch: int, source: int, shuffle: bool) -> tuple[Pass, ...]:
-    size = sum(counts)
+def _passes(counts: np.ndarray, quota: int, *, seed: int, epoch: int, source: int, shuffle: bool, alone: bool) -> tuple[Pass, ...]:
+    size = int(counts.sum())
     out = []
     for p in range(-(-quota // size)):
-        if shuffle:
+        if not shuffle:
+            perm, offset = np.arange(len(counts)), 0
+        elif alone and p == 0:  # a single dataset's first pass: its order of (seed, epoch), from its start when whole
+            perm = shard_permutation(len(counts), seed, epoch)
+            offset = 0 if quota >= size else int(_rng(seed, epoch, source, p).integers(0, size))
+        else:
             rng = _rng(seed, epoch, source, p)
             perm = rng.permutation(len(counts))
             offset = int(rng.integers(0, size))
-        else:
-            perm, offset = np.arange(len(counts)), 0
-        order = [int(i) for i in perm if counts[int(i)] > 0]
-        starts = np.concatenate([[0], np.cumsum([counts[i] for i in order])[:-1]]).astype(np.int64)
-        out.append(Pass(tuple(order), tuple(int(s) for s in starts), offset))
+        order = perm[counts[perm] > 0]
+        starts = np.concatenate([[0], np.cumsum(counts[order])[:-1]]).astype(np.int64)
+        out.append(Pass(tuple(order.tolist()), tuple(starts.tolist()), offset))
     return tuple(out)
 
 
@@ -286,7 +362,7 @@ class MixPlan(RankSlices):
     requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (storage/requests.py)
 
     # -- sizes ----------------------------------------------------------------------------------
-    @property
+    @cached_property
     def sizes(self) -> tuple[int, ...]:
         """Samples in each source."""
         return tuple(sum(c) for c in self.counts)
@@ -335,7 +411,7 @@ class MixPlan(RankSlices):
     def source_ranges(self, source: int, begin: int, end: int) -> list[Range]:
         """Shard ranges of samples [begin, end) of source ``source``'s epoch sequence, in order."""
         counts = self.counts[source]
-        size = sum(counts)
+        size = self.sizes[source]
         passes = self.passes[source]
         out: list[Range] = []
         j = begin
@@ -413,8 +489,145 @@ class MixPlan(RankSlices):
         return "\n".join([head, *(f"  {s}" for s in self.shares()), *([f"  {self.requests}"] if self.requests else [])])
 
 
+@dataclass(frozen=True)
+class _Epoch:
+    """What an epoch's settings decide before any random draw (``mix_batches``)."""
+
+    counts: list[np.ndarray]
+    quotas: list[int]
+    targets: list[float]
+    per_batch_counts: list[int]
+    pattern: tuple[int, ...]
+    batches_per_rank: int
+
+
+def _arithmetic(
+    counts: Sequence[Sequence[int] | np.ndarray],
+    asks: Sequence[Ask],
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    names: Sequence[str],
+    per_batch: str,
+    mode: str,
+) -> _Epoch:
+    """Steps 1, 3 and 4 of the module docstring without a random draw: every check (a ConfigError
+    naming the source and the numbers), the quotas and the batches per rank. A lone source has
+    nothing to interleave: ``per_batch`` does not apply to it, and its errors speak of a dataset."""
+    if per_batch not in PER_BATCH:
+        raise ConfigError(f"per_batch must be one of {PER_BATCH}, got {per_batch!r}")
+    if mode not in MODES:
+        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    if len(counts) != len(asks) or not counts:
+        raise ConfigError(f"a mix needs one ask per source and at least one source, got {len(counts)} sources, {len(asks)} asks")
+    alone = len(counts) == 1
+    if mode == "pad" and per_batch == "exact" and not alone:
+        raise ConfigError(
+            "mode='pad' with per_batch='exact' cannot work: the same count of each source in every batch "
+            "leaves out what the smallest source's batches cannot carry, while pad mode promises every "
+            "sample of the epoch at least once; use per_batch='spread' with mode='pad'"
+        )
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"source names must differ, got {list(names)}")
+    arrays = [np.asarray(c, dtype=np.int64) for c in counts]  # vectorised: 100,000 shards plan in milliseconds
+    sizes = [int(c.sum()) for c in arrays]
+    for name, c, n in zip(names, arrays, sizes):
+        if n == 0:
+            raise ConfigError(f"the dataset is empty ({len(c)} shards, 0 samples)" if alone else f"source {name!r} is empty (0 samples)")
+    q, targets = quotas(sizes, asks)
+    for name, qi, ask in zip(names, q, asks):
+        if qi == 0:
+            raise ConfigError(f"source {name!r} ({ask.describe()}) gets 0 samples per epoch; raise its share")
+    workers = max(1, num_workers)
+    per_batch_counts: list[int] = []
+    pattern: tuple[int, ...] = ()
+    if per_batch == "exact" and alone:
+        per_batch_counts = [batch_size]  # every batch is the source's alone: nothing to cut to whole batches
+    elif per_batch == "exact":
+        per_batch_counts = apportion(batch_size, targets)
+        for name, share, t in zip(names, per_batch_counts, targets):
+            if share == 0:
+                raise ConfigError(
+                    f"batch_size {batch_size} is too small to carry source {name!r} (share {t / sum(targets):.4f}) in every "
+                    f"batch: use a larger batch size or per_batch='spread'"
+                )
+        batches = min(qi // c for qi, c in zip(q, per_batch_counts))
+        q = [c * batches for c in per_batch_counts]
+        pattern = exact_pattern(per_batch_counts)
+    total = sum(q)
+    per_step = world_size * batch_size
+    batches_per_rank = _batches_per_rank(total, world_size, batch_size, mode)
+    what = "the dataset" if alone else "an epoch of this mix"
+    if batches_per_rank == 0:
+        raise ConfigError(
+            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but {what} "
+            f"has only {total}: use a smaller batch size, fewer ranks, or " + ("mode='pad'" if alone else "larger shares")
+        )
+    if batches_per_rank < workers:
+        raise ConfigError(
+            f"each rank gets {batches_per_rank} batches of {batch_size}"
+            + ("" if alone else " per epoch of this mix")
+            + f" but num_workers is {num_workers}: {workers - batches_per_rank} workers would have nothing to read; "
+            f"use num_workers <= {batches_per_rank}"
+        )
+    return _Epoch(arrays, q, targets, per_batch_counts, pattern, batches_per_rank)
+
+
+_TUPLES: dict[int, tuple[np.ndarray, tuple[int, ...]]] = {}  # read-only count arrays as plans hold them
+
+
+def _as_tuple(counts: np.ndarray) -> tuple[int, ...]:
+    """Samples per shard as a plan holds them (``MixPlan.counts``). A read-only array (a stream's
+    counts, ``Sources.of``) is converted once, not for every plan: 100,000 shards take longer to
+    convert than to order. The cache keeps the array, so its id names it while cached."""
+    if counts.flags.writeable:
+        return tuple(counts.tolist())
+    hit = _TUPLES.get(id(counts))
+    if hit is not None and hit[0] is counts:
+        return hit[1]
+    if len(_TUPLES) >= 16:
+        _TUPLES.clear()
+    out = tuple(counts.tolist())
+    _TUPLES[id(counts)] = (counts, out)
+    return out
+
+
+def _names(names: Sequence[str] | None, count: int) -> list[str]:
+    return list(names) if names is not None else [f"source {i}" for i in range(count)]
+
+
+def mix_batches(
+    counts: Sequence[Sequence[int] | np.ndarray],
+    asks: Sequence[Ask],
+    *,
+    world_size: int,
+    num_workers: int,
+    batch_size: int,
+    names: Sequence[str] | None = None,
+    per_batch: str = "spread",
+    mode: str = "drop",
+) -> int:
+    """``plan_mix``'s batches per rank and its ConfigErrors without a random draw (no shard order:
+    a stream's construction and make_loader need none, nor ``numpy.random``'s import)."""
+    return _arithmetic(
+        counts,
+        asks,
+        world_size=world_size,
+        num_workers=num_workers,
+        batch_size=batch_size,
+        names=_names(names, len(counts)),
+        per_batch=per_batch,
+        mode=mode,
+    ).batches_per_rank
+
+
 def plan_mix(
-    counts: Sequence[Sequence[int]],
+    counts: Sequence[Sequence[int] | np.ndarray],
     asks: Sequence[Ask],
     *,
     world_size: int,
@@ -427,82 +640,30 @@ def plan_mix(
     per_batch: str = "spread",
     mode: str = "drop",
 ) -> MixPlan:
-    """Plan one epoch of a mix; raises ConfigError (naming the source and the numbers) for
-    settings that cannot work."""
-    if per_batch not in PER_BATCH:
-        raise ConfigError(f"per_batch must be one of {PER_BATCH}, got {per_batch!r}")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "pad" and per_batch == "exact":
-        raise ConfigError(
-            "mode='pad' with per_batch='exact' cannot work: the same count of each source in every batch "
-            "leaves out what the smallest source's batches cannot carry, while pad mode promises every "
-            "sample of the epoch at least once; use per_batch='spread' with mode='pad'"
-        )
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    if world_size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {world_size}")
-    if len(counts) != len(asks) or not counts:
-        raise ConfigError(f"a mix needs one ask per source and at least one source, got {len(counts)} sources, {len(asks)} asks")
-    names = list(names) if names is not None else [f"source {i}" for i in range(len(counts))]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"source names must differ, got {names}")
-    sizes = [int(sum(c)) for c in counts]
-    for name, n in zip(names, sizes):
-        if n == 0:
-            raise ConfigError(f"source {name!r} is empty (0 samples)")
-    q, targets = quotas(sizes, asks)
-    for name, qi, ask in zip(names, q, asks):
-        if qi == 0:
-            raise ConfigError(f"source {name!r} ({ask.describe()}) gets 0 samples per epoch; raise its share")
-    workers = max(1, num_workers)
-    per_batch_counts: list[int] = []
-    pattern: tuple[int, ...] = ()
-    if per_batch == "exact":
-        per_batch_counts = apportion(batch_size, targets)
-        for name, c, t in zip(names, per_batch_counts, targets):
-            if c == 0:
-                raise ConfigError(
-                    f"batch_size {batch_size} is too small to carry source {name!r} (share {t / sum(targets):.4f}) in every "
-                    f"batch: use a larger batch size or per_batch='spread'"
-                )
-        batches = min(qi // c for qi, c in zip(q, per_batch_counts))
-        q = [c * batches for c in per_batch_counts]
-        pattern = exact_pattern(per_batch_counts)
-    total = sum(q)
-    per_step = world_size * batch_size
-    batches_per_rank = _batches_per_rank(total, world_size, batch_size, mode)
-    if batches_per_rank == 0:
-        raise ConfigError(
-            f"batch_size {batch_size} x world_size {world_size} = {per_step} samples per step, but an epoch of this mix "
-            f"has only {total}: use a smaller batch size, fewer ranks, or larger shares"
-        )
-    if batches_per_rank < workers:
-        raise ConfigError(
-            f"each rank gets {batches_per_rank} batches of {batch_size} per epoch of this mix but num_workers is "
-            f"{num_workers}: {workers - batches_per_rank} workers would have nothing to read; use num_workers <= "
-            f"{batches_per_rank}"
-        )
-    passes = tuple(_passes(counts[i], q[i], seed=seed, epoch=epoch, source=i, shuffle=shuffle) for i in range(len(counts)))
-    phases = tuple(int(x) for x in _rng(seed, epoch).integers(0, PHASES, len(counts))) if shuffle else (0,) * len(counts)
+    """Plan one epoch of a mix (one source: a single dataset); raises ConfigError (naming the
+    source and the numbers) for settings that cannot work."""
+    names = _names(names, len(counts))
+    e = _arithmetic(counts, asks, world_size=world_size, num_workers=num_workers, batch_size=batch_size, names=names, per_batch=per_batch, mode=mode)
+    alone = len(counts) == 1
+    passes = tuple(_passes(c, q, seed=seed, epoch=epoch, source=i, shuffle=shuffle, alone=alone) for i, (c, q) in enumerate(zip(e.counts, e.quotas)))
+    phases = tuple(int(x) for x in _rng(seed, epoch).integers(0, PHASES, len(counts))) if shuffle and not alone else (0,) * len(counts)
     return MixPlan(
         epoch=epoch,
         seed=seed,
         shuffle=shuffle,
         world_size=world_size,
-        num_workers=workers,
+        num_workers=max(1, num_workers),
         batch_size=batch_size,
         per_batch=per_batch,
         names=tuple(names),
         asks=tuple(asks),
-        counts=tuple(tuple(int(x) for x in c) for c in counts),
-        quotas=tuple(q),
-        targets=tuple(targets),
-        batches_per_rank=batches_per_rank,
+        counts=tuple(_as_tuple(c) for c in e.counts),
+        quotas=tuple(e.quotas),
+        targets=tuple(e.targets),
+        batches_per_rank=e.batches_per_rank,
         passes=passes,
         phases=phases,
-        per_batch_counts=tuple(per_batch_counts),
-        batch_pattern=pattern,
+        per_batch_counts=tuple(e.per_batch_counts),
+        batch_pattern=e.pattern,
         mode=mode,
     )

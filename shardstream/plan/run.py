@@ -8,7 +8,11 @@ rank per step). A pass (one ``for batch in loader``, loader epoch k) is a window
 - ``steps=N``: pass k is steps [kN, (k+1)N), crossing data epochs as it goes, so no rank ever
   runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B).
 
-One source or a mix, drop or pad, every window is read the same way (``window_read``): DataLoader
+One planner for every run: a single dataset is a mix of one source (plan/mix.py), so
+``ShardStream(root)`` and ``ShardStream([Source(root)])`` read the same samples in the same order
+and save interchangeable states; they differ only in what they report (an ``EpochPlan`` for a
+root, a ``MixPlan`` for sources given as a list) and in ``__source__``, which samples of sources
+given as a list carry. One source or a mix, drop or pad, every window is read the same way (``window_read``): DataLoader
 hands a pass's batches out round-robin, so worker w yields the pass's batches w, w + K, ...; in
 each window its share is a contiguous slice of every rank's part of the layout.
 
@@ -20,7 +24,7 @@ topology (``RestLayout``: fewer than W * B samples left out in drop mode, padded
 W * B in pad mode), then fresh data epochs follow on the new topology. A run by epochs yields the
 rest of that epoch in the resumed pass; a run by steps yields the rest of the pass (N - k steps).
 
-``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``plan_epoch(e)`` (the report),
+``RunPlan`` is all ``ShardStream`` asks: ``batches_per_pass``, ``report(e)`` (a data epoch's plan),
 ``pass_plan(loader_epoch, num_workers, state)`` -> ``PassPlan`` (``.worker(rank, worker)``: its
 reads; ``.state_after(n)``: the state after n received batches; ``.summary()``) and ``load(doc)``.
 A ``Cursor`` is where one consumer stands in a pass (the loop, or one DataLoader worker): every
@@ -29,33 +33,59 @@ state the loader or the dataset gives is a cursor's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from shardstream.errors import ConfigError, StateError
-from shardstream.plan.epoch import EpochPlan, epoch_batches, plan_epoch
+from shardstream.plan.epoch import WHOLE, EpochPlan
 from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
-from shardstream.plan.mix import Ask, MixPlan, plan_mix
+from shardstream.plan.mix import Ask, MixPlan, mix_batches, plan_mix, quotas
 from shardstream.plan.state import Segment, State
 from shardstream.plan.topology import Topology
 
 
 @dataclass(frozen=True, eq=False)
 class Sources:
-    """What planning knows of a run's data (one source is a stream, a mix several): samples per
-    shard of each source, what a state names it by, and for a mix each source's name and ask. A
-    single dataset (``mixed=False``) reads its shards in the epoch's order; a mix draws each source
-    pass by pass and interleaves them (plan/mix.py)."""
+    """What planning knows of a run's data: samples per shard of each source, what each asks of an
+    epoch, and what a state names them by (``identity``, from ``Sources.of``). ``names``: the
+    sources' names when given as a list (its samples carry ``__source__``; a plan reports as a
+    ``MixPlan``), empty for a dataset given as a root (untagged samples, an ``EpochPlan``). The
+    planning is the same either way."""
 
     counts: tuple[np.ndarray, ...]
     identity: tuple[dict[str, Any], ...]
-    mixed: bool
     names: tuple[str, ...] = ()
-    asks: tuple[Ask, ...] = ()
-    compressed_shards: int = 0
+    asks: tuple[Ask, ...] = (WHOLE,)
+    compressed_shards: int = 0  # reported by a single dataset's plan
+
+    @classmethod
+    def of(
+        cls,
+        counts: Sequence[np.ndarray],
+        digests: Sequence[str],
+        names: Sequence[str] = (),
+        asks: Sequence[Ask] = (WHOLE,),
+        compressed_shards: int = 0,
+    ) -> Sources:
+        """Sources with their identity: for a mix, each source's name, manifest digest, samples and
+        ask; for one source its digest and samples (and its ask when an epoch is not one whole
+        pass of it), no name, so a dataset's states resume under any name, given as a root or as a
+        mix of one (plan/state.py: version 3)."""
+        counts = tuple(np.array(c, dtype=np.int64) for c in counts)
+        for c in counts:
+            c.flags.writeable = False  # planned from, never changed (plan/mix.py converts it once)
+        sizes = [int(c.sum()) for c in counts]
+        if len(counts) == 1:
+            ident: dict[str, Any] = {"manifest": digests[0], "samples": sizes[0]}
+            if quotas(sizes, asks)[0][0] != sizes[0]:
+                ident["ask"] = asks[0].describe()
+            identity: tuple[dict[str, Any], ...] = (ident,)
+        else:
+            identity = tuple({"name": n, "manifest": d, "samples": size, "ask": a.describe()} for n, d, size, a in zip(names, digests, sizes, asks))
+        return cls(counts, identity, tuple(names), tuple(asks), compressed_shards)
 
 
 @dataclass(frozen=True)
@@ -209,7 +239,7 @@ class PassPlan:
             )
             if read is not None:
                 reads.append(read)
-        names = self.run.sources.names if self.run.sources.mixed else None
+        names = self.run.sources.names or None
         return WorkerPlan(
             rank, worker, plays, sum(r.batches for r in reads), reads, names, self.topology.shuffle_buffer, self.topology.shuffle_initial
         )
@@ -241,7 +271,7 @@ class PassPlan:
         if r is not None:
             return self._resumed_summary(r)
         first = self.windows[0].layout.epoch if self.windows else self.loader_epoch
-        head = self.run.plan_epoch(first, self.topology.num_workers if self.run.by_epochs else 1).summary()
+        head = self.run.as_report(self.run.plan_epoch(first, self.topology.num_workers if self.run.by_epochs else 1)).summary()
         if self.run.by_epochs:
             return head
         last = self.windows[-1].layout.epoch if self.windows else first
@@ -348,7 +378,7 @@ class RunPlan:
     def check_workers(self, num_workers: int) -> None:
         """Refuse a worker count that leaves workers with nothing to yield, naming the numbers."""
         if self.by_epochs:
-            self._epoch_batches(num_workers)  # plan_epoch / plan_mix say it with their numbers
+            self._epoch_batches(num_workers)  # the planner says it with its numbers
         elif self.batches_per_pass < num_workers:
             raise ConfigError(
                 f"steps={self.batches_per_pass} per rank but num_workers is {num_workers}: "
@@ -361,48 +391,49 @@ class RunPlan:
         by steps splits each pass, so its plan is for one."""
         if num_workers is not None:
             self.check_workers(num_workers)
-        return self.plan_epoch(epoch, max(1, num_workers if num_workers is not None else assumed) if self.by_epochs else 1)
+        return self.as_report(self.plan_epoch(epoch, max(1, num_workers if num_workers is not None else assumed) if self.by_epochs else 1))
+
+    def as_report(self, plan: MixPlan) -> EpochPlan | MixPlan:
+        """A data epoch's plan as the stream reports it: a dataset given as a root as one dataset
+        (``EpochPlan``, a view of the same plan), sources given as a list as a mix."""
+        return plan if self.sources.names else EpochPlan(plan, self.sources.compressed_shards)
 
     # -- data epochs --------------------------------------------------------------------------------
-    def _epoch_batches(self, num_workers: int) -> int:
-        """Batches per rank of a data epoch, its settings checked as ``plan_epoch`` checks them; for
-        one dataset without planning its shard order (construction and make_loader need no
-        permutation, nor ``numpy.random``'s import)."""
-        s, src = self.settings, self.sources
-        if src.mixed:
-            return self.plan_epoch(0, num_workers).batches_per_rank
-        return epoch_batches(src.counts[0], world_size=s.world_size, num_workers=num_workers, batch_size=s.batch_size, mode=s.mode)[2]
+    def _names(self) -> list[str] | None:
+        return list(self.sources.names) or None
 
-    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> EpochPlan | MixPlan:
-        """The plan of data epoch ``epoch`` (the report: ``.summary()``); raises ConfigError for
-        settings that cannot work."""
+    def _epoch_batches(self, num_workers: int) -> int:
+        """Batches per rank of a data epoch, its settings checked as ``plan_epoch`` checks them,
+        without planning a shard order (construction and make_loader need no permutation, nor
+        ``numpy.random``'s import)."""
         s, src = self.settings, self.sources
-        world = world_size or s.world_size
-        batch = batch_size or s.batch_size
-        if src.mixed:
-            return plan_mix(
-                [c.tolist() for c in src.counts],
-                list(src.asks),
-                world_size=world,
-                num_workers=num_workers,
-                batch_size=batch,
-                names=list(src.names),
-                seed=s.seed,
-                epoch=epoch,
-                shuffle=s.shuffle,
-                per_batch=s.per_batch,
-                mode=s.mode,
-            )
-        return plan_epoch(
-            src.counts[0],
-            world_size=world,
+        return mix_batches(
+            src.counts,
+            src.asks,
+            world_size=s.world_size,
             num_workers=num_workers,
-            batch_size=batch,
+            batch_size=s.batch_size,
+            names=self._names(),
+            per_batch=s.per_batch,
+            mode=s.mode,
+        )
+
+    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> MixPlan:
+        """The plan of data epoch ``epoch`` (one source or a mix: ``as_report`` gives the report);
+        raises ConfigError for settings that cannot work."""
+        s, src = self.settings, self.sources
+        return plan_mix(
+            src.counts,
+            src.asks,
+            world_size=world_size or s.world_size,
+            num_workers=num_workers,
+            batch_size=batch_size or s.batch_size,
+            names=self._names(),
             seed=s.seed,
             epoch=epoch,
             shuffle=s.shuffle,
+            per_batch=s.per_batch,
             mode=s.mode,
-            compressed_shards=src.compressed_shards,
         )
 
     def layout(self, epoch: int, world_size: int | None = None, batch_size: int | None = None) -> Layout:
@@ -411,9 +442,7 @@ class RunPlan:
         if found is None:
             if len(self._layouts) > 8:
                 self._layouts.clear()
-            found = self._layouts[key] = epoch_layout(
-                self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts, seed=self.settings.seed, mixed=self.sources.mixed
-            )
+            found = self._layouts[key] = epoch_layout(self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts, seed=self.settings.seed)
         return found
 
     # -- states ---------------------------------------------------------------------------------------
@@ -460,7 +489,7 @@ class RunPlan:
 
     def _rest(self, layout: Layout, seg: Segment, index: int, topology: Topology) -> RestLayout:
         s = self.settings
-        targets = self.plan_epoch(layout.epoch).targets if self.sources.mixed else (1.0,)  # type: ignore[union-attr]
+        targets = quotas([int(c.sum()) for c in self.sources.counts], self.sources.asks)[1]
         return RestLayout(
             unconsumed(layout, self._consumption(layout, seg)),
             layout.ids,
@@ -468,7 +497,6 @@ class RunPlan:
             segment=index,
             seed=s.seed,
             shuffle=s.shuffle,
-            mixed=self.sources.mixed,
             world_size=topology.world_size,
             batch_size=topology.batch_size,
             mode=s.mode,

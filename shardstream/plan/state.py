@@ -1,6 +1,6 @@
 """The resume state: a position in a run's sequence of data epochs, as one small versioned JSON dict.
 
-Every kind of run writes the same format (``"format": "shardstream-resume"``, version 2): one
+Every kind of run writes the same format (``"format": "shardstream-resume"``, version 3): one
 dataset or a mix, by epochs or by steps. It names what it was saved for (each source's manifest
 digest and size, and for a mix its name and ask; the seed, shuffle, mode, interleave and the
 run's length) and where the run stood: the loader epoch of the pass in progress, the data epoch
@@ -11,8 +11,13 @@ resume. For each segment the state says how the pass that consumed it ran (on th
 timeline of steps: where the segment's first batch is, where that pass started and ends) and
 how many of that pass's batches the loop received.
 
-States of version 1 keep loading: ``shardstream-resume`` (one dataset) and
-``shardstream-mix-resume`` (a mix), both runs by epochs.
+Version 3 names a lone source, given as a root or as a mix of one, by its manifest alone
+(``Sources.of`` in plan/run.py): one planner orders it as a single dataset whichever way it was
+given, so its states are interchangeable. Otherwise it is version 2's format, and states of
+versions 1 and 2 keep loading (version 1: ``shardstream-resume`` for one dataset and
+``shardstream-mix-resume`` for a mix, both runs by epochs), except one kind: before version 3 a
+mix of one source was drawn as a mix, in another order, and named by its name and ask; such a
+state cannot continue and is refused, saying what to do.
 """
 
 from __future__ import annotations
@@ -24,12 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardstream.errors import StateError
-from shardstream.plan.epoch import MODES
-from shardstream.plan.mix import PER_BATCH
+from shardstream.plan.mix import MODES, PER_BATCH
 from shardstream.plan.topology import Topology
 
 FORMAT = "shardstream-resume"
-VERSION = 2
+VERSION = 3
 _V1_MIX = "shardstream-mix-resume"
 _TOPOLOGY = ("world_size", "num_workers", "batch_size", "shuffle_buffer", "shuffle_initial")
 
@@ -101,7 +105,7 @@ class State:
                 f'not a shardstream resume state (no "format": "{FORMAT}"); pass what loader.state_dict() or ShardStream.state_dict() returned'
             )
         version = doc.get("version")
-        known = (1,) if doc["format"] == _V1_MIX else (1, VERSION)
+        known = (1,) if doc["format"] == _V1_MIX else (1, 2, VERSION)
         if version not in known:
             raise StateError(
                 f"resume state version {version!r} is unknown to this shardstream (it reads versions "
@@ -111,6 +115,14 @@ class State:
             state = _read(dict(doc), version if isinstance(version, int) else 0)
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"resume state is missing or mistypes a field ({exc}); it was not written by state_dict()") from exc
+        lone = state.sources[0] if len(state.sources) == 1 else {}
+        if "name" in lone and (version != VERSION or doc["format"] == _V1_MIX):
+            raise StateError(
+                f"resume state version {version} of a mix of one source ({lone['name']!r}): before version {VERSION} a lone "
+                f"source was drawn as a mix, in another order than today's, so its epoch {state.epoch} cannot continue; "
+                f"resume it with the shardstream that saved it, or start loader epoch {state.loader_epoch + 1} afresh "
+                f"(set_epoch({state.loader_epoch + 1}) instead of load_state_dict)"
+            )
         state.validate()
         return state
 
@@ -145,7 +157,13 @@ class State:
         mine = [dict(s) for s in self.sources]
         theirs = [dict(s) for s in sources]
         if mine != theirs:
-            if len(mine) == len(theirs) == 1 and "name" not in mine[0] and "name" not in theirs[0]:
+            same = len(mine) == len(theirs) == 1 and all(mine[0].get(k) == theirs[0].get(k) for k in ("manifest", "samples"))
+            if same:  # the same dataset, asked for another share of it per epoch
+                raise StateError(
+                    f"the resume state was saved for this dataset asking {mine[0].get('ask', 'repeat 1')} per epoch, but this "
+                    f"stream's source asks {theirs[0].get('ask', 'repeat 1')}; resume with the ask the checkpoint was trained on"
+                )
+            if len(mine) == len(theirs) == 1:
                 raise StateError(
                     f"the resume state was saved for another dataset ({mine[0].get('samples')} samples, manifest "
                     f"digest {mine[0].get('manifest')}) than this one ({theirs[0].get('samples')} samples, digest "
@@ -156,7 +174,7 @@ class State:
                 "the sources, manifests and asks it was trained on"
             )
         fields = [("seed", self.seed, seed), ("shuffle", self.shuffle, shuffle), ("mode", self.mode, mode)]
-        if len(theirs) > 1 or "name" in theirs[0]:
+        if len(theirs) > 1:  # a lone source has nothing to interleave
             fields.append(("per_batch", self.per_batch, per_batch))
         for name, saved, now in fields:
             if saved != now:

@@ -8,7 +8,8 @@ once) or transient (throttling, timeouts, refused/reset connections, 5xx: retrie
 storage failure at all (a bug) gets no kind and passes through untouched.
 
 Decisions are made from codes and types only: the S3 error code carried by botocore's
-``ClientError`` (s3fs keeps it as the ``__cause__`` of the OSError it raises), the HTTP status,
+``ClientError`` (s3fs keeps it as the ``__cause__`` of the OSError it raises) or by
+``objects.ObjectStoreError`` (obstore's errors, translated where they are raised), the HTTP status,
 and the exception classes of botocore, aiohttp and the standard library (matched by class in
 the exception's MRO, so botocore need not be imported to classify).
 """

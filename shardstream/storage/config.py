@@ -32,10 +32,11 @@ class StorageConfig:
     backoff_cap      longest backoff in seconds
     allow_roots      URL prefixes a manifest's shard entries may point into besides the
                      manifest's own directory (datasets that span buckets); empty = only its root
-    direct_get       S3 range GETs (shard bytes, the manifest) read straight into shardstream's
-                     buffers with the standard library's HTTP client, on URLs presigned by
-                     s3fs's own client (``storage/direct.py``); False: through s3fs/aiobotocore.
-                     Proxies and per-request extras (requester pays, SSE-C) use s3fs regardless.
+    s3_client        "obstore" (the default): S3 reads (shard bytes, the manifest, sidecars, a
+                     size) through obstore (``storage/objects.py``); "s3fs": through
+                     s3fs/aiobotocore. Options obstore cannot honour (a custom session, SSE-C,
+                     ``version_aware``, proxies) and fork-started workers of a process that
+                     read S3 use s3fs regardless. (Replaces ``direct_get``.)
     max_manifest_bytes  the largest manifest (``index.json``) read, in bytes; a larger one is a
                      ManifestError naming its size (128 MiB: a version-2 manifest takes about 106
                      bytes per shard, a million shards about 101 MiB; parsing one takes about 5
@@ -49,7 +50,7 @@ class StorageConfig:
     backoff_base: float = 0.05
     backoff_cap: float = 5.0
     allow_roots: tuple[str, ...] = ()
-    direct_get: bool = True
+    s3_client: str = "obstore"
     max_manifest_bytes: int = 128 << 20
 
     def __post_init__(self) -> None:
@@ -59,6 +60,8 @@ class StorageConfig:
                 raise ConfigError(f"StorageConfig.{name} must be a positive number of seconds, got {value!r}")
         if self.max_attempts is not None and not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
             raise ConfigError(f"StorageConfig.max_attempts must be None (until the deadline) or an integer >= 1, got {self.max_attempts!r}")
+        if self.s3_client not in ("obstore", "s3fs"):
+            raise ConfigError(f"StorageConfig.s3_client must be 'obstore' or 's3fs', got {self.s3_client!r}")
         if not (isinstance(self.max_manifest_bytes, int) and self.max_manifest_bytes >= 1):
             raise ConfigError(f"StorageConfig.max_manifest_bytes must be a positive number of bytes, got {self.max_manifest_bytes!r}")
         if self.backoff_base < 0 or self.backoff_cap < 0:

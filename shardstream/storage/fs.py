@@ -1,4 +1,5 @@
-"""Storage access: every byte shardstream reads or writes goes through fsspec, from here.
+"""Storage access through fsspec: every byte shardstream writes, every listing, and every read
+but S3's (which obstore makes, ``objects.py``, where it can: s3fs's path otherwise) goes from here.
 
 Resolves a URL (local path, ``s3://``, ``memory://``, anything fsspec knows) to a filesystem with
 the user's options (``storage_options``, ``--endpoint-url``, ``--profile``; the ``AWS_*``

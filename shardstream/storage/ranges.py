@@ -2,9 +2,9 @@
 
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
-    fetch(a, b, timeout)          one try: a ranged GET (``direct.direct_fetcher``, else
-                                  ``retry.s3_fetcher``) or fsspec's cat_file; on S3 also
-    fetch.open(a, b, timeout)     one GET streamed as a body (``direct.DirectBody``, ``retry._S3fsBody``)
+    fetch(a, b, timeout)          one try: a ranged GET (``objects.Client.fetch`` through obstore,
+                                  else ``retry.s3_fetcher``) or fsspec's cat_file; on S3 also
+    fetch.open(a, b, timeout)     one GET streamed as a body (``objects.ObjectBody``, ``retry._S3fsBody``)
     make_range_reader             a range's reads: on S3 one GET for all of it, read block by block;
                                   retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
@@ -18,6 +18,7 @@ Whole-object reads (the manifest, scans, verify) use the same layers via ``open_
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -25,11 +26,12 @@ from typing import Any
 
 import fsspec
 
+from shardstream.errors import ConfigError
 from shardstream.stats import NullCounters
-from shardstream.storage import direct
 from shardstream.storage import fs as storage
+from shardstream.storage import objects
 from shardstream.storage.cache import ShardCache
-from shardstream.storage.classify import storage_error
+from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
 
@@ -42,16 +44,28 @@ ReadFn = Callable[[int], bytes]  # read(n): the next <= n bytes (not options.Rea
 
 
 def resolve(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> tuple[Any, str, Fetcher | None]:
-    """``(fs, path, fetch)`` for a URL under ``config``; ``fetch`` is None for local files."""
+    """``(fs, path, fetch)`` for a URL under ``config``; ``fetch`` is None for local files. On S3
+    ``fs`` is an ``objects.Client`` (obstore) where it can serve the options (``objects.options_for``)
+    and this process (``objects.usable_here``), else an s3fs filesystem."""
     protocol = fsspec.utils.get_protocol(url)
+    if protocol in ("s3", "s3a") and config.s3_client == "obstore" and objects.usable_here():
+        options = objects.options_for(storage_options)
+        if options is not None:
+            path = url.split("://", 1)[1]
+            try:
+                client = objects.client_for(path, options, config)
+            except Exception as exc:  # no credentials, an unreadable CA bundle: the error tree's words
+                if isinstance(exc, ConfigError) or classify(exc) is None:
+                    raise
+                raise storage_error(url, exc) from exc
+            key = objects.key_of(path)
+            return client, path, Fetcher("obstore", functools.partial(client.fetch, key), functools.partial(client.open, key))
     fs, path = storage.get_fs(url, config.fs_options(storage_options, protocol))
     if storage.is_local(fs):
         return fs, path, None
     if protocol in ("s3", "s3a"):
         # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in retry.py.
         fs.retries = 1
-        if direct.usable(fs, config):
-            return fs, path, Fetcher("direct", direct.direct_fetcher(fs, path, config), direct.direct_opener(fs, path, config))
         return fs, path, Fetcher("s3fs", s3_fetcher(fs, path), s3_opener(fs, path))
     return fs, path, Fetcher("fsspec", fs_fetcher(fs, path))
 

@@ -17,8 +17,9 @@ The jitter is drawn from the operating system's randomness (``random.SystemRando
 DataLoader workers of every rank, throttled together, sleep different delays and come back spread
 out rather than in step (it was once seeded by the URL: every worker slept the same delays).
 
-For S3, shardstream's reader turns off botocore's and s3fs's own retries (``StorageConfig.fs_options``,
-``fs.retries = 1``), so every retry is counted here (``stats.py``).
+For S3, shardstream's reader turns off obstore's (``objects.py``), and on s3fs's path botocore's and
+s3fs's, own retries (``StorageConfig.fs_options``, ``fs.retries = 1``), so every retry is counted
+here (``stats.py``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Fetcher:
     """One object's bytes, two ways: ``fetch(a, b, timeout)`` is one try at bytes [a, b) (a short
     body gives fewer bytes, a break mid-body a ``PartialRead``); ``open`` streams a range through
     one GET (``OpenBody``), None where the store has no streamed body (each read is then a request
-    of its own). ``kind`` names the path: "direct", "s3fs" or "fsspec"."""
+    of its own). ``kind`` names the path: "obstore", "s3fs" or "fsspec"."""
 
     __slots__ = ("kind", "_fetch", "open")
 

@@ -1,0 +1,120 @@
+"""S3 reads through obstore (storage/objects.py) against the moto server: which options it serves
+and which keep s3fs's path, credentials from a profile, a wrong secret, a missing object, and
+fork-started DataLoader workers of a process that already read through obstore (whose runtime
+cannot run in a forked child: they read through s3fs, and the epoch is the same)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import make_samples, write_dataset
+
+from shardstream import Read, ShardStream, Store, World, make_loader
+from shardstream.errors import AccessDenied, ConfigError, NoCredentials, StorageNotFound
+from shardstream.storage import objects, ranges
+from shardstream.storage.config import StorageConfig
+from shardstream.storage.ranges import read_object
+
+
+def test_obstore_serves_the_usual_options_and_s3fs_the_rest(s3):
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"abc")
+    url = f"s3://{bucket}/k"
+    served = {
+        "endpoint": options,
+        "client_kwargs": {"client_kwargs": {"endpoint_url": options["endpoint_url"], "region_name": "us-east-1"}},
+        "key and secret": {**options, "key": "testing", "secret": "testing"},
+        "addressing": {**options, "config_kwargs": {"s3": {"addressing_style": "path"}}},
+    }
+    for name, opts in served.items():
+        fs, _, fetch = ranges.resolve(url, opts, StorageConfig())
+        assert fetch is not None and fetch.kind == "obstore", name
+        assert bytes(fetch(0, 3)) == b"abc" and fs.size(f"{bucket}/k") == 3, name
+    kept = {
+        "SSE-C": {**options, "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}},
+        "version aware": {**options, "version_aware": True},
+        "proxies": {**options, "config_kwargs": {"proxies": {"http": "http://127.0.0.1:9"}}},
+    }
+    for name, opts in kept.items():
+        assert ranges.resolve(url, opts, StorageConfig())[2].kind == "s3fs", name
+    assert ranges.resolve(url, options, StorageConfig(s3_client="s3fs"))[2].kind == "s3fs"
+    with pytest.raises(ConfigError, match="s3_client"):
+        StorageConfig(s3_client="boto")
+
+
+def test_a_profile_and_a_missing_object(s3, tmp_path, monkeypatch):
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"x" * 10)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    creds = tmp_path / "credentials"
+    creds.write_text("[reader]\naws_access_key_id = testing\naws_secret_access_key = testing\naws_session_token = tok\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert read_object(f"s3://{bucket}/k", {**options, "profile": "reader"}) == b"x" * 10
+    with pytest.raises(ConfigError, match="profile 'nobody' not found"):
+        read_object(f"s3://{bucket}/k", {**options, "profile": "nobody"})
+    with pytest.raises(StorageNotFound, match="not found"):
+        read_object(f"s3://{bucket}/missing", {**options, "profile": "reader"})
+
+
+def _moto_auth(endpoint: str, free_requests: str) -> None:
+    """moto's server checks credentials after ``free_requests`` more requests ("inf": never)."""
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=free_requests.encode(), method="POST", headers={"Content-Type": "text/plain"}
+    )
+    urllib.request.urlopen(request, timeout=30).read()
+
+
+class Counter(dict):
+    def add(self, name: str, value: int = 1) -> None:
+        self[name] = self.get(name, 0) + value
+
+    def __missing__(self, name: str) -> int:
+        return 0
+
+
+def test_wrong_credentials_are_refused_at_once_with_what_to_check(s3):
+    """A key the server does not know: its 403 (InvalidAccessKeyId) is AccessDenied naming what to
+    check, through obstore and s3fs alike, with no retry."""
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"x" * 10)
+    wrong = {**options, "key": "AKIANOBODY", "secret": "wrong"}
+    _moto_auth(options["endpoint_url"], "0")
+    try:
+        for s3_client in ("obstore", "s3fs"):
+            counted = Counter()
+            with pytest.raises(AccessDenied, match="the access key ID is not known to this endpoint"):
+                read_object(f"s3://{bucket}/k", wrong, config=StorageConfig(s3_client=s3_client), counters=counted)
+            assert counted["retries"] == 0, s3_client
+    finally:
+        _moto_auth(options["endpoint_url"], "inf")
+    assert read_object(f"s3://{bucket}/k", wrong) == b"x" * 10  # (the server checks no credentials again)
+
+
+def test_no_credentials_and_an_unreadable_ca_bundle_say_so(s3_endpoint, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"endpoint_url": s3_endpoint}
+    with pytest.raises(NoCredentials, match="no credentials found"):
+        read_object("s3://bucket/k", options)
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    with pytest.raises(ConfigError, match=r"CA bundle .*missing\.pem \(AWS_CA_BUNDLE or REQUESTS_CA_BUNDLE\) cannot be read"):
+        read_object("s3://bucket/k", {**options, "key": "a", "secret": "b"})
+
+
+def test_fork_started_workers_after_obstore_read_through_s3fs(s3):
+    bucket, options, _ = s3
+    samples = make_samples(40, size=2000)
+    url = write_dataset(f"s3://{bucket}/forked", samples=samples, max_count=10, storage_options=options)
+    ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, read=Read(readahead_bytes=0)))
+    assert objects._runtime_pid == os.getpid()  # the manifest came through obstore, in this process
+    loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False)
+    got = {k: bytes(b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])}
+    assert got == {s["__key__"]: s["bin"] for s in samples}
