@@ -26,8 +26,9 @@ torch is installed; each peer's own pyarrow/numpy come first):
 
 The table: ``--rows`` rows of 7 float32 columns and one int64 in ``--files`` files of row groups of
 ``--group`` rows, in /dev/shm (warm page cache: the figures are the loaders' CPU, not a disk's).
-``--where s3`` serves the same files from a moto server behind ``latency_proxy.py`` (``--latency``
-seconds before each request). Every pass reads 8 columns, or 2 for the projected read check.
+``--where s3`` serves the same files from a real S3-compatible server (``--server``, default s3rver:
+``benchmarks/s3server.py``; moto copies a whole object for every ranged GET) behind
+``latency_proxy.py`` (``--latency`` seconds before each request). Every pass reads 8 columns, or 2 for the projected read check.
 
 Rates are rows per CPU second (this process and its workers): the machine these run on is shared
 and loaded, where wall time measures the neighbours. A pass stops after ``--max-seconds`` of wall
@@ -222,6 +223,47 @@ def one_pass(args) -> dict:
     return out
 
 
+def steady(args) -> None:
+    """``--steady``: whole passes over the local table in this one process (start-up excluded),
+    interleaved: the floor, shardstream unshuffled and shuffled, rows per CPU second of the
+    process. The per-row cost without the 6 s cap, which on a loaded machine cuts the slower
+    passes short and leaves their start-up (imports, footers) as most of their CPU."""
+    import warnings
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    sys.path.insert(0, REPO)
+    from shardstream import ShardStream, Shuffle, Table, World
+
+    warnings.simplefilter("ignore")  # torch's read-only warning in the floor
+    files, columns, batch = urls(args), COLUMNS[: args.columns], int(args.batch)
+
+    def floor() -> int:
+        n = 0
+        for path in files:
+            with open(path, "rb") as f:
+                for b in pq.ParquetFile(f).iter_batches(batch_size=batch, columns=columns):
+                    n += len({c: torch.from_numpy(b.column(c).to_numpy()) for c in columns}[columns[0]])
+        return n
+
+    def shardstream(shuffled: bool) -> int:
+        ds = ShardStream(Table(files, columns=columns), batch_size=batch, shuffle=Shuffle(SHUFFLE) if shuffled else False, world=World(0, 1))
+        return sum(len(b[columns[0]]) for b in ds)
+
+    passes = {"floor": floor, "shardstream": lambda: shardstream(False), "shardstream-shuffled": lambda: shardstream(True)}
+    rates: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, one in passes.items():
+            c = time.process_time()
+            rows = one()
+            rates.setdefault(name, []).append(rows / (time.process_time() - c) / 1e6)
+    for name, r in rates.items():
+        ratio = float(np.median(r) / np.median(rates["floor"]))
+        print(f"steady batch {batch} {name:22} {np.median(r):6.2f} M rows/CPU-s  x floor {ratio:.2f}  runs {', '.join(f'{x:.2f}' for x in r)}")
+
+
 def version(name: str) -> str:
     import importlib.metadata as md
 
@@ -251,6 +293,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--where", default="local")
     parser.add_argument("--latency", type=float, default=0.03)
+    parser.add_argument("--server", default="s3rver", help="the S3 server for --where s3 (benchmarks/s3server.py: s3rver, seaweedfs, moto)")
     parser.add_argument("--max-seconds", type=float, default=20.0)
     parser.add_argument("--only", default=",".join(CONTENDERS))
     parser.add_argument("--data", default="/dev/shm/bench-tables")
@@ -264,6 +307,7 @@ def main() -> None:
     parser.add_argument("--columns", type=int, default=8)
     parser.add_argument("--litdata-dir")
     parser.add_argument("--version")
+    parser.add_argument("--steady", action="store_true", help="whole passes in this process, local only (see steady())")
     args = parser.parse_args()
     if args.version:
         print(version(args.version))
@@ -285,6 +329,14 @@ def main() -> None:
         make_table(root, args.rows, args.files, args.group)
         open(os.path.join(root, "done"), "w").close()
     paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".parquet"))
+    if args.steady:
+        args.urls = json.dumps(paths)
+        threads = os.environ.get("OMP_NUM_THREADS", "(unset)")
+        print(f"# {args.rows} rows x 8 columns in {len(paths)} files, groups {args.group}; OMP_NUM_THREADS={threads}, load {os.getloadavg()[0]:.1f}")
+        for batch in args.batch.split(","):
+            args.batch = batch
+            steady(args)
+        return
     names = [n for n in args.only.split(",") if n]
     pythons = {n: getattr(args, f"{n}_python", sys.executable) for n in names}
     if "litdata" in names:  # litdata's index.json in a copy of its own (a folder with index.json is a shardstream manifest)
@@ -310,17 +362,17 @@ def main() -> None:
                 places.append(("local", paths, None))
             elif where == "s3":
                 sys.path.insert(0, HERE)
-                import boto3
-                from common import start_moto, stop  # type: ignore[import-not-found]
                 from latency_proxy import start_proxy  # type: ignore[import-not-found]
+                from s3server import s3_server  # type: ignore[import-not-found]
 
-                proc, endpoint = start_moto()
-                servers.append(lambda proc=proc: stop(proc))
-                client = boto3.client("s3", endpoint_url=endpoint)
-                client.create_bucket(Bucket="bench")
+                running = s3_server(args.server, bucket="bench")  # credentials into os.environ: every pass inherits them
+                server = running.__enter__()
+                servers.append(lambda running=running: running.__exit__(None, None, None))
+                print(f"# S3: {server.version()}, {args.latency * 1000:.0f} ms before each request (latency_proxy.py)", flush=True)
+                client = server.client()
                 for p in paths:
                     client.upload_file(p, "bench", f"t/{os.path.basename(p)}")
-                proxy = start_proxy(endpoint, args.latency)
+                proxy = start_proxy(server.endpoint, args.latency)
                 url, _ = proxy.__enter__()
                 servers.append(lambda proxy=proxy: proxy.__exit__(None, None, None))
                 places.append(("s3", [f"s3://bench/t/{os.path.basename(p)}" for p in paths], url))
@@ -342,7 +394,7 @@ def main() -> None:
                                 continue
                             results.setdefault((where, int(batch), int(workers), n), []).append(got)
                 # the projected read: 2 of 8 columns, shardstream alone, bytes against the chunks'
-                if "shardstream" in names and workers == args.workers.split(",")[0]:
+                if "shardstream" in names:  # (once per batch size: it ran only when the last --workers value was the first)
                     extra = ["--endpoint", endpoint] if endpoint else []
                     flags = ["--urls", json.dumps(files), "--batch", batch, "--workers", "0", "--columns", "2", "--max-seconds", "600"]
                     got = json.loads(run(sys.executable, "--pass", "shardstream", *flags, *extra))

@@ -27,7 +27,7 @@ from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
-from shardstream.format.parquet import Table, TableManifest, is_table_url
+from shardstream.format.parquet import Table, TableManifest, is_table_url, with_table_requests
 from shardstream.format.scan import scan_shards
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
@@ -114,7 +114,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.shuffler: Shuffle | None = (Shuffle() if shuffle is True else shuffle) if shuffle is not False else None
         self.shuffle = self.shuffler is not None
         # Batched(fn): fn takes whole columnar batches of Parquet tables (pipeline/table.py), not samples.
-        self.batch_transform = transform.fn if isinstance(transform, Batched) else None
+        self.batch_transform = transform if isinstance(transform, Batched) else None
         self.transform = None if isinstance(transform, Batched) else transform
         self.collate = collate or default_collate
         self._transform = source_transforms(self.sources, self.transform)  # a mix's per-source transforms, then this one
@@ -172,9 +172,9 @@ class ShardStream(torch.utils.data.IterableDataset):
             return None
         opened = ShardCache(cache.dir, cache.limit, verify=cache.verify)
         for m in manifests:
-            if isinstance(m, TableManifest):  # a table's row groups are read as ranges, not cached
-                continue
-            if len(m.sizes):  # the smallest shard, and every one too large to cache (numpy, not a loop)
+            # the smallest shard, and every one too large to cache (numpy, not a loop); a table's
+            # shards are its row groups, each cached as its projected columns' runs
+            if len(m.sizes):
                 picks = {int(m.sizes.argmin()), *(int(i) for i in np.flatnonzero(m.sizes > opened.limit))}
                 opened.check_fits([(int(m.sizes[i]), m.shard_url(i)) for i in sorted(picks)])
         return opened
@@ -233,8 +233,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         as many as the last pass had); with a loaded state waiting for this epoch, the summary
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
-        if not self.tables:  # (a table's GETs are per projected column run and per footer: not counted there yet)
+        if not self.tables:
             plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
+        elif len(self.sources.manifests) == 1:  # a table: per projected column run and per footer (a mix with a table: not counted yet)
+            plan = with_table_requests(plan, self.tables[0])
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
@@ -398,7 +400,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         are gathered from the held row groups (pipeline/table.py)."""
         blocks = Blocks(pad=self.mode == "pad")
         names = part.names
-        sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
+        budget = Budget(max(self.readahead), counters) if max(self.readahead) > 0 else None  # the worker's one, as in _rows
+        sources = [self._range_source(i, counters, budget=budget) for i in range(len(self.sources.manifests))]
 
         def read(i: int, ranges: list[Any]) -> Any:
             return table_refs(sources[i], ranges, blocks, policy=policy, name=names[i] if names else "")  # type: ignore[arg-type]
@@ -408,7 +411,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         def collate(batch: Any) -> Any:
             rows = blocks.gather(batch)
-            return transform(rows.to_arrow()) if transform is not None else columnar_batch(rows, images)
+            return transform.apply(rows) if transform is not None else columnar_batch(rows, images)
 
         if not part.num_batches:
             return
@@ -430,6 +433,8 @@ class ShardStream(torch.utils.data.IterableDataset):
                 config=self.storage,
                 readahead_bytes=self.readahead[i],
                 read_size=self.read.read_size,
+                budget=budget if self.readahead[i] > 0 else None,
+                cache=self.cache,
             )
         return RangeSource(
             self.sources.manifests[i],

@@ -170,7 +170,7 @@ def test_s3_table_prefix(s3, tmp_path):
     assert isinstance(ds.manifest, TableManifest) and ds.manifest.base_url == f"s3://{bucket}/table"
     m, plan = ds.manifest, ds.pass_plan(num_workers=2)
     summary = ds.plan().summary()
-    assert f"{sum(ROWS)} samples" in summary and "sidecar" not in summary  # no tar request estimate for a table
+    assert f"{sum(ROWS)} samples" in summary and "sidecar" not in summary  # no tar sidecars for a table: footers
     batches = list(make_loader(ds, num_workers=2, pin_memory=False, log_interval=None))
     assert sorted(ids_of(batches)) == list(range(sum(ROWS)))
     assert torch.equal(batches[0]["x"], batches[0]["id"].float() * 0.5)
@@ -185,6 +185,13 @@ def test_s3_table_prefix(s3, tmp_path):
         requests += len(groups) + len(files)
     assert ds.stats()["bytes_read"] == expected
     assert ds.stats()["requests"] == requests  # one GET per row group (id and x are adjacent) and per footer
+    # the plan's estimate is those GETs: per (worker, row group) one per projected run, per (worker, file) a footer
+    estimate = ds.plan(num_workers=2).summary()
+    assert f"requests: {requests:,} GETs per epoch" in estimate and "footers" in estimate, estimate
+    apart = ShardStream(Table(url, columns=["id", "s"]), batch_size=16, world=World(0, 1), store=Store(options=options))  # x, wide between
+    groups = len(apart.manifest.counts)
+    line = apart.plan(num_workers=1).summary()
+    assert f"requests: {2 * groups + 3:,} GETs per epoch ({2 * groups} ranges" in line and "at most 3 footers" in line, line
     # a plain prefix URL is a table too (no index.json there)
     plain = ShardStream(url, batch_size=16, world=World(0, 1), store=Store(options=options))
     assert isinstance(plain.manifest, TableManifest) and plain.manifest.projection is None

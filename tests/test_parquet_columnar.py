@@ -128,3 +128,84 @@ print(repr([str(w.message)[:60] for w in seen]))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == repr(["a user's own warning still shows"]), out.stdout + out.stderr
+
+
+def test_gather_across_row_groups_matches_arrow(tmp_path):
+    """Blocks.gather against Arrow's own take over the same rows: shuffled batches across row groups
+    (packed records), consecutive runs across them (slices joined), a column with nulls in one row
+    group only (numbers in the others), strings, mixed widths, after packing as before."""
+    from shardstream.pipeline.table import BLOCK_BITS, Blocks
+
+    n, groups = 50, 4
+    ids = np.arange(n * groups, dtype=np.int64)
+    maybe = pa.array([None if i == 77 else float(i) for i in ids], type=pa.float64())  # a null in row group 1 only
+    table = pa.table(
+        {"id": ids, "small": (ids % 100).astype(np.int8), "x": (ids * 0.5).astype(np.float32), "maybe": maybe, "name": [f"r{i}" for i in ids]}
+    )
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(table, path, row_group_size=n)
+    file = pq.ParquetFile(path)
+    blocks = Blocks()
+    for g in range(groups):
+        assert blocks.add(file.read_row_group(g), 100 * n) == g  # (more refs to come than gathered here: none freed)
+    whole = pa.concat_tables([file.read_row_group(g) for g in range(groups)]).combine_chunks()
+    rng = np.random.default_rng(5)
+
+    def check(rows):
+        refs = (rows // n << BLOCK_BITS) | (rows % n)
+        got = blocks.gather(refs).to_arrow()
+        assert got.equals(whole.take(pa.array(rows))), rows
+
+    for _ in range(3):
+        check(rng.choice(n * groups, 40, replace=False))  # scattered over every row group
+        check(np.sort(rng.choice(np.arange(n, 2 * n), 20, replace=False)))  # one row group, not consecutive
+    check(np.arange(n - 5, n + 7))  # consecutive across a row group's end (slices joined)
+    check(np.arange(2 * n + 3, 2 * n + 9))  # consecutive in a packed row group
+    check(np.concatenate([np.arange(3 * n + 10, 3 * n + 13), np.arange(n + 1, n + 4)]))  # two runs, blocks out of order
+
+
+def frame_to_dict(frame):
+    return {"id": torch.tensor(frame["id"].to_numpy())}  # drops __valid__: the stream adds it back
+
+
+def frame_sees_valid(frame):
+    assert frame.column_names[-1] == "__valid__" and frame.schema.field("__valid__").type == pa.bool_()
+    return {"id": torch.tensor(frame["id"].to_numpy()), "seen": frame["__valid__"].to_pylist()}
+
+
+def frame_to_tuple(frame):
+    return (torch.tensor(frame["id"].to_numpy()), frame["__valid__"].to_pylist() if "__valid__" in frame.column_names else None)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batched_in_pad_mode_gets_the_valid_mask(table, workers):
+    from shardstream import Batched
+
+    def batches(rank, transform):
+        ds = ShardStream(table, batch_size=48, world=World(rank, 3), mode="pad", seed=3, shuffle=Shuffle(100), transform=transform)
+        return list(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None))
+
+    repeats = 0
+    for rank in range(3):
+        columnar = run_batches(batches(rank, None))
+        added = batches(rank, Batched(frame_to_dict))
+        assert [([int(i) for i in b["id"]], b["__valid__"].tolist()) for b in added] == columnar  # the mask added after fn
+        seen = batches(rank, Batched(frame_sees_valid))
+        assert [([int(i) for i in b["id"]], b["seen"]) for b in seen] == columnar  # fn saw the same mask as a column
+        assert all(b["__valid__"].tolist() == b["seen"] for b in seen)
+        tuples = batches(rank, Batched(frame_to_tuple))
+        assert [([int(i) for i in ids], valid) for ids, valid in tuples] == columnar  # a tuple: what fn put there
+        repeats += sum(valid.count(False) for _, valid in columnar)
+    assert repeats == 3 * 48 * len(columnar) - sum(ROWS)
+
+
+def test_batched_in_drop_mode_has_no_valid(table):
+    from shardstream import Batched
+
+    ids, valid = next(iter(ShardStream(table, batch_size=16, world=World(0, 1), transform=Batched(frame_to_tuple))))
+    assert valid is None and len(ids) == 16
+    assert "__valid__" not in next(iter(ShardStream(table, batch_size=16, world=World(0, 1), transform=Batched(frame_to_dict))))
+
+
+def run_batches(batches):
+    return [([int(i) for i in b["id"]], b["__valid__"].tolist()) for b in batches]

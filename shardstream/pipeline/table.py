@@ -12,36 +12,43 @@ Two shapes out, from one plan:
 - ``table_refs``: lists of ints, one per row (``block << 32 | row``), into ``Blocks``, the Arrow
   row groups a worker holds. The shuffle (``continue_samples``, the same state machine as for
   samples, so exact resume holds) moves these ints, not dicts; ``Blocks.gather`` takes a batch's
-  rows from the held row groups with Arrow ``take`` (a slice when they are consecutive) and frees
-  a row group once none of its rows is left to deliver. ``columnar_batch`` turns the gathered
+  rows from the held row groups (a slice when they are consecutive; shuffled rows as one take of
+  packed row records per row group, ``Held.pack``) and frees a row group once none of its rows
+  is left to deliver. ``columnar_batch`` turns the gathered
   Arrow table into tensors (zero-copy for fixed-width columns without nulls).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import fsspec
 import numpy as np
 
 from shardstream.errors import ConfigError, SampleError, ShardFormatError, StorageError, TooManyErrors
-from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_bytes, read_group
+from shardstream.format.parquet import TableManifest, footer_for, group_runs, read_group
 from shardstream.pipeline.batch import Batch, BatchStats, finish_upstream, stack_tensors
 from shardstream.pipeline.interleave import REPEAT
 from shardstream.plan.epoch import Range
 from shardstream.policy import ErrorPolicy
+from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.readahead import Prefetcher
+from shardstream.storage.ranges import DOWNLOAD_BLOCK, open_range
+from shardstream.storage.readahead import Budget, Prefetcher
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1024  # rows per list handed on
 BLOCK_BITS = 32
 ROW_MASK = (1 << BLOCK_BITS) - 1
+LOCAL = ("file", "local")  # protocols of local files: read directly, never cached
+VALID = "__valid__"  # pad mode's mask of the plan's repeats, in a batch
 REF_MASK = REPEAT - 1  # a ref without its REPEAT bit (pad mode's mark of a repeated row)
 HF_IMAGE = re.compile(r"struct<bytes: (large_)?binary, path: (large_)?(string|null)>")  # datasets.Image() as Parquet holds it
 
@@ -69,9 +76,23 @@ class HFImage:
 class Batched:
     """``ShardStream(table, transform=Batched(fn))``: ``fn`` takes each whole batch of a Parquet
     table stream as a ``pyarrow.Table`` (its rows in the batch's order) and returns the batch, in
-    place of per-row samples and the default columnar batch (a DataModule's ``transform(df)``)."""
+    place of per-row samples and the default columnar batch (a DataModule's ``transform(df)``).
+
+    In ``mode="pad"`` the table ``fn`` gets has a last bool column ``__valid__`` (False for the
+    plan's repeats), and when ``fn`` returns a dict without a ``"__valid__"`` key, the mask is
+    added to it as a bool tensor (so a masked validation metric works whatever ``fn`` keeps);
+    anything else ``fn`` returns (a tuple, a tensor) carries the mask only if ``fn`` puts it there."""
 
     fn: Callable[[Any], Any]
+
+    def apply(self, rows: Rows) -> Any:
+        """``fn`` over a gathered batch, the pad mask added to a dict result (see above)."""
+        out = self.fn(rows.to_arrow())
+        if rows.valid is not None and isinstance(out, MutableMapping) and VALID not in out:
+            import torch
+
+            out[VALID] = torch.from_numpy(rows.valid)
+        return out
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -79,7 +100,9 @@ class Batched:
 
 
 class TableSource:
-    """Where a worker's row ranges come from: the table, storage options, counters, read-ahead."""
+    """Where a worker's row ranges come from: the table, storage options, counters, read-ahead
+    (``budget``: the worker's one read-ahead budget, shared with its other sources, tar or table;
+    without one, ``readahead_bytes`` of its own), and the local ``cache`` of whole files."""
 
     def __init__(
         self,
@@ -90,6 +113,8 @@ class TableSource:
         config: StorageConfig = DEFAULT_STORAGE,
         readahead_bytes: int = 0,
         read_size: int = 4 << 20,
+        budget: Budget | None = None,
+        cache: Any = None,
     ):
         self.manifest = manifest
         self.storage_options = storage_options
@@ -97,33 +122,169 @@ class TableSource:
         self.config = config
         self.readahead_bytes = readahead_bytes
         self.read_size = read_size
+        self.budget = budget
+        self.cache = cache
 
     def runs(self, g: int) -> list[tuple[int, int]]:
         m = self.manifest
         metadata = footer_for(m, int(m.group_file[g]), self.storage_options, config=self.config, counters=self.counters)
         return group_runs(metadata, int(m.group_index[g]), m.projection)
 
-    def opener(self, g: int):
-        """Open row group g's projected runs as one stream of bytes (for the read-ahead)."""
+    def opener(self, g: int) -> Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]:
+        """Open row group g's projected runs as one stream of bytes for the read-ahead: one
+        ranged request per run, handed over in blocks of at most the read-ahead's block size (so a
+        row group's bytes count against the budget block by block, as a shard's do)."""
 
-        def open_it():
-            runs = self.runs(g)
-            url = self.manifest.file_url(int(self.manifest.group_file[g]))
-            pending = list(runs)
-
-            def read(n: int) -> Any:
-                while pending:
-                    a, b = pending.pop(0)
-                    return read_bytes(url, a, b, self.storage_options, config=self.config, counters=self.counters)
-                return b""
-
-            return read, _noop
+        def open_it() -> tuple[Callable[[int], bytes], Callable[[], None]]:
+            f = int(self.manifest.group_file[g])
+            runs = RunsReader(self, f, self.runs(g))
+            return runs.read, runs.close
 
         return open_it
 
 
-def _noop() -> None:
-    pass
+class RunsReader:
+    """``read(n)``: the next <= n bytes of a row group's runs, one run after another (each run one
+    ``open_range``: one ranged request, or a cached file's bytes); bytes, so the read-ahead counts them."""
+
+    def __init__(self, source: TableSource, f: int, runs: list[tuple[int, int]]):
+        self.source, self.f, self.runs = source, f, runs
+        self.url = source.manifest.file_url(f)
+        self.k = 0
+        self.left = self.at = 0
+        self.cached: list[memoryview] | None = None  # the runs from the cache, while it serves them
+        self._read: Any = None
+        self._close: Callable[[], None] | None = None
+
+    def read(self, n: int) -> bytes:
+        if self.cached is None and self.source.cache is not None:
+            self.cached = cached_runs(self.source, self.f, self.runs) or []
+        if self.cached:
+            block, rest = self.cached[0][:n], self.cached[0][n:]
+            self.cached[0] = rest
+            if not len(rest):
+                self.cached.pop(0)
+                if not self.cached:
+                    self.k = len(self.runs)  # all served
+            return bytes(block)
+        while True:
+            if self._read is None:
+                if self.k >= len(self.runs):
+                    return b""
+                a, b = self.runs[self.k]
+                self.k += 1
+                self._read, self._close = open_bytes(self.source, self.f, a, b)
+                self.left, self.at = b - a, a
+            if self.left > 0:
+                chunk = self._read(min(n, self.left))
+                if not len(chunk):
+                    what = "the file ends before the row group's column chunks do (truncated, or changed since it was indexed)"
+                    raise ShardFormatError(self.url, self.at, what)
+                self.left -= len(chunk)
+                self.at += len(chunk)
+                return chunk if isinstance(chunk, (bytes, bytearray)) else bytes(chunk)
+            self.close()
+
+    def close(self) -> None:
+        close, self._read, self._close = self._close, None, None
+        if close is not None:
+            close()
+
+
+def open_bytes(source: TableSource, f: int, a: int, b: int) -> tuple[Any, Callable[[], None]]:
+    """``(read, close)`` for bytes [a, b) of file f: one ranged read."""
+    m = source.manifest
+    return open_range(m.file_url(f), a, b, source.storage_options, source.counters, config=source.config, hint="")
+
+
+def cached_runs(source: TableSource, f: int, runs: list[tuple[int, int]]) -> list[memoryview] | None:
+    """A row group's projected runs through the cache (``Cache``: ``storage/cache.py``), or None
+    where there is none (no cache, a local file, or the cache bypassed: full, no room).
+
+    The cache holds one entry per row group and projection: the runs' bytes, fetched once (the same
+    requests as without a cache) and CRC-checked on every hit, so a hit checks exactly the bytes
+    it serves (a whole file per row group read would check the file once per row group) and the
+    disk holds the projected columns only. Its key is the file's URL and size and the runs."""
+    m = source.manifest
+    url = m.file_url(f)
+    if source.cache is None or fsspec.utils.get_protocol(url) in LOCAL:
+        return None
+    size = sum(b - a for a, b in runs)
+    key = f"{url}@{int(m.file_sizes[f])}#" + ",".join(f"{a}-{b}" for a, b in runs)
+
+    def download(write: Callable[[bytes], None]) -> None:
+        for a, b in runs:
+            read, close = open_bytes(source, f, a, b)
+            try:
+                left = b - a
+                while left > 0:
+                    chunk = read(min(left, DOWNLOAD_BLOCK))
+                    if not len(chunk):
+                        raise ShardFormatError(url, b - left, f"the file ends before byte {b} (truncated, or changed since it was indexed)")
+                    write(chunk if isinstance(chunk, bytes) else bytes(chunk))
+                    left -= len(chunk)
+            finally:
+                close()
+
+    handle = source.cache.open(key, None, size, download, source.counters)
+    if handle is None:
+        return None
+    file, lock = handle
+    try:
+        data = fetch_whole(_Into(file.read), url, [(0, size)])[0]
+    finally:
+        ShardCache.release(file, lock)
+    view, out, at = memoryview(data), [], 0
+    for a, b in runs:
+        out.append(view[at : at + b - a])
+        at += b - a
+    return out
+
+
+def fetch_whole(read: Any, url: str, runs: list[tuple[int, int]]) -> list[bytearray]:
+    """The runs' bytes, each whole, from a read-ahead reader handing them over in blocks."""
+    out = []
+    for a, b in runs:
+        data = bytearray(b - a)
+        view = memoryview(data)
+        got = 0
+        while got < len(data):
+            k = read.readinto(view[got:])
+            if not k:
+                raise ShardFormatError(url, a + got, f"the row group's bytes end at {a + got}, before byte {b}")
+            got += k
+        out.append(data)
+    return out
+
+
+def _read_runs(source: TableSource, f: int, runs: list[tuple[int, int]]) -> list[Any]:
+    """The runs of file f, each whole: through the cache (``cached_runs``), else ranged reads."""
+    cached = cached_runs(source, f, runs)
+    if cached is not None:
+        return cached
+    out: list[Any] = []
+    for a, b in runs:
+        read, close = open_bytes(source, f, a, b)
+        try:
+            out.extend(fetch_whole(_Into(read), source.manifest.file_url(f), [(a, b)]))
+        finally:
+            close()
+    return out
+
+
+class _Into:
+    """``readinto`` over a ``read(n)``."""
+
+    def __init__(self, read: Any):
+        self.read = read
+
+    def readinto(self, view: memoryview) -> int:
+        into = getattr(self.read, "readinto", None)
+        if into is not None:
+            return int(into(view))
+        chunk = self.read(len(view))
+        view[: len(chunk)] = chunk
+        return len(chunk)
 
 
 def _groups(ranges: Sequence[Range]) -> list[int]:
@@ -142,8 +303,12 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
     ranges = list(ranges)
     groups = _groups(ranges)
     prefetcher = None
-    if source.readahead_bytes > 0 and groups:
-        prefetcher = Prefetcher([source.opener(g) for g in groups], block_size=source.read_size, max_bytes=source.readahead_bytes)
+    if (source.budget is not None or source.readahead_bytes > 0) and groups:
+        openers = [source.opener(g) for g in groups]
+        if source.budget is not None:
+            prefetcher = Prefetcher(openers, block_size=source.read_size, budget=source.budget)
+        else:
+            prefetcher = Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
     m = source.manifest
     try:
         k = -1
@@ -159,12 +324,11 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
                 if source.counters is not None:
                     source.counters.step(f"reading {m.group_name(rng.shard)}")
                 try:
-                    fetch = None
+                    fetch: Callable[[list[tuple[int, int]]], list[Any]] | None = None
                     if prefetcher is not None:
-                        read = prefetcher.reader(k)
-
-                        def fetch(runs: list[tuple[int, int]], read: Any = read) -> list[Any]:
-                            return [read(b - a) for a, b in runs]
+                        fetch = functools.partial(fetch_whole, prefetcher.reader(k), m.file_url(int(m.group_file[rng.shard])))
+                    elif source.cache is not None:
+                        fetch = functools.partial(_read_runs, source, int(m.group_file[rng.shard]))
 
                     current = read_group(m, rng.shard, source.storage_options, config=source.config, counters=source.counters, fetch=fetch)
                 except (ShardFormatError, StorageError) as exc:
@@ -220,11 +384,59 @@ class Rows:
         self.schema, self.columns, self.sources, self.valid = schema, columns, sources, valid
 
     def to_arrow(self) -> Any:
-        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy)."""
+        """The rows as a ``pyarrow.Table`` (numpy columns wrapped without a copy); in pad mode with
+        a last bool column ``__valid__`` (False for the plan's repeats)."""
         import pyarrow as pa
 
         arrays = [pa.array(c) if isinstance(c, np.ndarray) else c for c in self.columns]
-        return pa.Table.from_arrays(arrays, schema=self.schema)
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        if self.valid is not None:
+            table = table.append_column(VALID, pa.array(self.valid, type=pa.bool_()))
+        return table
+
+
+class Held:
+    """One row group a worker holds: its schema and columns (numbers without nulls as numpy views
+    of Arrow's memory, the rest as Arrow arrays), and once a batch took scattered rows of it, its
+    numbers packed row by row (``packed``: a numpy array of one fixed-size record per row, the
+    numpy columns dropped for it, so the row group's numbers are held once)."""
+
+    __slots__ = ("schema", "columns", "packed", "record")
+
+    def __init__(self, schema: Any, columns: list[Any]):
+        self.schema, self.columns = schema, columns
+        self.packed: np.ndarray | None = None
+        self.record: np.dtype | None = None  # the packed record's fields: "k" for column k
+
+    def numbers(self) -> list[int]:
+        """The columns held as numbers (numpy, or packed)."""
+        if self.record is not None:
+            return [int(name) for name in self.record.names or ()]
+        return [k for k, c in enumerate(self.columns) if isinstance(c, np.ndarray)]
+
+    def pack(self) -> np.ndarray:
+        """The numbers as one record per row (packed once, on the first scattered gather): a
+        batch's rows are then one ``np.take`` of records (one memory access per row, not one
+        per column), split into columns afterwards in cache."""
+        if self.packed is None:
+            numbers = self.numbers()
+            record = np.dtype({"names": [str(k) for k in numbers], "formats": [self.columns[k].dtype for k in numbers]})
+            rows = len(self.columns[numbers[0]]) if numbers else 0
+            packed = np.empty(rows, dtype=record)
+            for k in numbers:
+                packed[str(k)] = self.columns[k]
+                self.columns[k] = None
+            self.record = record
+            self.packed = packed.view(np.dtype((np.void, record.itemsize)))
+        return self.packed
+
+    def column(self, k: int) -> Any:
+        """Column k whole: its numpy view or Arrow array, or a strided view of the packed records."""
+        c = self.columns[k]
+        if c is None:
+            assert self.packed is not None and self.record is not None
+            return self.packed.view(self.record)[str(k)]
+        return c
 
 
 class Blocks:
@@ -233,18 +445,21 @@ class Blocks:
     ref of it was gathered; the last batch's stay, and once a gather repeats rows (the last
     batches refilled after skipped rows, ``batch_samples``) nothing is freed any more.
 
-    Each row group is held as columns: numbers without nulls as numpy views of Arrow's memory
-    (a batch's rows are then a numpy take, or a slice when consecutive: no copy), the rest as
-    Arrow arrays (an Arrow take: on plain arrays, never on a chunked one, which would join its
-    chunks first)."""
+    Each row group is held as columns (``Held``): numbers without nulls as numpy views of Arrow's
+    memory (a batch of consecutive rows is a slice of them: no copy), the rest as Arrow arrays
+    (an Arrow take: on plain arrays, never on a chunked one, which would join its chunks first).
+    A batch of scattered rows (shuffled) packs the row group's numbers row by row first, once
+    (``Held.pack``): its rows are then one take of records, wherever they sit in the row groups
+    held (one memory access per row instead of one per column and row: a batch of 4096 shuffled
+    rows of 8 columns took 1.3 ms as per-column takes and scatters, mostly cache misses)."""
 
     def __init__(self, pad: bool = False) -> None:
         self.pad = pad  # pad mode: gather says which rows are the plan's repeats (Rows.valid)
-        self.tables: dict[int, tuple[Any, list[Any]]] = {}
+        self.tables: dict[int, Held] = {}
         self.left: dict[int, int] = {}
         self.next = 0
         self.names: dict[int, str] = {}
-        self._last: dict[int, tuple[Any, list[Any]]] = {}
+        self._last: dict[int, Held] = {}
         self._refilling = False
 
     def add(self, table: Any, rows: int, name: str = "") -> int:
@@ -258,7 +473,7 @@ class Blocks:
                 columns.append(array.to_numpy(zero_copy_only=True))
             else:
                 columns.append(array)
-        self.tables[b], self.left[b], self.names[b] = (table.schema, columns), rows, name
+        self.tables[b], self.left[b], self.names[b] = Held(table.schema, columns), rows, name
         return b
 
     def more(self, b: int, rows: int) -> None:
@@ -266,8 +481,6 @@ class Blocks:
 
     def gather(self, refs: Sequence[int]) -> Rows:
         """The rows ``refs`` point at, in ref order (and each row's source name when the blocks carry names: a mix)."""
-        import pyarrow as pa
-
         arr = refs if isinstance(refs, np.ndarray) else np.fromiter(refs, dtype=np.int64, count=len(refs))
         valid = None
         if self.pad:
@@ -276,44 +489,30 @@ class Blocks:
         ids, rows = arr >> BLOCK_BITS, arr & ROW_MASK
         first = int(ids[0])
         if (ids == first).all():
-            used, counts = [first], [len(refs)]
-            schema, held = self._block(first)
+            used, counts = [first], [len(rows)]
+            held = self._block(first)
             start = int(rows[0])
             if int(rows[-1]) - start == len(rows) - 1 and (len(rows) < 2 or bool((np.diff(rows) == 1).all())):
-                columns = [c[start : start + len(rows)] if isinstance(c, np.ndarray) else c.slice(start, len(rows)) for c in held]
+                columns = [_slice(held, k, start, len(rows)) for k in range(len(held.columns))]
             else:
-                index = None
-                columns = []
-                for c in held:
-                    if isinstance(c, np.ndarray):
-                        columns.append(c[rows])
-                    else:
-                        index = pa.array(rows) if index is None else index
-                        columns.append(c.take(index))
+                columns = _scattered([held], None, [rows], len(rows))
             names = [self.names[first]] * len(rows) if self.names[first] else None
         else:
             lo = int(ids.min())
             present = np.bincount(ids - lo)  # a batch's rows come from a few recent blocks
             used = (np.flatnonzero(present) + lo).tolist()
-            blocks = [self._block(b)[1] for b in used]
-            schema = self._block(used[0])[0]
-            where = [np.flatnonzero(ids == b) for b in used]  # positions in the batch, per block
-            picks = [rows[w] for w in where]  # rows in each block
-            order = np.concatenate(where)
-            back = None
-            columns = []
-            for k, first_held in enumerate(blocks[0]):
-                if isinstance(first_held, np.ndarray) and all(isinstance(bl[k], np.ndarray) for bl in blocks):
-                    out = np.empty(len(rows), dtype=first_held.dtype)
-                    for bl, w, p in zip(blocks, where, picks):
-                        out[w] = bl[k][p]
-                    columns.append(out)
-                else:
-                    back = pa.array(np.argsort(order)) if back is None else back
-                    parts = [pa.array(bl[k][p]) if isinstance(bl[k], np.ndarray) else bl[k].take(pa.array(p)) for bl, p in zip(blocks, picks)]
-                    columns.append(pa.concat_arrays(parts).take(back))
-            counts = [len(w) for w in where]
+            cuts = np.flatnonzero(np.diff(arr) != 1) + 1 if arr[1] - arr[0] == 1 or arr[-1] - arr[-2] == 1 else None
+            if cuts is not None and len(cuts) == len(used) - 1:  # each block's rows one consecutive run (no shuffle): slices joined
+                starts = [0, *cuts.tolist()]
+                counts = np.diff([*starts, len(arr)]).tolist()
+                used = ids[starts].tolist()
+                columns = _joined([self._block(b) for b in used], rows[starts].tolist(), counts)
+            else:
+                where = [np.flatnonzero(ids == b) for b in used]  # positions in the batch, per block
+                columns = _scattered([self._block(b) for b in used], where, [rows[w] for w in where], len(rows))
+                counts = [len(w) for w in where]
             names = [self.names[b] for b in ids.tolist()] if self.names[used[0]] else None
+        schema = self._block(used[0]).schema
         if not self._refilling and any(b not in self.tables for b in used):
             self._refilling = True  # rows gathered before come again (batches refilled after skipped rows): free nothing from now on
         if not self._refilling:
@@ -329,9 +528,74 @@ class Blocks:
                     self.left[b] = left
         return Rows(schema, columns, names, valid)
 
-    def _block(self, b: int) -> tuple[Any, list[Any]]:
+    def _block(self, b: int) -> Held:
         found = self.tables.get(b)
         return found if found is not None else self._last[b]
+
+
+def _slice(held: Held, k: int, start: int, n: int) -> Any:
+    """Rows [start, start + n) of column k: a view (numpy or Arrow), a copy from packed records."""
+    c = held.columns[k]
+    if c is None:
+        return np.ascontiguousarray(held.column(k)[start : start + n])
+    return c[start : start + n] if isinstance(c, np.ndarray) else c.slice(start, n)
+
+
+def _joined(helds: list[Held], starts: list[int], counts: list[int]) -> list[Any]:
+    """A batch's columns from one consecutive run of rows per block, in block order (an unshuffled
+    batch across row groups): the runs' slices joined."""
+    import pyarrow as pa
+
+    columns = []
+    for k in range(len(helds[0].columns)):
+        parts = [_slice(h, k, a, n) for h, a, n in zip(helds, starts, counts)]
+        if all(isinstance(p, np.ndarray) for p in parts):
+            columns.append(np.concatenate(parts))
+        else:
+            columns.append(pa.concat_arrays([pa.array(p) if isinstance(p, np.ndarray) else p for p in parts]))
+    return columns
+
+
+def _scattered(helds: list[Held], where: list[np.ndarray] | None, picks: list[np.ndarray], n: int) -> list[Any]:
+    """A batch's columns from scattered rows: ``picks[i]`` are the rows of ``helds[i]``, at the
+    batch's positions ``where[i]`` (None: one block, in pick order). Numbers come from packed
+    records (one take per block, one ``put`` into the batch's records, then a contiguous copy
+    per column); columns that are numbers in some blocks only, or not numbers, column by column."""
+    import pyarrow as pa
+
+    columns: list[Any] = [None] * len(helds[0].columns)
+    numbers = helds[0].numbers()
+    if numbers and all(h.numbers() == numbers for h in helds):
+        packed = [h.pack() for h in helds]
+        record = helds[0].record
+        if record is not None and all(h.record == record for h in helds):
+            if where is None:
+                got = np.take(packed[0], picks[0])
+            else:
+                got = np.empty(n, dtype=packed[0].dtype)
+                for p, w, rows in zip(packed, where, picks):
+                    np.put(got, w, np.take(p, rows))
+            records = got.view(record)
+            for k in numbers:
+                columns[k] = np.ascontiguousarray(records[str(k)])
+    back = None
+    for k in range(len(columns)):
+        if columns[k] is not None:
+            continue
+        held = [h.column(k) for h in helds]
+        if where is None:
+            c = held[0]
+            columns[k] = c[picks[0]] if isinstance(c, np.ndarray) else c.take(pa.array(picks[0]))
+        elif all(isinstance(c, np.ndarray) for c in held):
+            out = np.empty(n, dtype=held[0].dtype)
+            for c, w, rows in zip(held, where, picks):
+                out[w] = c[rows]
+            columns[k] = out
+        else:
+            back = pa.array(np.argsort(np.concatenate(where))) if back is None else back
+            parts = [pa.array(c[rows]) if isinstance(c, np.ndarray) else c.take(pa.array(rows)) for c, rows in zip(held, picks)]
+            columns[k] = pa.concat_arrays(parts).take(back)
+    return columns
 
 
 def table_refs(
@@ -460,5 +724,5 @@ def columnar_batch(rows: Rows, images: Mapping[str, Callable[[Any], Any]]) -> Ba
     if rows.sources is not None:
         out["__source__"] = rows.sources
     if rows.valid is not None:
-        out["__valid__"] = torch.from_numpy(rows.valid)  # (a fresh, writable array)
+        out[VALID] = torch.from_numpy(rows.valid)  # (a fresh, writable array)
     return out

@@ -65,6 +65,7 @@ class RequestCount:
     by_prefix: tuple[tuple[str, int], ...]  # (prefix, GETs), the busiest first
     parts: tuple[tuple[str, RequestCount], ...] = ()  # a mix: each source's count, by name
     local: bool = False  # a source on local disk: its bytes take reading time, it makes no requests
+    side: str = "offset sidecars"  # what ``sidecars`` counts: a table's are its files' footers (format/parquet.py)
 
     @property
     def gets(self) -> int:
@@ -124,7 +125,7 @@ class RequestCount:
         prefixes = f"{len(self.by_prefix)} prefixes" if len(self.by_prefix) != 1 else "1 prefix"
         text = (
             f"requests: {self.gets:,} GETs per epoch ({self.ranges:,} ranges of {_human(self.remote_bytes / max(1, self.ranges))} "
-            f"on average, one GET each, + at most {self.sidecars:,} offset sidecars); at {_human(rate)}/s per rank x "
+            f"on average, one GET each, + at most {self.sidecars:,} {self.side}); at {_human(rate)}/s per rank x "
             f"{self.world_size} ranks: {self.per_second(rate):,.0f} GET/s, {busiest:,.0f} on the busiest of {prefixes} ({name})"
         )
         if self.parts:  # a mix: each source's share of them, over the same epoch
