@@ -390,19 +390,17 @@ def _read_joined(head: bytes | memoryview, left: int, read: Callable[[int], byte
 _OCTAL_WEIGHTS = np.array([8**k for k in range(10, -1, -1)], dtype=np.int64)  # an 11-digit size field
 # The checksum field's 6 digits (less 48 each) times this: (the value they spell, their sum).
 _CHECKSUM_WEIGHTS = np.stack([_OCTAL_WEIGHTS[-6:], np.ones(6, np.int64)], axis=1)
-# What a plain header holds, read as little-endian 8-byte words (word k is bytes 8k..8k+7), each
-# word masked and compared at once: the size field's 11 octal digits (bytes 124..134: the top 4
-# bytes of word 15, the low 7 of word 16), then NUL or space or any control byte, as the general
-# loop takes (byte 135, the top of word 16); the checksum's 6 octal digits (148..153: the top 4 of
-# word 18, the low 2 of word 19), then NUL and a space as writers put them (154, 155); the
-# member's kind (156) one of _PLAIN_KINDS; no POSIX prefix (345). An octal digit is a byte b with
-# b & 0xF8 == 0x30.
-_HIGH_4_DIGITS = (np.uint64(0xF8F8F8F8_00000000), np.uint64(0x30303030_00000000))
-_LOW_7_DIGITS = (np.uint64(0x00F8F8F8_F8F8F8F8), np.uint64(0x00303030_30303030))
-_CHECKSUM_TAIL = (np.uint64(0xFFFF_F8F8), np.uint64(0x2000_3030))  # 2 digits, NUL, space
+# What a plain header holds, its fields read as little-endian 8-byte words (word k is bytes
+# 8k..8k+7), masked and compared all at once: the size field's 11 octal digits (bytes 124..134: the
+# top 4 bytes of word 15, the low 7 of word 16) and the checksum's 6 (148..153: the top 4 of word
+# 18, the low 2 of word 19), then NUL and a space as writers put them (154, 155). An octal digit is
+# a byte b with b & 0xF8 == 0x30. Byte by byte: after the size (135) NUL or space or any control
+# byte, as the general loop takes; the member's kind (156) one of _PLAIN_KINDS; no POSIX prefix (345).
+_FIELD_WORDS = np.array([15, 16, 18, 19], dtype=np.intp)
+_FIELD_MASKS = np.array([0xF8F8F8F8_00000000, 0x00F8F8F8_F8F8F8F8, 0xF8F8F8F8_00000000, 0xFFFF_F8F8], dtype=np.uint64)
+_FIELD_VALUES = np.array([0x30303030_00000000, 0x00303030_30303030, 0x30303030_00000000, 0x2000_3030], dtype=np.uint64)  # (2 digits, NUL, space)
 _PLAIN_KINDS = np.zeros(256, bool)
 _PLAIN_KINDS[[48, 0, 55, 120]] = True  # regular file ('0', NUL), contiguous ('7'), pax header ('x')
-_SHIFT_TOP = np.uint64(56)
 
 
 def _octal_sizes(fields: np.ndarray) -> np.ndarray:
@@ -504,11 +502,8 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     kinds = rows[:, 156]
     pax = kinds == 120
     has_pax = bool(pax.any())
-    plain = (words[:, 15] & _HIGH_4_DIGITS[0]) == _HIGH_4_DIGITS[1]
-    plain &= (words[:, 16] & _LOW_7_DIGITS[0]) == _LOW_7_DIGITS[1]
-    plain &= words[:, 16] >> _SHIFT_TOP <= 32
-    plain &= (words[:, 18] & _HIGH_4_DIGITS[0]) == _HIGH_4_DIGITS[1]
-    plain &= (words[:, 19] & _CHECKSUM_TAIL[0]) == _CHECKSUM_TAIL[1]
+    plain = ((words[:, _FIELD_WORDS] & _FIELD_MASKS) == _FIELD_VALUES).all(axis=1)
+    plain &= rows[:, 135] <= 32
     plain &= _PLAIN_KINDS[kinds]
     plain &= (rows[:, 345] == 0) | pax if has_pax else rows[:, 345] == 0  # (a pax header's name, and so its prefix, is not read)
     plain &= member_sizes < large_member
@@ -1049,6 +1044,15 @@ def _parse(
                 if padded_end > buflen:
                     if size < large_member or kind == 83 or kind not in _DATA_KINDS or _sparse_pax(pax):
                         need = padded_end - pos
+                        if pax is not None and long_name is None and member_start is not None and member_start >= base and fetched < end:
+                            # The member's pax header stays in the block's tail and is parsed again
+                            # with it after the refill: the run path then takes both, where the
+                            # member alone would go member by member (a block's first member, in
+                            # webdataset's shards).
+                            back = member_start - base
+                            need += pos - back
+                            pos = back
+                            pax = pax_size = member_start = None
                         break
                     # A large member, read on its own: the part already in this block, then the
                     # rest straight from the stream; then its padding is skipped.
