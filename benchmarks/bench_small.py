@@ -18,6 +18,9 @@ Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 i
     python3 -m venv /tmp/venv-litdata && /tmp/venv-litdata/bin/pip install torch==2.13.0 litdata
     python3 -m venv /tmp/venv-wds && /tmp/venv-wds/bin/pip install torch==2.13.0 webdataset
 
+(or, with no second torch at all: ``pip install --no-deps litdata==0.2.76 obstore tifffile`` into the
+venv and a ``.pth`` file naming this project's site-packages, from which it takes torch and numpy)
+
 Samples: a 1 KiB ``.bin`` payload and a JSON label (``{"label": i % 1000}``), written once to
 tmpfs (``--workdir``): tar shards of 10,000 samples (shardstream and webdataset read the same
 files) and litData's chunks (``litdata.optimize``, 64 MB), made from the same bytes (each
