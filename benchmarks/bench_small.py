@@ -3,7 +3,7 @@ webdataset, each in a venv of its own, and against the floor, interleaved, media
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small.py [--repeats 5] [--samples 200000] [--workers 0,2]
         [--litdata-python /tmp/venv-litdata/bin/python] [--webdataset-python /tmp/venv-wds/bin/python]
-        [--baseline OTHER_CHECKOUT] [--keep] [--only floor,shardstream,litdata,webdataset]
+        [--baseline OTHER_CHECKOUT] [--keep] [--only floor,shardstream,litdata,webdataset] [--omp-unset]
 
 ``--baseline``: another checkout of shardstream (main before a change, say) runs as one more
 contender in this venv; ``--keep`` keeps the data in ``--workdir`` for the next run.
@@ -17,6 +17,9 @@ Peers' venvs (so that this project's pins do not hold them back; torch==2.13.0 i
 
     python3 -m venv /tmp/venv-litdata && /tmp/venv-litdata/bin/pip install torch==2.13.0 litdata
     python3 -m venv /tmp/venv-wds && /tmp/venv-wds/bin/pip install torch==2.13.0 webdataset
+
+(or, with no second torch at all: ``pip install --no-deps litdata==0.2.76 obstore tifffile`` into the
+venv and a ``.pth`` file naming this project's site-packages, from which it takes torch and numpy)
 
 Samples: a 1 KiB ``.bin`` payload and a JSON label (``{"label": i % 1000}``), written once to
 tmpfs (``--workdir``): tar shards of 10,000 samples (shardstream and webdataset read the same
@@ -48,6 +51,7 @@ import sys
 import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # the shardstream under test (--repo)
+OMP_UNSET = False
 BATCH = 64
 SHARD_SAMPLES = 10_000
 
@@ -219,6 +223,8 @@ def version(name: str) -> str:
 
 def run(python: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if OMP_UNSET:  # --omp-unset: torch's own default thread count (one per core)
+        env.pop("OMP_NUM_THREADS")
     done = subprocess.run([python, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{python} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
@@ -256,6 +262,9 @@ def main() -> None:
     parser.add_argument("--litdata-python", default="/tmp/venv-litdata/bin/python")
     parser.add_argument("--webdataset-python", default="/tmp/venv-wds/bin/python")
     parser.add_argument("--only", default="floor,shardstream,litdata,webdataset")
+    parser.add_argument(
+        "--omp-unset", action="store_true", help="run every pass without OMP_NUM_THREADS (else it is 1 unless set: idle torch threads cost CPU)"
+    )
     parser.add_argument("--writer", default="shardstream", help="who writes the tar shards: shardstream, webdataset, or both (comma-separated)")
     parser.add_argument(
         "--baseline", help="another checkout of shardstream (say, main before a change), run as one more contender, 'baseline', in this venv"
@@ -267,6 +276,9 @@ def main() -> None:
     parser.add_argument("--version", help=argparse.SUPPRESS)
     parser.add_argument("--repo", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.omp_unset:
+        global OMP_UNSET
+        OMP_UNSET = True
     if args.repo:
         global REPO
         REPO = args.repo

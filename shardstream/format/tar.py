@@ -390,32 +390,24 @@ def _read_joined(head: bytes | memoryview, left: int, read: Callable[[int], byte
 _OCTAL_WEIGHTS = np.array([8**k for k in range(10, -1, -1)], dtype=np.int64)  # an 11-digit size field
 # The checksum field's 6 digits (less 48 each) times this: (the value they spell, their sum).
 _CHECKSUM_WEIGHTS = np.stack([_OCTAL_WEIGHTS[-6:], np.ones(6, np.int64)], axis=1)
-# What a plain header holds, byte by byte: _PLAIN[i, b] says whether byte _PLAIN_AT[i] may be b.
-_PLAIN_AT = np.array([*range(124, 136), *range(148, 157), 345], dtype=np.intp)
+# What a plain header holds, its fields read as little-endian 8-byte words (word k is bytes
+# 8k..8k+7), masked and compared all at once: the size field's 11 octal digits (bytes 124..134: the
+# top 4 bytes of word 15, the low 7 of word 16) and the checksum's 6 (148..153: the top 4 of word
+# 18, the low 2 of word 19), then NUL and a space as writers put them (154, 155). An octal digit is
+# a byte b with b & 0xF8 == 0x30. Byte by byte: after the size (135) NUL or space or any control
+# byte, as the general loop takes; the member's kind (156) one of _PLAIN_KINDS; no POSIX prefix (345).
+_FIELD_WORDS = np.array([15, 16, 18, 19], dtype=np.intp)
+_FIELD_MASKS = np.array([0xF8F8F8F8_00000000, 0x00F8F8F8_F8F8F8F8, 0xF8F8F8F8_00000000, 0xFFFF_F8F8], dtype=np.uint64)
+_FIELD_VALUES = np.array([0x30303030_00000000, 0x00303030_30303030, 0x30303030_00000000, 0x2000_3030], dtype=np.uint64)  # (2 digits, NUL, space)
+_PLAIN_KINDS = np.zeros(256, bool)
+_PLAIN_KINDS[[48, 0, 55, 120]] = True  # regular file ('0', NUL), contiguous ('7'), pax header ('x')
 
 
-def _plain_table() -> np.ndarray:
-    octal = np.zeros(256, bool)
-    octal[48:56] = True
-    table = np.zeros((len(_PLAIN_AT), 256), bool)
-    for i, at in enumerate(_PLAIN_AT.tolist()):
-        if 124 <= at < 135 or 148 <= at < 154:  # size and checksum digits
-            table[i] = octal
-        elif at == 135:  # after the size: NUL or space (or any control byte, as the general loop takes)
-            table[i, :33] = True
-        elif at == 154:  # after the checksum: NUL, then a space, as writers put them
-            table[i, 0] = True
-        elif at == 155:
-            table[i, 32] = True
-        elif at == 156:  # the member's kind: regular file ('0', NUL), contiguous ('7'), pax header ('x')
-            table[i, [48, 0, 55, 120]] = True
-        else:  # 345: no POSIX prefix
-            table[i, 0] = True
-    return table
-
-
-_PLAIN = _plain_table()
-_PLAIN_ROWS = np.arange(len(_PLAIN_AT))
+def _octal_sizes(fields: np.ndarray) -> np.ndarray:
+    """Size fields (bytes 124..134 of headers, a row each) read as 11 octal digits. Bytes that are
+    not digits wrap around to large values, never negative ones: a walk by these sizes always
+    moves forward."""
+    return (fields - 48).astype(np.int64) @ _OCTAL_WEIGHTS
 
 
 class _Run:
@@ -439,25 +431,24 @@ class _Run:
         )
 
 
-_USTAR = np.frombuffer(b"ustar", np.uint8)
+# Bytes 257..261 ("ustar", every writer's magic but v7's) in word 32 (bytes 256..263).
+_MAGIC = (np.uint64(0xFF_FFFF_FFFF << 8), np.uint64(int.from_bytes(b"\0ustar", "little")))
+_MAGIC_WORD = 32
 
 
-def _walk(blocks: np.ndarray, sizes: np.ndarray, count: int) -> np.ndarray:
+def _walk(blocks: np.ndarray, count: int) -> np.ndarray:
     """The headers a member-by-member walk from block 0 visits, each member all within the
-    ``count`` blocks: block ``i``'s member ends before block ``nxt[i]``. The blocks with a ustar
-    magic (every writer's but v7's) are taken for the headers as far as each one's member ends
-    where the next begins, at once; the walk goes on one member at a time from where they do not
-    (a v7 header, a data block that looks like a header), so the result is the walk's, whatever
-    the data."""
-    nxt = np.arange(1, count + 1) + (sizes + (BLOCK - 1)) // BLOCK
-    magic = blocks[:, 257] == _USTAR[0]
-    for k in range(1, 5):
-        magic &= blocks[:, 257 + k] == _USTAR[k]
-    candidates = np.flatnonzero(magic)
+    ``count`` blocks (a header at block ``i`` of size s is followed by one at ``i + 1 + ceil(s / 512)``,
+    s as ``_octal_sizes`` reads it). The blocks with a ustar magic (every writer's but v7's) are
+    taken for the headers as far as each one's member ends where the next begins, at once; the walk
+    goes on one member at a time from where they do not (a v7 header, a data block that looks like
+    a header), so the result is the walk's, whatever the data."""
+    words = blocks.view(np.uint64)
+    candidates = np.flatnonzero((words[:, _MAGIC_WORD] & _MAGIC[0]) == _MAGIC[1])
     heads = []
     i = 0
     if len(candidates) and candidates[0] == 0:
-        follows = nxt[candidates]
+        follows = candidates + 1 + (_octal_sizes(blocks[candidates, 124:135]) + (BLOCK - 1)) // BLOCK
         breaks = follows[:-1] != candidates[1:]
         chained = int(breaks.argmax()) if breaks.any() else len(candidates) - 1  # candidates[:chained + 1] chain
         if follows[chained] > count:  # the last one's member is not all in the block
@@ -466,14 +457,15 @@ def _walk(blocks: np.ndarray, sizes: np.ndarray, count: int) -> np.ndarray:
             heads.append(candidates[: chained + 1])
             i = int(follows[chained])
     rest: list[int] = []
-    if i < count:
-        steps = nxt.tolist() if i == 0 else nxt  # (a few steps past the chained headers: no list)
-        while i < count:
-            j = int(steps[i])
-            if j > count:  # not all in the block: the general loop decides
-                break
-            rest.append(i)
-            i = j
+    steps: list[int] | None = None  # every block's next, once the walk takes more than a step here
+    while i < count:
+        if steps is None and (rest or i == 0):
+            steps = (np.arange(1, count + 1) + (_octal_sizes(blocks[:, 124:135]) + (BLOCK - 1)) // BLOCK).tolist()
+        j = steps[i] if steps is not None else i + 1 + (int(_octal_sizes(blocks[i, 124:135])) + (BLOCK - 1)) // BLOCK
+        if j > count:  # not all in the block: the general loop decides
+            break
+        rest.append(i)
+        i = j
     if rest:
         heads.append(np.asarray(rest, dtype=np.intp))
     if not heads:
@@ -501,19 +493,20 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     # Every block read as a header: the index of the block after its member. Digits wrap around
     # to large values, never negative ones, so the walk always moves forward; the headers it
     # visits are checked below, and it stops before the first one that is not plain.
-    sizes = (blocks[:, 124:135] - 48).astype(np.int64) @ _OCTAL_WEIGHTS
-    at = _walk(blocks, sizes, count)
+    at = _walk(blocks, count)
     if not len(at):
         return None
     rows = blocks[at]
-    member_sizes = sizes[at]
+    words = rows.view(np.uint64)
+    member_sizes = _octal_sizes(rows[:, 124:135])
     kinds = rows[:, 156]
-    checks = _PLAIN[_PLAIN_ROWS, rows[:, _PLAIN_AT]]
     pax = kinds == 120
     has_pax = bool(pax.any())
-    if has_pax:
-        checks[:, -1] |= pax  # a pax header's name (and so its prefix field) is not read
-    plain = checks.all(axis=1) & (member_sizes < large_member)
+    plain = ((words[:, _FIELD_WORDS] & _FIELD_MASKS) == _FIELD_VALUES).all(axis=1)
+    plain &= rows[:, 135] <= 32
+    plain &= _PLAIN_KINDS[kinds]
+    plain &= (rows[:, 345] == 0) | pax if has_pax else rows[:, 345] == 0  # (a pax header's name, and so its prefix, is not read)
+    plain &= member_sizes < large_member
     stored, digits = ((rows[:, 148:154] - 48) @ _CHECKSUM_WEIGHTS).T
     # The unsigned sum of the header with its checksum field as 8 spaces; in a plain header that
     # field is 6 digits (their sum, plus 48 each), NUL and a space.
@@ -591,7 +584,10 @@ def _harmless_pax(blocks: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> i
     n = len(first)
     if int(sizes.max()) <= BLOCK:  # (what writers write: one block each) cut out of the blocks at once
         widest = int(sizes.max())
-        data = blocks[first, :widest][np.arange(widest) < sizes[:, None]]
+        payloads = blocks[first, :widest]
+        if _one_harmless_record_each(payloads, sizes):
+            return n
+        data = payloads[np.arange(widest) < sizes[:, None]]
     else:
         flat = blocks.reshape(-1)
         data = np.concatenate([flat[a * BLOCK : a * BLOCK + b] for a, b in zip(first.tolist(), sizes.tolist())])
@@ -643,6 +639,54 @@ def _harmless_pax(blocks: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> i
     if not ok.all():
         bad = min(bad, int(np.searchsorted(ends, record_start[int(ok.argmin())], side="right")))
     return bad
+
+
+def _length_fields() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For a payload of s bytes (s < 1000) that is one record: its first 4 bytes as a little-endian
+    uint32 must be ``value[s]`` under ``mask[s]`` (the decimal digits of s, then a space); its
+    keyword starts at byte ``start[s]``."""
+    value, mask, start = np.zeros(1000, np.uint32), np.zeros(1000, np.uint32), np.zeros(1000, np.int64)
+    for s in range(1000):
+        field = b"%d " % s
+        value[s] = int.from_bytes(field, "little")
+        mask[s] = (1 << (8 * len(field))) - 1
+        start[s] = len(field)
+    return value, mask, start
+
+
+_LENGTH_VALUE, _LENGTH_MASK, _KEYWORD_START = _length_fields()
+_COLUMNS = np.arange(BLOCK)
+
+
+def _one_harmless_record_each(payloads: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether every payload (row ``i`` of ``payloads``, its first ``sizes[i]`` bytes) is one
+    record "<its own length> <keyword>=<value>\\n" with the same harmless keyword, no NUL, no
+    other newline and no other control byte below 11: what webdataset's TarWriter writes ("27 mtime=1795748319.707674\\n"), checked
+    in a few numpy calls. A subset of what ``_harmless_pax``'s general check accepts (a record whose
+    length field is its own length, spelt without leading zeros); False sends the payloads to it."""
+    n, widest = payloads.shape
+    if int(sizes.min()) < 6 or widest >= 1000:  # (6 bytes: the shortest such record with a value, "6 k=v" and a newline)
+        return False
+    # Each payload's last byte a newline, and no other byte below 11 (newline, NUL, tab...) in any.
+    rows = np.arange(n)
+    if not bool((payloads[rows, sizes - 1] == 10).all()):
+        return False
+    if np.count_nonzero((payloads < 11) & (_COLUMNS[:widest] < sizes[:, None])) != n:
+        return False
+    head = np.ascontiguousarray(payloads[:, :4]).view("<u4").ravel()
+    if not bool(((head & _LENGTH_MASK[sizes]) == _LENGTH_VALUE[sizes]).all()):
+        return False
+    # The keyword: the first payload's, if harmless; every payload's the same, then '='.
+    start = _KEYWORD_START[sizes]
+    first = payloads[0, : int(sizes[0])].tobytes()
+    equals = first.find(b"=")
+    keyword = first[int(start[0]) : equals]
+    if equals < 0 or not keyword or (keyword not in _HARMLESS_PAX_KEYWORDS and not keyword.startswith(_HARMLESS_PAX_PREFIXES)):
+        return False
+    spelled = np.frombuffer(keyword + b"=", np.uint8)
+    if bool((start + len(spelled) >= sizes).any()):  # ('=' before the newline)
+        return False
+    return bool((payloads[rows[:, None], start[:, None] + _COLUMNS[: len(spelled)]] == spelled).all())
 
 
 _NOT_DOT_OR_NUL = bytes(c for c in range(256) if c not in b".\0")
@@ -1000,6 +1044,15 @@ def _parse(
                 if padded_end > buflen:
                     if size < large_member or kind == 83 or kind not in _DATA_KINDS or _sparse_pax(pax):
                         need = padded_end - pos
+                        if pax is not None and long_name is None and member_start is not None and member_start >= base and fetched < end:
+                            # The member's pax header stays in the block's tail and is parsed again
+                            # with it after the refill: the run path then takes both, where the
+                            # member alone would go member by member (a block's first member, in
+                            # webdataset's shards).
+                            back = member_start - base
+                            need += pos - back
+                            pos = back
+                            pax = pax_size = member_start = None
                         break
                     # A large member, read on its own: the part already in this block, then the
                     # rest straight from the stream; then its padding is skipped.
