@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from s3server import stop  # one way to stop a server this benchmark started, by its PID
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 for _path in (HERE, REPO):
@@ -55,16 +57,6 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             time.sleep(0.1)  # until the server listens (no event to wait on in another process)
     proc.kill()
     raise SystemExit("moto_server did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a server this benchmark started, by its PID."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @contextlib.contextmanager
