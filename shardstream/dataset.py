@@ -27,7 +27,7 @@ from shardstream.buffers import BufferPool
 from shardstream.clock import EpochClock
 from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
-from shardstream.format.parquet import Table, TableManifest, is_table_url, with_table_requests
+from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.format.scan import scan_shards
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
@@ -39,6 +39,7 @@ from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
+from shardstream.plan.requests import with_requests, with_table_requests
 from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
@@ -47,7 +48,6 @@ from shardstream.sources import Mix, Source, open_sources, plan_sources, source_
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.readahead import Budget
-from shardstream.storage.requests import with_requests
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
         if not self.tables:
-            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (storage/requests.py)
+            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py)
         elif len(self.sources.manifests) == 1:  # a table: per projected column run and per footer (a mix with a table: not counted yet)
             plan = with_table_requests(plan, self.tables[0])
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None

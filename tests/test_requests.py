@@ -2,7 +2,7 @@
 path and on s3fs's, with and without read-ahead and DataLoader workers (counted by a proxy in front
 of the moto server); a new request is made only to resume after a break, from the byte reached;
 read-ahead sends the next range's request before the current range's last block is in. And how
-many an epoch makes, counted from its plan alone (storage/requests.py), for one dataset or a mix,
+many an epoch makes, counted from its plan alone (plan/requests.py), for one dataset or a mix,
 against the ranges every (rank, worker) reads and the GETs a read through the proxy makes."""
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def test_request_counts_are_those_of_the_planned_ranges(world, workers, batch, m
     import numpy as np
 
     from shardstream.plan.epoch import plan_epoch
-    from shardstream.storage.requests import count_requests
+    from shardstream.plan.requests import count_requests
 
     counts = np.random.default_rng(world * 10 + workers).integers(1, 30, 23)
     manifest = _manifest(counts.tolist(), prefixes=3)
@@ -271,7 +271,7 @@ def test_request_counts_are_those_of_the_planned_ranges(world, workers, batch, m
 
 def test_the_summary_states_gets_per_second_and_warns_past_s3s_rate_per_prefix():
     from shardstream.plan.epoch import plan_epoch
-    from shardstream.storage.requests import S3_GETS_PER_PREFIX, count_requests
+    from shardstream.plan.requests import S3_GETS_PER_PREFIX, count_requests
 
     counts = [10] * 1_000  # 1,000 shards of ~11 KB: a GET per 11 KB
     plan = plan_epoch(counts, world_size=8, num_workers=4, batch_size=10, shuffle=True)
@@ -354,7 +354,7 @@ def test_prefixes_pack_the_same_bytes_with_tasks_as_in_one_process(tmp_path):
 def _listed_mix_requests(run, workers, manifests):
     """Ranges, sidecars and GETs per prefix of a mix's epoch 0, from every (rank, worker)'s reads as
     the pass plan hands them out (``PassPlan.worker``), one range at a time; local sources skipped."""
-    from shardstream.storage.requests import is_remote
+    from shardstream.plan.requests import is_remote
 
     plan = run.pass_plan(0, workers)
     ranges, partial, per_prefix = 0, set(), Counter()
@@ -400,7 +400,7 @@ def test_mix_request_counts_are_those_of_every_workers_planned_reads(world, work
     import numpy as np
 
     from shardstream.plan.mix import Ask
-    from shardstream.storage.requests import count_mix_requests
+    from shardstream.plan.requests import count_mix_requests
 
     rng = np.random.default_rng(world * 10 + workers + batch)
     counts = [rng.integers(1, 30, 13).tolist(), rng.integers(1, 20, 7).tolist(), rng.integers(1, 9, 5).tolist()]
@@ -429,7 +429,7 @@ def test_a_mix_counts_only_its_remote_sources_and_its_summary_says_so():
     import numpy as np
 
     from shardstream.plan.mix import Ask
-    from shardstream.storage.requests import count_mix_requests, with_requests
+    from shardstream.plan.requests import count_mix_requests, with_requests
 
     counts = [[20] * 10, [15] * 8]
     run = _mix_run(counts, [Ask(weight=1), Ask(weight=1)], world=2, batch=4)
@@ -457,7 +457,7 @@ def test_a_mix_counts_only_its_remote_sources_and_its_summary_says_so():
 def test_a_mix_warns_for_the_busiest_prefix_over_all_its_sources():
     """Two sources, each under S3's rate alone: in one prefix their GETs add up past it; in two, not."""
     from shardstream.plan.mix import Ask
-    from shardstream.storage.requests import S3_GETS_PER_PREFIX, count_mix_requests
+    from shardstream.plan.requests import S3_GETS_PER_PREFIX, count_mix_requests
 
     counts = [[10] * 500, [10] * 500]  # 1,000 shards of ~11 KB: a GET per 11 KB
     plan = _mix_run(counts, [Ask(weight=1), Ask(weight=1)], world=8, batch=10).plan_epoch(0, 4)
@@ -480,7 +480,7 @@ def test_a_billion_sample_mix_is_counted_without_listing_its_samples():
     import time
 
     from shardstream.plan.mix import Ask
-    from shardstream.storage.requests import count_mix_requests
+    from shardstream.plan.requests import count_mix_requests
 
     counts = [[50_000] * 12_000, [50_000] * 8_000]
     manifests = [_manifest(counts[0], prefixes=16, base="s3://b/web"), _manifest(counts[1], prefixes=16, base="s3://b/code")]
@@ -500,7 +500,7 @@ def test_a_mix_read_from_s3_makes_the_gets_its_plan_counts(s3, world, workers):
     """A mix of two S3 datasets read by every rank (each DataLoader worker a process with its own
     sidecar cache) through a proxy that logs each GET: shard GETs and sidecar GETs as counted."""
     from shardstream import Source
-    from shardstream.storage.requests import count_mix_requests
+    from shardstream.plan.requests import count_mix_requests
 
     bucket, options, _ = s3
     web = write_dataset(f"s3://{bucket}/web", 80, max_count=20, size=1500, storage_options=options)

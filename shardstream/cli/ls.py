@@ -112,7 +112,7 @@ def mix_requests_of(args: argparse.Namespace, mix):
     its own manifest (a local one makes no requests)."""
     if args.world is None and args.workers is None and args.rate is None:
         return None
-    from shardstream.storage.requests import DEFAULT_RATE
+    from shardstream.plan.requests import DEFAULT_RATE
 
     plan = mix.report(world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size, mode=args.mode)
     return plan.count_requests(mix.manifests), float(args.rate or DEFAULT_RATE)

@@ -20,7 +20,6 @@ counters), and pyarrow decodes them from a sparse file that serves only those ru
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import threading
@@ -38,7 +37,6 @@ from shardstream.format.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import open_range
-from shardstream.storage.requests import RequestCount, count_requests, is_remote
 from shardstream.version import __version__
 
 SUFFIXES = (".parquet", ".pq", ".parq")
@@ -640,51 +638,3 @@ def projected_runs(m: TableManifest) -> int:
             runs += 1
         inside = name in wanted
     return max(1, runs)
-
-
-def count_table_requests(plan: Any, m: TableManifest) -> RequestCount:
-    """The GETs an epoch of a table makes (``plan``: an ``EpochPlan`` over ``m``'s row groups), for
-    every rank and worker at once: each (worker slice, row group) piece of the plan reads the row
-    group's projected runs once (``projected_runs`` GETs: ``storage.requests.count_requests``
-    counts the pieces), and each process reads the footer of every file it reads from once, at
-    most (``footers``: a process keeps up to FOOTERS_KEPT of them, persistent workers across epochs).
-    Bytes: the row groups' bytes times the share of the columns read (about)."""
-    pieces = count_requests(plan, m)
-    runs = projected_runs(m)
-    order = np.asarray(plan.shard_order, dtype=np.int64)
-    starts = np.asarray(plan.starts, dtype=np.int64)
-    n = plan.total_samples
-    begins = plan.slice_begins()
-    ends = np.append(begins[1:], plan.world_size * plan.samples_per_rank)
-    files_of = m.group_file[order] if len(order) else np.zeros(0, np.int64)
-    footers = 0
-    for b, e in zip(begins.tolist(), ends.tolist()):
-        if e <= b:
-            continue
-        if e - b >= n:
-            footers += len(np.unique(files_of))
-            continue
-        lo, hi = b % n, b % n + (e - b)
-        first = int(np.searchsorted(starts, lo, side="right") - 1)
-        if hi <= n:
-            entries = np.arange(first, int(np.searchsorted(starts, hi - 1, side="right")))
-        else:  # wraps around the sequence's end
-            entries = np.concatenate([np.arange(first, len(order)), np.arange(0, int(np.searchsorted(starts, hi - n - 1, side="right")))])
-        footers += len(np.unique(files_of[entries]))
-    share = len(m.projection) / max(1, len(m.columns)) if m.projection is not None else 1.0
-    gets = pieces.ranges * runs + footers
-    return RequestCount(
-        ranges=pieces.ranges * runs,
-        sidecars=footers,
-        bytes=int(pieces.bytes * share),
-        world_size=plan.world_size,
-        by_prefix=tuple((name, round(g * gets / max(1, pieces.gets))) for name, g in pieces.by_prefix),
-        side="footers",
-    )
-
-
-def with_table_requests(plan: Any, m: TableManifest) -> Any:
-    """``plan`` with its summary's request line (``EpochPlan.requests``) when the table is on a remote store."""
-    if not is_remote(m):
-        return plan
-    return dataclasses.replace(plan, requests=count_table_requests(plan, m).describe())

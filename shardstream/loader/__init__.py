@@ -53,9 +53,9 @@ from shardstream.loader.workers import (
     watched,
 )
 from shardstream.plan.cursor import Cursor, Origin
+from shardstream.plan.requests import is_remote
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
-from shardstream.storage.requests import is_remote
 
 logger = logging.getLogger(__name__)
 

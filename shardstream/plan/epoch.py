@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from shardstream.plan.mix import MODES, Ask, MixPlan, Range, check_seed, plan_mix, shard_permutation
-from shardstream.storage.requests import RequestCount, count_requests
+from shardstream.plan.requests import RequestCount, count_requests
 
 __all__ = ["MODES", "Counts", "EpochPlan", "Range", "check_seed", "plan_epoch", "shard_permutation"]
 
@@ -49,7 +49,7 @@ class EpochPlan:
     mix: MixPlan
     compressed_shards: int = 0
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/run.py)
-    requests: str = ""  # set by ShardStream.plan() for a remote dataset: the GETs it makes (storage/requests.py)
+    requests: str = ""  # set by ShardStream.plan() for a remote dataset: the GETs it makes (plan/requests.py)
 
     # -- the mix of one, as one dataset ---------------------------------------------------------------
     epoch = property(lambda self: self.mix.epoch)
@@ -109,7 +109,7 @@ class EpochPlan:
         return out
 
     def count_requests(self, manifests: Sequence[Any]) -> RequestCount:
-        """The store requests this epoch makes (a ``storage.requests.RequestCount``) over
+        """The store requests this epoch makes (a ``plan.requests.RequestCount``) over
         ``manifests`` (the dataset's manifest, alone in a list)."""
         return count_requests(self, manifests[0])
 

@@ -60,9 +60,9 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError
+from shardstream.plan.requests import RequestCount, count_mix_requests
 from shardstream.plan.topology import batches_per_rank as _batches_per_rank
 from shardstream.plan.topology import worker_share, worker_starts
-from shardstream.storage.requests import RequestCount, count_mix_requests
 
 MODES = ("drop", "pad")
 PER_BATCH = ("spread", "exact")
@@ -359,7 +359,7 @@ class MixPlan(RankSlices):
     batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
     mode: str = "drop"
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state
-    requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (storage/requests.py)
+    requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (plan/requests.py)
 
     # -- sizes ----------------------------------------------------------------------------------
     @cached_property
@@ -474,7 +474,7 @@ class MixPlan(RankSlices):
         return out
 
     def count_requests(self, manifests: Sequence[Any]) -> RequestCount:
-        """The store requests this epoch makes (a ``storage.requests.RequestCount``) over its
+        """The store requests this epoch makes (a ``plan.requests.RequestCount``) over its
         sources' ``manifests`` (one per source, in order; a local source makes none)."""
         return count_mix_requests(self, manifests)
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from shardstream.format.parquet import TableManifest, projected_runs
+
 S3_GETS_PER_PREFIX = 5_500  # S3's documented GET/HEAD requests per second per prefix
 DEFAULT_RATE = 1e9  # bytes per second per rank that summaries assume (a fast reader)
 
@@ -344,3 +346,51 @@ def with_requests(plan: Any, manifests: Any) -> Any:
     if not any(is_remote(m) for m in manifests):
         return plan
     return dataclasses.replace(plan, requests=plan.count_requests(manifests).describe())
+
+
+def count_table_requests(plan: Any, m: TableManifest) -> RequestCount:
+    """The GETs an epoch of a table makes (``plan``: an ``EpochPlan`` over ``m``'s row groups), for
+    every rank and worker at once: each (worker slice, row group) piece of the plan reads the row
+    group's projected runs once (``projected_runs`` GETs: ``count_requests``
+    counts the pieces), and each process reads the footer of every file it reads from once, at
+    most (``footers``: a process keeps up to FOOTERS_KEPT of them, persistent workers across epochs).
+    Bytes: the row groups' bytes times the share of the columns read (about)."""
+    pieces = count_requests(plan, m)
+    runs = projected_runs(m)
+    order = np.asarray(plan.shard_order, dtype=np.int64)
+    starts = np.asarray(plan.starts, dtype=np.int64)
+    n = plan.total_samples
+    begins = plan.slice_begins()
+    ends = np.append(begins[1:], plan.world_size * plan.samples_per_rank)
+    files_of = m.group_file[order] if len(order) else np.zeros(0, np.int64)
+    footers = 0
+    for b, e in zip(begins.tolist(), ends.tolist()):
+        if e <= b:
+            continue
+        if e - b >= n:
+            footers += len(np.unique(files_of))
+            continue
+        lo, hi = b % n, b % n + (e - b)
+        first = int(np.searchsorted(starts, lo, side="right") - 1)
+        if hi <= n:
+            entries = np.arange(first, int(np.searchsorted(starts, hi - 1, side="right")))
+        else:  # wraps around the sequence's end
+            entries = np.concatenate([np.arange(first, len(order)), np.arange(0, int(np.searchsorted(starts, hi - n - 1, side="right")))])
+        footers += len(np.unique(files_of[entries]))
+    share = len(m.projection) / max(1, len(m.columns)) if m.projection is not None else 1.0
+    gets = pieces.ranges * runs + footers
+    return RequestCount(
+        ranges=pieces.ranges * runs,
+        sidecars=footers,
+        bytes=int(pieces.bytes * share),
+        world_size=plan.world_size,
+        by_prefix=tuple((name, round(g * gets / max(1, pieces.gets))) for name, g in pieces.by_prefix),
+        side="footers",
+    )
+
+
+def with_table_requests(plan: Any, m: TableManifest) -> Any:
+    """``plan`` with its summary's request line (``EpochPlan.requests``) when the table is on a remote store."""
+    if not is_remote(m):
+        return plan
+    return dataclasses.replace(plan, requests=count_table_requests(plan, m).describe())
