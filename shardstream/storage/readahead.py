@@ -54,6 +54,15 @@ class Budget:
                 counters.add("readahead_peak", self.held - self.peak)
         self.peak = max(self.peak, self.held)
 
+    def _read_for_nothing(self, size: int) -> None:  # (under cond)
+        """A block a fetch thread had read when its Prefetcher closed or the consumer passed its
+        range: fetched and wasted at once, never held (so every byte read is counted fetched)."""
+        self.fetched += size
+        self.wasted += size
+        if self.counters is not None:
+            self.counters.add("readahead_fetched", size)
+            self.counters.add("readahead_wasted", size)
+
     def _release(self, size: int, wasted: bool) -> None:  # (under cond)
         self.held -= size
         if wasted:
@@ -105,6 +114,8 @@ class Prefetcher:
             while not self._stop and index >= self._front and budget.held + size > budget.max_bytes and self._waiting != index:
                 self._cond.wait()
             if self._stop or index < self._front:  # closed, or the consumer moved past this range
+                if size:
+                    budget._read_for_nothing(size)
                 return False
             self._queue(index).append(item)
             if self._waiting == index:  # one block over the budget for the waiting consumer, no more
