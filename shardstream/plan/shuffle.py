@@ -108,7 +108,8 @@ class BufferShuffler(Generic[T]):
         if self._bits is None and len(rest) >= DRAW_NUMPY:
             self._bits = np.random.MT19937(0)  # (its state is always set from the Python RNG's before use)
         draws = draw_uniform(self.rng, len(rest), bits=self._bits)
-        slots = (draws * size).astype(_slot_dtype(size - 1))  # int(rand() * n), as push draws
+        draws *= size
+        slots = draws.astype(_slot_dtype(size - 1))  # int(rand() * n), as push draws
         full = _full_step(buf, rest, slots, size - 1)
         self.buffer = buf  # type: ignore[assignment]  # a full buffer of refs stays an array
         return np.concatenate([np.asarray(out, dtype=np.int64), full]) if out else full
@@ -188,21 +189,17 @@ def _full_block(buf: np.ndarray, items: np.ndarray, slots: np.ndarray, last: int
     s = slots[order]
     got = np.take(items, order)  # the items in slot order
     cut = int(np.searchsorted(s, s.dtype.type(last)))  # slot ``last`` (the item itself out) sorts last
+    if cut:
+        out[order[1:cut]] = got[: cut - 1]  # a later draw of a slot: the item drawn into it before
+        runs = np.flatnonzero(s[1:cut] != s[: cut - 1])  # run k + 1 (a slot's draws) starts at runs[k] + 1
+        runs += 1
+        firsts = s[runs]
+        out[order[runs]] = buf[firsts]  # a slot's first draw: what it held (over the line above)
+        out[order[0]] = buf[s[0]]
+        buf[s[runs - 1]] = got[runs - 1]  # each slot keeps its last draw's item (run ends: before each start, and the end)
+        buf[s[cut - 1]] = got[cut - 1]
     if cut < len(s):
         out[order[cut:]] = got[cut:]
-    if not cut:
-        return
-    s, order = s[:cut], order[:cut]
-    runs = np.flatnonzero(s[1:] != s[:-1])  # run k + 1 (a slot's draws) starts at runs[k] + 1
-    runs += 1
-    firsts = s[runs]
-    given = np.empty(cut, dtype=items.dtype)
-    given[1:] = got[: cut - 1]  # a later draw of a slot: the item drawn into it before
-    given[0] = buf[s[0]]
-    given[runs] = buf[firsts]  # a slot's first draw: what it held
-    out[order] = given
-    buf[s[runs - 1]] = got[runs - 1]  # each slot keeps its last draw's item (run ends: before each start, and the end)
-    buf[s[-1]] = got[cut - 1]
 
 
 @dataclass
