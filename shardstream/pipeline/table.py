@@ -13,8 +13,8 @@ Two shapes out, from one plan:
   row groups a worker holds. The shuffle (``continue_samples``, the same state machine as for
   samples, so exact resume holds) moves these ints, not dicts; ``Blocks.gather`` takes a batch's
   rows from the held row groups (a slice when they are consecutive; shuffled rows as one take of
-  packed row records per row group, ``Held.pack``) and frees a row group once none of its rows
-  is left to deliver. ``columnar_batch`` turns the gathered
+  packed row records, ``Held.pack``, from the row group holding most of the batch, the other row
+  groups' records put over theirs) and frees a row group once none of its rows is left to deliver. ``columnar_batch`` turns the gathered
   Arrow table into tensors (zero-copy for fixed-width columns without nulls).
 """
 

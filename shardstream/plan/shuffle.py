@@ -94,7 +94,7 @@ class BufferShuffler(Generic[T]):
         same buffer and the same RNG state after, as ``push`` over ``items.tolist()``. Until the
         buffer is full the items go through ``push``; from there on every item's draw comes at once
         from the Python RNG's own stream (``draw_uniform``) and the swaps are resolved at once
-        (``_full_step``): ~20x less CPU per row than the loop."""
+        (``_full_step``): at 131,072 rows a call ~30 ns of CPU a row against the loop's ~200."""
         out: list[Any] = []
         size, pos, n = self.buffer_size, 0, len(items)
         while pos < n and len(self.buffer) < size - 1:
