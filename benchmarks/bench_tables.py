@@ -3,7 +3,7 @@ floor) and the peers, each in a venv of its own, interleaved, medians of CPU-tim
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_tables.py [--rows 10000000] [--files 8]
         [--group 131072] [--batch 256,4096] [--workers 0,2] [--repeats 3] [--where local,s3]
-        [--latency 0.03] [--max-seconds 20] [--only floor,shardstream,...]
+        [--latency 0.03] [--max-seconds 20] [--only floor,shardstream,...] [--steady | --micro]
 
 Contenders (a fresh process each pass, in the venv named by ``--NAME-python``):
 
@@ -264,6 +264,59 @@ def steady(args) -> None:
         print(f"steady batch {batch} {name:22} {np.median(r):6.2f} M rows/CPU-s  x floor {ratio:.2f}  runs {', '.join(f'{x:.2f}' for x in r)}")
 
 
+def micro(args) -> None:
+    """``--micro``: the shuffled path's own stages in ns of CPU a row (process time, medians of
+    ``--repeats``): ``BufferShuffler.push_array`` on a full ``Shuffle(10000)`` buffer at 131,072
+    rows a call (a row group: what the pipeline does) and at 4,096 and 1,000 (small row groups),
+    then a pass's ``Blocks.gather`` and ``columnar_batch`` of batches of ``--batch`` over the
+    first file's row groups as the pipeline meets them (read, added, their refs shuffled, each
+    row group freed once gathered; the packing of a row group counted in the gather)."""
+    import random
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch  # noqa: F401  (imported before the clock: columnar_batch's first call would)
+
+    sys.path.insert(0, REPO)
+    from shardstream.pipeline.table import BLOCK_BITS, Blocks, columnar_batch
+    from shardstream.plan.shuffle import BufferShuffler
+
+    batch = int(args.batch)
+    for per in (131_072, 4096, 1000):
+        runs = []
+        for _ in range(args.repeats):
+            shuffler = BufferShuffler(SHUFFLE, SHUFFLE // 10, random.Random(1))
+            shuffler.push_array(np.arange(2 * SHUFFLE, dtype=np.int64))
+            chunk = np.arange(per, dtype=np.int64) + (5 << BLOCK_BITS)
+            calls = max(8, 1_048_576 // per)
+            c = time.process_time()
+            for _ in range(calls):
+                shuffler.push_array(chunk)
+            runs.append((time.process_time() - c) / (calls * per) * 1e9)
+        print(f"micro shuffle push_array {per:7} rows a call: {np.median(runs):6.1f} ns/row  runs {', '.join(f'{x:.1f}' for x in runs)}")
+    file = pq.ParquetFile(urls(args)[0])
+    tables = [file.read_row_group(g) for g in range(file.num_row_groups)]
+    gather, collate = [], []
+    for _ in range(args.repeats):
+        blocks, shuffler = Blocks(), BufferShuffler(SHUFFLE, SHUFFLE // 10, random.Random(2))
+        pending, rows, tg, tc = np.empty(0, dtype=np.int64), 0, 0.0, 0.0
+        for table in tables:
+            b = blocks.add(table, table.num_rows)
+            pending = np.concatenate([pending, shuffler.push_array(np.arange(b << BLOCK_BITS, (b << BLOCK_BITS) + table.num_rows, dtype=np.int64))])
+            start = 0
+            while len(pending) - start >= batch:
+                c = time.process_time()
+                got = blocks.gather(pending[start : start + batch])
+                c2 = time.process_time()
+                columnar_batch(got, {})
+                tg, tc, rows, start = tg + c2 - c, tc + time.process_time() - c2, rows + batch, start + batch
+            pending = pending[start:]
+        gather.append(tg / rows * 1e9)
+        collate.append(tc / rows * 1e9)
+    for name, runs in (("gather", gather), ("columnar_batch", collate)):
+        print(f"micro {name} batch {batch}: {np.median(runs):6.1f} ns/row  runs {', '.join(f'{x:.1f}' for x in runs)}")
+
+
 def version(name: str) -> str:
     import importlib.metadata as md
 
@@ -308,6 +361,7 @@ def main() -> None:
     parser.add_argument("--litdata-dir")
     parser.add_argument("--version")
     parser.add_argument("--steady", action="store_true", help="whole passes in this process, local only (see steady())")
+    parser.add_argument("--micro", action="store_true", help="the shuffle's and the gather's ns a row, local only (see micro())")
     args = parser.parse_args()
     if args.version:
         print(version(args.version))
@@ -329,6 +383,13 @@ def main() -> None:
         make_table(root, args.rows, args.files, args.group)
         open(os.path.join(root, "done"), "w").close()
     paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".parquet"))
+    if args.micro:
+        args.urls = json.dumps(paths)
+        print(f"# micro: {args.rows} rows x 8 columns, groups {args.group}; load {os.getloadavg()[0]:.1f}")
+        for batch in args.batch.split(","):
+            args.batch = batch
+            micro(args)
+        return
     if args.steady:
         args.urls = json.dumps(paths)
         threads = os.environ.get("OMP_NUM_THREADS", "(unset)")

@@ -164,6 +164,39 @@ def test_gather_across_row_groups_matches_arrow(tmp_path):
     check(np.concatenate([np.arange(3 * n + 10, 3 * n + 13), np.arange(n + 1, n + 4)]))  # two runs, blocks out of order
 
 
+def test_gather_of_a_main_block_and_stragglers_matches_arrow(tmp_path):
+    """A shuffled batch is mostly one row group's rows with a few from older ones (what the buffer
+    still holds): Blocks.gather takes every position from the main row group and puts the others'
+    rows over theirs. Against Arrow's take: a short main row group (the others' row numbers past
+    its end), stragglers first, last and in between, every column kind of the test above."""
+    from shardstream.pipeline.table import BLOCK_BITS, Blocks
+
+    n, short = 40, 9
+    ids = np.arange(3 * n + short, dtype=np.int64)
+    maybe = pa.array([None if i == 5 else float(i) for i in ids], type=pa.float64())  # a null in row group 0 only
+    table = pa.table({"id": ids, "x": (ids * 0.5).astype(np.float32), "maybe": maybe, "name": [f"r{i}" for i in ids]})
+    path = str(tmp_path / "t.parquet")
+    pq.write_table(table, path, row_group_size=n)
+    file = pq.ParquetFile(path)
+    sizes = [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups)]
+    assert sizes == [n, n, n, short]
+    blocks = Blocks()
+    for g in range(len(sizes)):
+        blocks.add(file.read_row_group(g), 100 * n)
+    whole = pa.concat_tables([file.read_row_group(g) for g in range(len(sizes))]).combine_chunks()
+    starts = np.cumsum([0, *sizes])
+    rng = np.random.default_rng(11)
+    for main in (3, 1):
+        for _ in range(4):
+            rows = rng.choice(np.arange(starts[main], starts[main + 1]), min(sizes[main], 30), replace=False)
+            stragglers = rng.choice(np.arange(0, starts[main]), 3, replace=False)
+            rows = np.insert(rows, [0, len(rows) // 2, len(rows)], stragglers)  # first, in between, last
+            block = np.searchsorted(starts, rows, side="right") - 1
+            refs = (block << BLOCK_BITS) | (rows - starts[block])
+            got = blocks.gather(refs).to_arrow()
+            assert got.equals(whole.take(pa.array(rows))), rows
+
+
 def frame_to_dict(frame):
     return {"id": torch.tensor(frame["id"].to_numpy())}  # drops __valid__: the stream adds it back
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from shardstream.pipeline.shuffle import shuffle_samples
@@ -88,3 +89,78 @@ def test_full_buffer_fast_path_is_the_same_shuffle(n, chunk, buffer, initial):
     for outputs in (0, 1, n // 3, n - 1):  # the planner's cut (limit >= 0) agrees with the stream
         cut = cut_stream(n, outputs, buffer_size=buffer, initial=initial, rng=random.Random(9))
         assert sorted(got[outputs:]) == sorted(cut.buffered + list(range(cut.taken, n)))
+
+
+def _full_step_by_loop(buf, items, slots, last):
+    """``_full_step``'s rule one item at a time: slot ``last`` hands the item itself out, any other
+    hands out what it holds and keeps the item."""
+    buf, out = list(buf), []
+    for item, slot in zip(items, slots):
+        if slot == last:
+            out.append(item)
+        else:
+            out.append(buf[slot])
+            buf[slot] = item
+    return buf, out
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 17, 1000, 65535, 65536, 65537, 70000])
+def test_full_step_is_the_loop(size):
+    """The sorted resolution of a full buffer's draws (``plan.shuffle._full_step``) against the
+    plain loop, on random refs and draws: small buffers (collisions everywhere), buffers past the
+    16-bit slots (the two-pass radix order), calls across its blocks, runs of slot ``last``."""
+    from shardstream.plan import shuffle as plan_shuffle
+
+    rng = np.random.default_rng(size)
+    last = size - 1
+    for n in (0, 1, 2, 7, 300, plan_shuffle.STEP_BLOCK + 5):
+        buf = rng.integers(0, 1 << 62, size - 1)
+        items = rng.integers(0, 1 << 62, n)
+        slots = rng.integers(0, size, n)
+        if n >= 7:
+            slots[:3] = last  # slot ``last`` first, in a row, and at the end
+            slots[-1] = last
+            slots[4] = slots[5] = min(last, 1) if last else 0  # a slot drawn twice in a row
+        for dtype in (np.int64, plan_shuffle._slot_dtype(last)):
+            got_buf = buf.copy()
+            out = plan_shuffle._full_step(got_buf, items, slots.astype(dtype), last)
+            want_buf, want = _full_step_by_loop(buf.tolist(), items.tolist(), slots.tolist(), last)
+            assert out.tolist() == want, (size, n, dtype)
+            assert got_buf.tolist() == want_buf, (size, n, dtype)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 4095, 4096, 5000])
+def test_draw_uniform_both_ways_is_the_python_stream(count):
+    """Small draws (getrandbits' words) and large ones (numpy's MT19937, a new one or one reused
+    across calls) give ``random()``'s values and leave the generator where ``random()`` would."""
+    from shardstream.plan.shuffle import draw_uniform
+
+    bits = np.random.MT19937(5)
+    for reuse in (None, bits, bits):
+        a, b = random.Random(f"draw{count}"), random.Random(f"draw{count}")
+        a.random(), b.random()
+        want = [a.random() for _ in range(count)]
+        assert draw_uniform(b, count, bits=reuse).tolist() == want
+        assert b.getstate() == a.getstate()
+        assert b.random() == a.random()
+
+
+@pytest.mark.parametrize("size", [1, 2, 300, 65536, 65537])
+def test_push_array_is_push_across_draw_and_block_sizes(size):
+    """``push_array`` against ``push`` (the loop) with calls small and large: below and above
+    ``DRAW_NUMPY`` (the two ways to draw), across ``STEP_BLOCK``, and buffers past 16-bit slots;
+    the same outputs, buffer and RNG state after every call, and the same drain."""
+    from shardstream.plan.shuffle import DRAW_NUMPY, STEP_BLOCK, BufferShuffler
+
+    seed = f"push{size}"
+    loop, arrays = BufferShuffler(size, max(1, size // 10), random.Random(seed)), BufferShuffler(size, max(1, size // 10), random.Random(seed))
+    start = 0
+    for n in (size + 3, 1, DRAW_NUMPY - 1, DRAW_NUMPY, 3, STEP_BLOCK + 7, 2 * STEP_BLOCK):
+        chunk = np.arange(start, start + n, dtype=np.int64) + (3 << 32)
+        start += n
+        out: list[int] = []
+        loop.push(chunk.tolist(), out)
+        assert arrays.push_array(chunk).tolist() == out, (size, n)
+        assert np.asarray(arrays.buffer).tolist() == list(loop.buffer)
+        assert arrays.rng.getstate() == loop.rng.getstate()
+    assert arrays.drain() == loop.drain()
