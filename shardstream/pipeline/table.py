@@ -3,7 +3,9 @@ row refs gathered into columnar batches.
 
 A range (row group g, rows [a, b)) reads row group g's projected column chunks once (consecutive
 ranges of one row group share the read: a resumed worker's read-back of single rows costs a read
-per row group, not per row), with read-ahead across row groups when ``readahead_bytes`` is set.
+per row group, not per row), with read-ahead across row groups when ``readahead_bytes`` is set:
+over a whole pass (``PlannedGroups``), so the next window's row groups are fetched while this
+window's are consumed, in the worker's one budget.
 
 Two shapes out, from one plan:
 
@@ -296,19 +298,57 @@ def _groups(ranges: Sequence[Range]) -> list[int]:
     return out
 
 
-def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolicy | None) -> Iterator[tuple[Range, Any, bool]]:
+def _prefetcher(source: TableSource, groups: list[int]) -> Prefetcher | None:
+    """Read-ahead over ``groups`` (in the worker's budget, else one of its own), or None without read-ahead."""
+    if not groups or (source.budget is None and source.readahead_bytes <= 0):
+        return None
+    openers = [source.opener(g) for g in groups]
+    if source.budget is not None:
+        return Prefetcher(openers, block_size=source.read_size, budget=source.budget)
+    return Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
+
+
+class PlannedGroups:
+    """One table source's read-ahead over a whole pass (``pipeline.read.PlannedReads`` for tar):
+    one Prefetcher over the row groups of every window's planned ranges, in order (each window's
+    consecutive repeats once, as ``read_groups`` reads them), so fetching runs on from one
+    window's last row group into the next window's first while the current one is consumed, in
+    the worker's one budget. ``read_groups`` takes each window's row groups from it in turn;
+    ``close`` at the pass's end (or when it is abandoned)."""
+
+    def __init__(self, source: TableSource, windows: Iterable[Sequence[Range]]):
+        self.groups = [g for ranges in windows for g in _groups(ranges)]
+        self.next = 0  # the first row group the next read_groups call takes
+        self.prefetcher = _prefetcher(source, self.groups)
+
+    def take(self, groups: list[int]) -> int:
+        """The index of ``groups``' first in the pass's sequence; they must be the next planned."""
+        first = self.next
+        if self.groups[first : first + len(groups)] != groups:
+            raise RuntimeError(f"row groups read out of their planned order (at planned row group {first} of {len(self.groups)})")
+        self.next = first + len(groups)
+        return first
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+
+def read_groups(
+    source: TableSource, ranges: Sequence[Range], policy: ErrorPolicy | None, planned: PlannedGroups | None = None
+) -> Iterator[tuple[Range, Any, bool]]:
     """``(range, its row group as an Arrow table, new)`` per range, in order; ``new``: the first range
     of a row group read (consecutive ranges of a row group share one read). A row group that
-    cannot be read goes to ``policy`` (raised, or its ranges' rows skipped and counted)."""
+    cannot be read goes to ``policy`` (raised, or its ranges' rows skipped and counted). With
+    ``planned`` (a pass's ``PlannedGroups``, whose next row groups these ranges must read) its
+    read-ahead serves them and runs on past them; else read-ahead (if any) covers these alone."""
     ranges = list(ranges)
     groups = _groups(ranges)
-    prefetcher = None
-    if (source.budget is not None or source.readahead_bytes > 0) and groups:
-        openers = [source.opener(g) for g in groups]
-        if source.budget is not None:
-            prefetcher = Prefetcher(openers, block_size=source.read_size, budget=source.budget)
-        else:
-            prefetcher = Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
+    base, own = 0, planned is None
+    if planned is not None:
+        base, prefetcher = planned.take(groups), planned.prefetcher
+    else:
+        prefetcher = _prefetcher(source, groups)
     m = source.manifest
     try:
         k = -1
@@ -326,7 +366,7 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
                 try:
                     fetch: Callable[[list[tuple[int, int]]], list[Any]] | None = None
                     if prefetcher is not None:
-                        fetch = functools.partial(fetch_whole, prefetcher.reader(k), m.file_url(int(m.group_file[rng.shard])))
+                        fetch = functools.partial(fetch_whole, prefetcher.reader(base + k), m.file_url(int(m.group_file[rng.shard])))
                     elif source.cache is not None:
                         fetch = functools.partial(_read_runs, source, int(m.group_file[rng.shard]))
 
@@ -348,14 +388,16 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
             if policy is not None:
                 policy.ok()
     finally:
-        if prefetcher is not None:
+        if own and prefetcher is not None:
             prefetcher.close()
 
 
-def table_rows(source: TableSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
+def table_rows(
+    source: TableSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None, planned: PlannedGroups | None = None
+) -> Iterator[list[dict[str, Any]]]:
     """The rows of the ranges as sample dicts (``__key__`` ``FILE:ROW``, ``__url__``, one field per column), lists of at most CHUNK."""
     m = source.manifest
-    for rng, table, _ in read_groups(source, ranges, policy):
+    for rng, table, _ in read_groups(source, ranges, policy, planned):
         f = int(m.group_file[rng.shard])
         url, path = m.file_url(f), m.files[f]
         first = int(m.group_first_row[rng.shard])
@@ -599,12 +641,18 @@ def _scattered(helds: list[Held], where: list[np.ndarray] | None, picks: list[np
 
 
 def table_refs(
-    source: TableSource, ranges: Sequence[Range], blocks: Blocks, *, policy: ErrorPolicy | None = None, name: str = ""
+    source: TableSource,
+    ranges: Sequence[Range],
+    blocks: Blocks,
+    *,
+    policy: ErrorPolicy | None = None,
+    name: str = "",
+    planned: PlannedGroups | None = None,
 ) -> Iterator[np.ndarray]:
     """The rows of the ranges as row refs into ``blocks`` (one block per row group read): an int64
     array per range (the shuffle and the batches take arrays whole, see ``batch_refs``)."""
     block = -1
-    for rng, table, new in read_groups(source, ranges, policy):
+    for rng, table, new in read_groups(source, ranges, policy, planned):
         if new:
             block = blocks.add(table, len(rng), name)
         else:
