@@ -50,7 +50,7 @@ from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
-from shardstream.plan.requests import with_requests, with_table_requests
+from shardstream.plan.requests import with_requests
 from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
@@ -253,10 +253,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         as many as the last pass had); with a loaded state waiting for this epoch, the summary
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
-        if not self.tables:
-            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py)
-        elif len(self.sources.manifests) == 1:  # a table: per projected column run and per footer (a mix with a table: not counted yet)
-            plan = with_table_requests(plan, self.tables[0])
+        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
