@@ -145,3 +145,44 @@ def test_a_shuffled_pass_over_two_windows_resumes_exactly_with_read_ahead(s3_tab
     rest, _ = ids_of(resumed)
     assert rest == reference[stop:]
     assert 0 < resumed.stats()["readahead_peak"] <= BUDGET + BLOCK
+
+
+class Counted:
+    """Counters as the storage layer adds them (stats.WorkerCounters' ``add``)."""
+
+    def __init__(self):
+        self.values: dict[str, int] = {}
+
+    def add(self, name, value=1):
+        self.values[name] = self.values.get(name, 0) + value
+
+
+def test_a_row_groups_reader_sends_its_runs_requests_at_start_and_says_what_is_left(s3_table):
+    """What the read-ahead asks of a row group's reader to send its requests ahead (as for tar
+    ranges): ``start()`` sends a GET per projected run before any byte is read, ``remaining()``
+    counts down to 0, the bytes are the runs' own, and ``close()`` ends runs never read."""
+    from shardstream.pipeline.table import RunsReader, TableSource
+
+    url, options = s3_table
+    m = ShardStream(Table(url, columns=["id", "y"]), batch_size=BATCH, world=World(0, 1), store=Store(options=options)).manifest
+    counters = Counted()
+    source = TableSource(m, storage_options=options, counters=counters)
+    runs = source.runs(1)
+    assert len(runs) == 2  # id and y, x between them
+    size = sum(b - a for a, b in runs)
+    whole = b"".join(bytes(parquet_module.read_bytes(m.file_url(int(m.group_file[1])), a, b, options, config=source.config)) for a, b in runs)
+    reader = RunsReader(source, int(m.group_file[1]), runs)
+    assert reader.remaining() == size
+    reader.start()
+    assert counters.values.get("requests") == 2  # both runs' GETs sent, nothing read yet
+    got = b""
+    while chunk := reader(BLOCK):
+        got += bytes(chunk)
+        assert reader.remaining() == size - len(got)
+    assert got == whole and counters.values["requests"] == 2  # no GET sent twice
+    reader.close()
+    abandoned = RunsReader(source, int(m.group_file[1]), runs)
+    abandoned.start()
+    assert len(abandoned(BLOCK)) == BLOCK
+    abandoned.close()  # its second run, opened and never read, is ended too
+    assert not abandoned._opened and abandoned._read is None

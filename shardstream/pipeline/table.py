@@ -135,19 +135,23 @@ class TableSource:
     def opener(self, g: int) -> Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]:
         """Open row group g's projected runs as one stream of bytes for the read-ahead: one
         ranged request per run, handed over in blocks of at most the read-ahead's block size (so a
-        row group's bytes count against the budget block by block, as a shard's do)."""
+        row group's bytes count against the budget block by block, as a shard's do). The reader
+        says what is left (``remaining``) and can send its requests early (``start``), so the
+        read-ahead asks for the next row groups while this one's bytes arrive, as for tar ranges."""
 
         def open_it() -> tuple[Callable[[int], bytes], Callable[[], None]]:
             f = int(self.manifest.group_file[g])
             runs = RunsReader(self, f, self.runs(g))
-            return runs.read, runs.close
+            return runs, runs.close
 
         return open_it
 
 
 class RunsReader:
-    """``read(n)``: the next <= n bytes of a row group's runs, one run after another (each run one
-    ``open_range``: one ranged request, or a cached file's bytes); bytes, so the read-ahead counts them."""
+    """``read(n)`` (or calling it): the next <= n bytes of a row group's runs, one run after another
+    (each run one ``open_range``: one ranged request, or a cached file's bytes); bytes, so the
+    read-ahead counts them. ``start()`` opens every run now, their requests sent (the read-ahead
+    does so for the row groups after the one it reads); ``remaining()``: bytes not handed out yet."""
 
     def __init__(self, source: TableSource, f: int, runs: list[tuple[int, int]]):
         self.source, self.f, self.runs = source, f, runs
@@ -157,6 +161,32 @@ class RunsReader:
         self.cached: list[memoryview] | None = None  # the runs from the cache, while it serves them
         self._read: Any = None
         self._close: Callable[[], None] | None = None
+        self._opened: list[tuple[Any, Callable[[], None]]] = []  # runs k, k + 1, ... opened by start(), not yet read
+        self._sizes = [b - a for a, b in runs]
+
+    def remaining(self) -> int:
+        return self.left + sum(self._sizes[self.k :])
+
+    def start(self) -> None:
+        if self.source.cache is not None or self._read is not None or self._opened:
+            return  # (a cache serves its own bytes; runs already under way)
+        for a, b in self.runs[self.k :]:
+            # A failure here is left to the read that needs the run: it opens (or sends) it again,
+            # under the retry policy, and hands what fails to the consumer in order.
+            try:
+                read, close = open_bytes(self.source, self.f, a, b)
+            except Exception:  # noqa: BLE001
+                return
+            self._opened.append((read, close))
+            begin = getattr(read, "start", None)
+            if begin is not None:
+                try:
+                    begin()
+                except Exception:  # noqa: BLE001
+                    return
+
+    def __call__(self, n: int) -> bytes:
+        return self.read(n)
 
     def read(self, n: int) -> bytes:
         if self.cached is None and self.source.cache is not None:
@@ -175,7 +205,7 @@ class RunsReader:
                     return b""
                 a, b = self.runs[self.k]
                 self.k += 1
-                self._read, self._close = open_bytes(self.source, self.f, a, b)
+                self._read, self._close = self._opened.pop(0) if self._opened else open_bytes(self.source, self.f, a, b)
                 self.left, self.at = b - a, a
             if self.left > 0:
                 chunk = self._read(min(n, self.left))
@@ -185,12 +215,20 @@ class RunsReader:
                 self.left -= len(chunk)
                 self.at += len(chunk)
                 return chunk if isinstance(chunk, (bytes, bytearray)) else bytes(chunk)
-            self.close()
+            self._end_run()
 
-    def close(self) -> None:
+    def _end_run(self) -> None:
+        """End the run being read (the next read goes on with the next run)."""
         close, self._read, self._close = self._close, None, None
         if close is not None:
             close()
+
+    def close(self) -> None:
+        """End the run being read and the runs ``start`` opened that were not read."""
+        self._end_run()
+        opened, self._opened = self._opened, []
+        for _, end in opened:
+            end()
 
 
 def open_bytes(source: TableSource, f: int, a: int, b: int) -> tuple[Any, Callable[[], None]]:
