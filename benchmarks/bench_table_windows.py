@@ -3,13 +3,14 @@
 by a real S3-compatible server (``s3server.py``, default s3rver) through ``latency_proxy.py``
 (``--latency`` seconds before each request), no DataLoader workers, columnar batches.
 
-Two trees are compared, each pass a fresh process, interleaved: ``--before`` (a copy of an earlier
-shardstream, e.g. ``git archive COMMIT shardstream | tar -x -C DIR``) and this checkout. Per pass:
-rows per wall second and per CPU second, the first batch of the pass, and the wait for the first
-batch of each later window (the gap between the last batch of a window and the next window's
-first) beside the median gap between batches inside a window.
+Trees are compared, each pass a fresh process, interleaved: ``--before`` (copies of earlier
+shardstream trees, e.g. ``git archive COMMIT shardstream | tar -x -C DIR``) and this checkout. Per
+pass: rows per wall second and per CPU second, the first batch of the pass, and the wait for the
+first batch of each later window (the gap between the last batch of a window and the next
+window's first) beside the median gap between batches inside a window and the gap before a row
+group's first batch inside a window (unshuffled: its decode, and any wait for its bytes).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_table_windows.py --before /tmp/before \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_table_windows.py --before before=/tmp/before \\
         [--rows 1048576] [--files 8] [--group 131072] [--batch 4096] [--epochs 3] [--repeats 5]
 """
 
@@ -77,17 +78,20 @@ def one_pass(args) -> dict:
     }
 
 
-def summarise(got: dict, per_epoch: int, epochs: int) -> dict:
+def summarise(got: dict, per_epoch: int, epochs: int, per_group: int) -> dict:
     arrivals = got["arrivals"]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     inside = [g for i, g in enumerate(gaps, 1) if i % per_epoch]  # gap before batch i, i not a window's first
     window_waits = [gaps[k * per_epoch - 1] for k in range(1, epochs)]
+    # the gap before the first batch of a row group inside a window (unshuffled: its decode, and any wait for its bytes)
+    group_gaps = [g for i, g in enumerate(gaps, 1) if i % per_epoch and per_group and i % per_group == 0]
     return {
         "rows_per_s": got["rows"] / got["wall"] / 1e6,
         "rows_per_cpu_s": got["rows"] / got["cpu"] / 1e6,
         "first": arrivals[0] - got["built"],
         "window_wait": statistics.median(window_waits),
         "inside_gap": statistics.median(inside),
+        "group_gap": statistics.median(group_gaps) if group_gaps else 0.0,
         "requests": got["requests"],
         "bytes_read": got["bytes_read"],
         "peak": got["peak"],
@@ -96,7 +100,7 @@ def summarise(got: dict, per_epoch: int, epochs: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=False, help="a copy of an earlier shardstream tree (the folder holding shardstream/)")
+    parser.add_argument("--before", help="copies of earlier shardstream trees (folders holding shardstream/): PATH or NAME=PATH,NAME=PATH")
     parser.add_argument("--rows", type=int, default=1 << 20)
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--group", type=int, default=131_072)
@@ -120,7 +124,11 @@ def main() -> None:
     from latency_proxy import start_proxy  # type: ignore[import-not-found]
     from s3server import s3_server  # type: ignore[import-not-found]
 
-    trees = {"before": args.before, "after": REPO} if args.before else {"after": REPO}
+    trees = {}  # --before PATH, or NAME=PATH,NAME=PATH: earlier trees; "after": this checkout
+    for k, item in enumerate(filter(None, (args.before or "").split(","))):
+        name, _, path = item.rpartition("=")
+        trees[name or ("before" if k == 0 else f"before{k + 1}")] = path
+    trees["after"] = REPO
     per_epoch = args.rows // args.batch
     with tempfile.TemporaryDirectory(prefix="bench-table-windows-") as tmp, s3_server(args.server) as server:
         paths = make_table(os.path.join(tmp, "t"), args.rows, args.files, args.group)
@@ -143,19 +151,20 @@ def main() -> None:
                         if done.returncode:
                             raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
                         got = json.loads(done.stdout.strip().splitlines()[-1])
-                        results.setdefault((shuffled, name), []).append(summarise(got, per_epoch, args.epochs))
+                        per_group = args.group // args.batch if args.group % args.batch == 0 and (args.rows // args.files) % args.group == 0 else 0
+                        results.setdefault((shuffled, name), []).append(summarise(got, per_epoch, args.epochs, per_group))
                         loads.append(os.getloadavg()[0])
             print(f"# load average during the runs: {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f})")
-            print(f"{'shuffle':7} {'tree':6} {'M rows/s':>8} {'M rows/CPU-s':>12} {'first batch s':>13} {'window wait s':>13} ", end="")
-            print(f"{'gap inside s':>12} {'GETs':>5} {'MB read':>8} {'peak MB':>7}")
+            print(f"{'shuffle':7} {'tree':8} {'M rows/s':>8} {'M rows/CPU-s':>12} {'first batch s':>13} {'window wait s':>13} ", end="")
+            print(f"{'gap inside s':>12} {'group gap s':>11} {'GETs':>5} {'MB read':>8} {'peak MB':>7}")
             for (shuffled, name), runs in sorted(results.items()):
 
                 def med(key: str, runs=runs) -> float:
                     return statistics.median(r[key] for r in runs)
 
                 print(
-                    f"{'yes' if shuffled == '1' else 'no':7} {name:6} {med('rows_per_s'):8.2f} {med('rows_per_cpu_s'):12.2f} {med('first'):13.3f} "
-                    f"{med('window_wait'):13.3f} {med('inside_gap'):12.4f} {med('requests'):5.0f} "
+                    f"{'yes' if shuffled == '1' else 'no':7} {name:8} {med('rows_per_s'):8.2f} {med('rows_per_cpu_s'):12.2f} {med('first'):13.3f} "
+                    f"{med('window_wait'):13.3f} {med('inside_gap'):12.4f} {med('group_gap'):11.3f} {med('requests'):5.0f} "
                     f"{med('bytes_read') / 1e6:8.1f} {med('peak') / 1e6:7.1f}"
                 )
                 waits = ", ".join(f"{r['window_wait']:.3f}" for r in runs)
