@@ -21,6 +21,8 @@ The kinds (``benchmarks/install_s3server.sh KIND`` installs the first two, not C
 - ``s3rver``: the npm package s3rver 3.7.1, a Node S3 server on a file backend, installed under
   ``~/.cache/shardstream/s3rver/``. It checks SigV4 signatures (key and secret ``S3RVER``), and a
   ranged GET streams only the range from its file (``fs.createReadStream(path, {start, end})``).
+  Its suffix ranges (``bytes=-N``, the last N bytes: polars reads footers so) are wrong in 3.7.1
+  (it serves bytes 0-N): the launcher below makes them explicit ranges before s3rver reads them.
 - ``moto``: moto's server (from the venv, as the tests use). Not a stand-in for a real server in a
   benchmark: it keeps each object as one value and copies all of it for every ranged GET.
 
@@ -59,6 +61,20 @@ START_TIMEOUT = 120.0  # seconds for a server to answer its first request (a loa
 S3RVER_MAIN = """
 const [moduleDir, directory, port] = process.argv.slice(1);
 const S3rver = require(moduleDir);
+// s3rver 3.7.1 reads a suffix range (`Range: bytes=-N`: the object's last N bytes, RFC 9110 and S3)
+// as bytes 0-N, so a client that reads a Parquet footer that way (object_store: polars, obstore's
+// get_range with a suffix) gets the file's first bytes and fails. Made the explicit range here.
+const objects = require(moduleDir + '/lib/controllers/object');
+const getObject = objects.getObject;
+objects.getObject = async function (ctx) {
+  const suffix = /^bytes=-([0-9]+)$/.exec(ctx.headers['range'] || '');
+  if (suffix && Number(suffix[1]) > 0) {
+    const metadata = await ctx.store.getMetadata(ctx.params.bucket, ctx.params.key).catch(() => null);
+    const size = metadata ? Number(metadata['content-length']) : 0;
+    if (size > 0) ctx.headers['range'] = `bytes=${Math.max(0, size - Number(suffix[1]))}-${size - 1}`;
+  }
+  return getObject(ctx);
+};
 const server = new S3rver({ address: '127.0.0.1', port: Number(port), directory, silent: true, vhostBuckets: false });
 server.run().then(() => {
   server.httpServer.keepAliveTimeout = 600000;

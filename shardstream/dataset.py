@@ -34,12 +34,23 @@ from shardstream.pipeline.batch import BatchStats, batch_samples, default_collat
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
 from shardstream.pipeline.interleave import read_planned
 from shardstream.pipeline.read import PlannedReads, RangeSource, read_ranges, read_scattered
-from shardstream.pipeline.table import Batched, Blocks, HFImage, TableSource, batch_refs, columnar_batch, image_columns, table_refs, table_rows
+from shardstream.pipeline.table import (
+    Batched,
+    Blocks,
+    HFImage,
+    PlannedGroups,
+    TableSource,
+    batch_refs,
+    columnar_batch,
+    image_columns,
+    table_refs,
+    table_rows,
+)
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
 from shardstream.plan.mix import MixPlan
-from shardstream.plan.requests import with_requests, with_table_requests
+from shardstream.plan.requests import with_requests
 from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
@@ -51,6 +62,15 @@ from shardstream.storage.readahead import Budget
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)
+
+
+def _planned(source: Any, part: Any, i: int) -> PlannedReads | PlannedGroups:
+    """Source i's read-ahead over a worker's whole pass (``part``): its planned ranges of every
+    window, so fetching runs on from one window into the next (tar: ``PlannedReads``; a table:
+    ``PlannedGroups``, its windows' row groups)."""
+    if isinstance(source, TableSource):
+        return PlannedGroups(source, [window.sources[i].ranges for window in part.windows])
+    return PlannedReads(source, [r for window in part.windows for r in window.sources[i].ranges])
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -233,10 +253,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         as many as the last pass had); with a loaded state waiting for this epoch, the summary
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
-        if not self.tables:
-            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py)
-        elif len(self.sources.manifests) == 1:  # a table: per projected column run and per footer (a mix with a table: not counted yet)
-            plan = with_table_requests(plan, self.tables[0])
+        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
 
@@ -330,16 +347,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         # source's), and per source one Prefetcher over its ranges of every window of the pass.
         budget = Budget(max(self.readahead), counters) if max(self.readahead) > 0 else None
         sources = [self._range_source(i, counters, buffers, budget) for i in range(len(self.sources.manifests))]
-        planned = [
-            PlannedReads(source, [r for window in part.windows for r in window.sources[i].ranges]) if isinstance(source, RangeSource) else None
-            for i, source in enumerate(sources)
-        ]
+        planned = [_planned(source, part, i) for i, source in enumerate(sources)]
         try:
             yield from self._rows(part, epoch, worker, counters, policy, stats, cursor, buffers, sources, planned)
         finally:
             for reads in planned:
-                if reads is not None:
-                    reads.close()
+                reads.close()
 
     def _rows(
         self,
@@ -352,7 +365,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         cursor: Cursor,
         buffers: BufferPool,
         sources: list[Any],
-        planned: list[PlannedReads | None],
+        planned: list[Any],
     ) -> Any:
         """A pass of per-sample batches: read (through ``planned``'s read-ahead), decode,
         transform, batch."""
@@ -361,7 +374,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         def read(i: int, ranges: list[Any]) -> Any:
             source = sources[i]
             if isinstance(source, TableSource):
-                return table_rows(source, ranges, policy=policy)
+                return table_rows(source, ranges, policy=policy, planned=planned[i])
             return read_ranges(source, ranges, policy=policy, planned=planned[i])
 
         def read_back(i: int, ranges: list[Any]) -> Any:
@@ -402,24 +415,32 @@ class ShardStream(torch.utils.data.IterableDataset):
         names = part.names
         budget = Budget(max(self.readahead), counters) if max(self.readahead) > 0 else None  # the worker's one, as in _rows
         sources = [self._range_source(i, counters, budget=budget) for i in range(len(self.sources.manifests))]
+        if not part.num_batches:
+            return
+        planned = [_planned(source, part, i) for i, source in enumerate(sources)]  # read-ahead across windows
 
         def read(i: int, ranges: list[Any]) -> Any:
+            return table_refs(sources[i], ranges, blocks, policy=policy, name=names[i] if names else "", planned=planned[i])  # type: ignore[arg-type]
+
+        def read_back(i: int, ranges: list[Any]) -> Any:  # a resumed window's buffered rows: not in the planned sequence
             return table_refs(sources[i], ranges, blocks, policy=policy, name=names[i] if names else "")  # type: ignore[arg-type]
 
-        refs = read_planned(dataclasses.replace(part, names=None), read)
+        refs = read_planned(dataclasses.replace(part, names=None), read, read_back)
         images, transform = self._images, self.batch_transform
 
         def collate(batch: Any) -> Any:
             rows = blocks.gather(batch)
             return transform.apply(rows) if transform is not None else columnar_batch(rows, images)
 
-        if not part.num_batches:
-            return
         batches = batch_refs(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=collate, stats=stats, pad=self.mode == "pad")
-        for made, batch in enumerate(batches, 1):
-            counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
-            cursor.take()
-            yield batch
+        try:
+            for made, batch in enumerate(batches, 1):
+                counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
+                cursor.take()
+                yield batch
+        finally:
+            for reads in planned:
+                reads.close()
 
     def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None, budget: Budget | None = None) -> RangeSource | TableSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""

@@ -47,12 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardstream.format.manifest import load_manifest, manifest_url
-    from shardstream.sources import is_mix_url, open_mix
+    from shardstream.format.manifest import manifest_url
+    from shardstream.sources import is_mix_url, load_source, open_mix
 
     config = storage_config_from(args)
-    if is_mix_url(args.url):
-        mix = open_mix(args.url, storage_options_from(args), lambda url, options: load_manifest(url, options, config=config), config)
+    if is_mix_url(args.url):  # each source as the stream opens it (a Parquet table too)
+        mix = open_mix(args.url, storage_options_from(args), lambda url, options: load_source(url, options, config), config)
         if mix is not None:
             return show_mix(args, mix)
     manifest = load_dataset_manifest(args.url, storage_options_from(args), config)

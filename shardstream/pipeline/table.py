@@ -3,7 +3,9 @@ row refs gathered into columnar batches.
 
 A range (row group g, rows [a, b)) reads row group g's projected column chunks once (consecutive
 ranges of one row group share the read: a resumed worker's read-back of single rows costs a read
-per row group, not per row), with read-ahead across row groups when ``readahead_bytes`` is set.
+per row group, not per row), with read-ahead across row groups when ``readahead_bytes`` is set:
+over a whole pass (``PlannedGroups``), so the next window's row groups are fetched while this
+window's are consumed, in the worker's one budget.
 
 Two shapes out, from one plan:
 
@@ -133,19 +135,23 @@ class TableSource:
     def opener(self, g: int) -> Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]:
         """Open row group g's projected runs as one stream of bytes for the read-ahead: one
         ranged request per run, handed over in blocks of at most the read-ahead's block size (so a
-        row group's bytes count against the budget block by block, as a shard's do)."""
+        row group's bytes count against the budget block by block, as a shard's do). The reader
+        says what is left (``remaining``) and can send its requests early (``start``), so the
+        read-ahead asks for the next row groups while this one's bytes arrive, as for tar ranges."""
 
         def open_it() -> tuple[Callable[[int], bytes], Callable[[], None]]:
             f = int(self.manifest.group_file[g])
             runs = RunsReader(self, f, self.runs(g))
-            return runs.read, runs.close
+            return runs, runs.close
 
         return open_it
 
 
 class RunsReader:
-    """``read(n)``: the next <= n bytes of a row group's runs, one run after another (each run one
-    ``open_range``: one ranged request, or a cached file's bytes); bytes, so the read-ahead counts them."""
+    """``read(n)`` (or calling it): the next <= n bytes of a row group's runs, one run after another
+    (each run one ``open_range``: one ranged request, or a cached file's bytes); bytes, so the
+    read-ahead counts them. ``start()`` opens every run now, their requests sent (the read-ahead
+    does so for the row groups after the one it reads); ``remaining()``: bytes not handed out yet."""
 
     def __init__(self, source: TableSource, f: int, runs: list[tuple[int, int]]):
         self.source, self.f, self.runs = source, f, runs
@@ -155,6 +161,32 @@ class RunsReader:
         self.cached: list[memoryview] | None = None  # the runs from the cache, while it serves them
         self._read: Any = None
         self._close: Callable[[], None] | None = None
+        self._opened: list[tuple[Any, Callable[[], None]]] = []  # runs k, k + 1, ... opened by start(), not yet read
+        self._sizes = [b - a for a, b in runs]
+
+    def remaining(self) -> int:
+        return self.left + sum(self._sizes[self.k :])
+
+    def start(self) -> None:
+        if self.source.cache is not None or self._read is not None or self._opened:
+            return  # (a cache serves its own bytes; runs already under way)
+        for a, b in self.runs[self.k :]:
+            # A failure here is left to the read that needs the run: it opens (or sends) it again,
+            # under the retry policy, and hands what fails to the consumer in order.
+            try:
+                read, close = open_bytes(self.source, self.f, a, b)
+            except Exception:  # noqa: BLE001
+                return
+            self._opened.append((read, close))
+            begin = getattr(read, "start", None)
+            if begin is not None:
+                try:
+                    begin()
+                except Exception:  # noqa: BLE001
+                    return
+
+    def __call__(self, n: int) -> bytes:
+        return self.read(n)
 
     def read(self, n: int) -> bytes:
         if self.cached is None and self.source.cache is not None:
@@ -173,7 +205,7 @@ class RunsReader:
                     return b""
                 a, b = self.runs[self.k]
                 self.k += 1
-                self._read, self._close = open_bytes(self.source, self.f, a, b)
+                self._read, self._close = self._opened.pop(0) if self._opened else open_bytes(self.source, self.f, a, b)
                 self.left, self.at = b - a, a
             if self.left > 0:
                 chunk = self._read(min(n, self.left))
@@ -183,12 +215,20 @@ class RunsReader:
                 self.left -= len(chunk)
                 self.at += len(chunk)
                 return chunk if isinstance(chunk, (bytes, bytearray)) else bytes(chunk)
-            self.close()
+            self._end_run()
 
-    def close(self) -> None:
+    def _end_run(self) -> None:
+        """End the run being read (the next read goes on with the next run)."""
         close, self._read, self._close = self._close, None, None
         if close is not None:
             close()
+
+    def close(self) -> None:
+        """End the run being read and the runs ``start`` opened that were not read."""
+        self._end_run()
+        opened, self._opened = self._opened, []
+        for _, end in opened:
+            end()
 
 
 def open_bytes(source: TableSource, f: int, a: int, b: int) -> tuple[Any, Callable[[], None]]:
@@ -296,19 +336,57 @@ def _groups(ranges: Sequence[Range]) -> list[int]:
     return out
 
 
-def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolicy | None) -> Iterator[tuple[Range, Any, bool]]:
+def _prefetcher(source: TableSource, groups: list[int]) -> Prefetcher | None:
+    """Read-ahead over ``groups`` (in the worker's budget, else one of its own), or None without read-ahead."""
+    if not groups or (source.budget is None and source.readahead_bytes <= 0):
+        return None
+    openers = [source.opener(g) for g in groups]
+    if source.budget is not None:
+        return Prefetcher(openers, block_size=source.read_size, budget=source.budget)
+    return Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
+
+
+class PlannedGroups:
+    """One table source's read-ahead over a whole pass (``pipeline.read.PlannedReads`` for tar):
+    one Prefetcher over the row groups of every window's planned ranges, in order (each window's
+    consecutive repeats once, as ``read_groups`` reads them), so fetching runs on from one
+    window's last row group into the next window's first while the current one is consumed, in
+    the worker's one budget. ``read_groups`` takes each window's row groups from it in turn;
+    ``close`` at the pass's end (or when it is abandoned)."""
+
+    def __init__(self, source: TableSource, windows: Iterable[Sequence[Range]]):
+        self.groups = [g for ranges in windows for g in _groups(ranges)]
+        self.next = 0  # the first row group the next read_groups call takes
+        self.prefetcher = _prefetcher(source, self.groups)
+
+    def take(self, groups: list[int]) -> int:
+        """The index of ``groups``' first in the pass's sequence; they must be the next planned."""
+        first = self.next
+        if self.groups[first : first + len(groups)] != groups:
+            raise RuntimeError(f"row groups read out of their planned order (at planned row group {first} of {len(self.groups)})")
+        self.next = first + len(groups)
+        return first
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+
+def read_groups(
+    source: TableSource, ranges: Sequence[Range], policy: ErrorPolicy | None, planned: PlannedGroups | None = None
+) -> Iterator[tuple[Range, Any, bool]]:
     """``(range, its row group as an Arrow table, new)`` per range, in order; ``new``: the first range
     of a row group read (consecutive ranges of a row group share one read). A row group that
-    cannot be read goes to ``policy`` (raised, or its ranges' rows skipped and counted)."""
+    cannot be read goes to ``policy`` (raised, or its ranges' rows skipped and counted). With
+    ``planned`` (a pass's ``PlannedGroups``, whose next row groups these ranges must read) its
+    read-ahead serves them and runs on past them; else read-ahead (if any) covers these alone."""
     ranges = list(ranges)
     groups = _groups(ranges)
-    prefetcher = None
-    if (source.budget is not None or source.readahead_bytes > 0) and groups:
-        openers = [source.opener(g) for g in groups]
-        if source.budget is not None:
-            prefetcher = Prefetcher(openers, block_size=source.read_size, budget=source.budget)
-        else:
-            prefetcher = Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
+    base, own = 0, planned is None
+    if planned is not None:
+        base, prefetcher = planned.take(groups), planned.prefetcher
+    else:
+        prefetcher = _prefetcher(source, groups)
     m = source.manifest
     try:
         k = -1
@@ -326,7 +404,7 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
                 try:
                     fetch: Callable[[list[tuple[int, int]]], list[Any]] | None = None
                     if prefetcher is not None:
-                        fetch = functools.partial(fetch_whole, prefetcher.reader(k), m.file_url(int(m.group_file[rng.shard])))
+                        fetch = functools.partial(fetch_whole, prefetcher.reader(base + k), m.file_url(int(m.group_file[rng.shard])))
                     elif source.cache is not None:
                         fetch = functools.partial(_read_runs, source, int(m.group_file[rng.shard]))
 
@@ -348,14 +426,16 @@ def read_groups(source: TableSource, ranges: Sequence[Range], policy: ErrorPolic
             if policy is not None:
                 policy.ok()
     finally:
-        if prefetcher is not None:
+        if own and prefetcher is not None:
             prefetcher.close()
 
 
-def table_rows(source: TableSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None) -> Iterator[list[dict[str, Any]]]:
+def table_rows(
+    source: TableSource, ranges: Sequence[Range], *, policy: ErrorPolicy | None = None, planned: PlannedGroups | None = None
+) -> Iterator[list[dict[str, Any]]]:
     """The rows of the ranges as sample dicts (``__key__`` ``FILE:ROW``, ``__url__``, one field per column), lists of at most CHUNK."""
     m = source.manifest
-    for rng, table, _ in read_groups(source, ranges, policy):
+    for rng, table, _ in read_groups(source, ranges, policy, planned):
         f = int(m.group_file[rng.shard])
         url, path = m.file_url(f), m.files[f]
         first = int(m.group_first_row[rng.shard])
@@ -633,12 +713,18 @@ def _scattered(helds: list[Held], rows: np.ndarray, where: list[np.ndarray | Non
 
 
 def table_refs(
-    source: TableSource, ranges: Sequence[Range], blocks: Blocks, *, policy: ErrorPolicy | None = None, name: str = ""
+    source: TableSource,
+    ranges: Sequence[Range],
+    blocks: Blocks,
+    *,
+    policy: ErrorPolicy | None = None,
+    name: str = "",
+    planned: PlannedGroups | None = None,
 ) -> Iterator[np.ndarray]:
     """The rows of the ranges as row refs into ``blocks`` (one block per row group read): an int64
     array per range (the shuffle and the batches take arrays whole, see ``batch_refs``)."""
     block = -1
-    for rng, table, new in read_groups(source, ranges, policy):
+    for rng, table, new in read_groups(source, ranges, policy, planned):
         if new:
             block = blocks.add(table, len(rng), name)
         else:

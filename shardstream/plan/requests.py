@@ -9,6 +9,10 @@ process (each worker is one; sidecars are cached per process). So per epoch:
     sidecar GETs        = (process, shard) pairs with a range that starts or ends inside the shard
                           (at most: persistent workers keep their sidecars from an epoch before)
 
+A Parquet table (format/parquet.py) makes per (process, row group) one GET per run of adjacent
+projected columns, and per (process, file) one footer GET at most: ``count_table_requests``, and
+``_table_source_count`` for a table in a mix.
+
 A mix (plan/mix.py) is counted source by source, each on its own manifest (a local source makes
 no requests), and the counts add up (``RequestCount.combine``; a prefix two sources share adds
 up). A source's epoch sequence is drawn pass by pass, each pass its shards in a fresh order on a
@@ -88,6 +92,7 @@ class RequestCount:
         for _, part in parts:
             for name, gets in part.by_prefix:
                 by_prefix[name] = by_prefix.get(name, 0) + gets
+        sides = sorted({p.side for _, p in parts if not p.local})  # a table's are footers, a tar dataset's offset sidecars
         return cls(
             ranges=sum(p.ranges for _, p in parts),
             sidecars=sum(p.sidecars for _, p in parts),
@@ -95,6 +100,7 @@ class RequestCount:
             world_size=max((p.world_size for _, p in parts), default=1),
             by_prefix=_ranked(by_prefix.items()),
             parts=tuple(parts),
+            side=" and ".join(sides) if sides else "offset sidecars",
         )
 
     def seconds(self, rate: float = DEFAULT_RATE) -> float:
@@ -155,7 +161,15 @@ def _human(n: float) -> str:
 
 def count_requests(plan: Any, manifest: Any) -> RequestCount:
     """The requests of ``plan`` (an ``EpochPlan``) over ``manifest``'s shards, for every rank and
-    worker at once (see the module docstring), in a few vectorised steps: no range is listed."""
+    worker at once (see the module docstring), in a few vectorised steps: no range is listed. A
+    table's (``TableManifest``): ``count_table_requests``."""
+    if isinstance(manifest, TableManifest):
+        return count_table_requests(plan, manifest)
+    return _count_pieces(plan, manifest)
+
+
+def _count_pieces(plan: Any, manifest: Any) -> RequestCount:
+    """``count_requests`` for shards read as tar: a GET per piece of the plan, sidecars where a piece cuts a shard."""
     order = np.asarray(plan.shard_order, dtype=np.int64)
     starts = np.asarray(plan.starts, dtype=np.int64)
     n, world = plan.total_samples, plan.world_size
@@ -314,9 +328,43 @@ def _source_count(plan: Any, source: int, manifest: Any, where: np.ndarray) -> R
     )
 
 
+def _table_source_count(plan: Any, source: int, m: TableManifest, where: np.ndarray) -> RequestCount:
+    """``_source_count`` for a table source of a mix: each (worker slice, row group) piece of its
+    sequence reads the row group's projected runs once (``projected_runs`` GETs each; a table needs
+    no sidecar), and each slice (a process) reads the footer of every file it reads from once, at
+    most (``count_table_requests``, for a mix). Bytes: its rows' share of the row groups' bytes,
+    times the share of the columns read (about)."""
+    pieces = _source_count(plan, source, m, where)
+    runs = projected_runs(m)
+    starts, total = where[:-1], int(where[-1])
+    footers = 0
+    if total:
+        quota = int(plan.quotas[source])
+        seq = _Sequence(plan.passes[source], plan.counts[source])
+        firsts = np.concatenate([[0], seq.cuts(quota)])  # where the ranges of a lap start
+        laps = -(-total // quota)
+        positions = (np.arange(laps, dtype=np.int64)[:, None] * quota + firsts[None, :]).ravel()
+        positions = _distinct(np.concatenate([positions[positions < total], starts[(starts >= 0) & (starts < total)]]))
+        slice_of = np.searchsorted(starts, positions, side="right") - 1  # the slice each range is read by
+        files = m.group_file[seq.shard(positions % quota)]
+        footers = len(_distinct(slice_of * len(m.files) + files))
+    share = len(m.projection) / max(1, len(m.columns)) if m.projection is not None else 1.0
+    gets = pieces.ranges * runs + footers
+    return RequestCount(
+        ranges=pieces.ranges * runs,
+        sidecars=footers,
+        bytes=int(pieces.bytes * share),
+        world_size=plan.world_size,
+        by_prefix=tuple((name, round(g * gets / max(1, pieces.gets))) for name, g in pieces.by_prefix),
+        side="footers",
+    )
+
+
 def is_remote(manifest: Any) -> bool:
     """Whether a dataset's shards are read with requests (any URL but a local path or file://)."""
     base = getattr(manifest, "base_url", "") or ""
+    if not base and isinstance(manifest, TableManifest) and manifest.files:
+        base = manifest.file_url(0)  # a table given as a list of files: their full URLs, no common folder
     return "://" in base and not base.startswith("file://")
 
 
@@ -328,7 +376,8 @@ def count_mix_requests(plan: Any, manifests: Sequence[Any]) -> RequestCount:
     parts = []
     for i, (name, manifest) in enumerate(zip(plan.names, manifests)):
         if is_remote(manifest):
-            part = _source_count(plan, i, manifest, where[:, i])
+            count = _table_source_count if isinstance(manifest, TableManifest) else _source_count
+            part = count(plan, i, manifest, where[:, i])
         else:
             part = RequestCount(0, 0, _bytes_read(manifest, int(where[-1, i])), plan.world_size, (), local=True)
         parts.append((name, part))
@@ -355,7 +404,7 @@ def count_table_requests(plan: Any, m: TableManifest) -> RequestCount:
     counts the pieces), and each process reads the footer of every file it reads from once, at
     most (``footers``: a process keeps up to FOOTERS_KEPT of them, persistent workers across epochs).
     Bytes: the row groups' bytes times the share of the columns read (about)."""
-    pieces = count_requests(plan, m)
+    pieces = _count_pieces(plan, m)
     runs = projected_runs(m)
     order = np.asarray(plan.shard_order, dtype=np.int64)
     starts = np.asarray(plan.starts, dtype=np.int64)
@@ -387,10 +436,3 @@ def count_table_requests(plan: Any, m: TableManifest) -> RequestCount:
         by_prefix=tuple((name, round(g * gets / max(1, pieces.gets))) for name, g in pieces.by_prefix),
         side="footers",
     )
-
-
-def with_table_requests(plan: Any, m: TableManifest) -> Any:
-    """``plan`` with its summary's request line (``EpochPlan.requests``) when the table is on a remote store."""
-    if not is_remote(m):
-        return plan
-    return dataclasses.replace(plan, requests=count_table_requests(plan, m).describe())

@@ -10,7 +10,10 @@ already asked for) are within a lead (``SEND_AHEAD_BYTES``, at most ``max_bytes`
 is opened and its request sent
 (``RangeReader.start``), so its first byte is on its way while this one's last blocks arrive.
 A range's request is one GET for all of it (``storage/retry.py``): on a store with a first-byte
-latency, ranges follow each other with no wait between them.
+latency, ranges follow each other with no wait between them. A reader says what is left and sends
+its request early through optional ``remaining()`` and ``start()``: ``RangeReader`` for a tar
+range, ``pipeline.table.RunsReader`` for a Parquet row group (its runs' GETs at once); a reader
+without them is read in turn, its request sent by its first read.
 """
 
 from __future__ import annotations
