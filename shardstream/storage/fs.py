@@ -295,13 +295,18 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
     bucket = path.split("/", 1)[0]
     url = full_url(fs, bucket)
     try:
-        storage_call(url, lambda probe, bucket_path: probe.ls(bucket_path, refresh=True), storage_options, config)
+        storage_call(url, lambda probe, bucket_path: probe.ls(bucket_path, refresh=True), storage_options, config, bounded=True)
     except Exception as exc:
         raise destination_error(url, exc) from exc
 
 
 def storage_call(
-    url: str, fn: Callable[[Any, str], T], storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE
+    url: str,
+    fn: Callable[[Any, str], T],
+    storage_options: Mapping[str, Any] | None = None,
+    config: StorageConfig = DEFAULT_STORAGE,
+    *,
+    bounded: bool = False,
 ) -> T:
     """``fn(fs, path)`` for ``url`` under ``config``. On remote storage ``fs`` makes one try per
     call (botocore's retries off, ``config``'s timeouts: ``StorageConfig.fs_options``) and the call
@@ -309,12 +314,13 @@ def storage_call(
     5xx, throttling) is retried with backoff until ``config.deadline`` (and ``config.max_attempts``,
     if set), a permanent one fails at once, and either becomes a StorageError naming ``url``, the
     cause, and the tries and time it took (a missing object: ``StorageNotFound``, a
-    FileNotFoundError). Local paths: ``fn`` runs once, its errors as they are."""
+    FileNotFoundError). ``bounded``: ``fn`` is a listing or a HEAD, each try waited for no longer
+    than the deadline's time left (``retry.call``). Local paths: ``fn`` runs once, its errors as they are."""
     began = time.monotonic()
     fs, path = get_fs(url, config.fs_options(storage_options, fsspec.utils.get_protocol(url)), config)
     if is_local(fs):
         return fn(fs, path)
-    return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began)
+    return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began, bounded=bounded)
 
 
 GLOB_CHARS = "*?["
@@ -337,4 +343,4 @@ def expand_urls(pattern: str, storage_options: Mapping[str, Any] | None = None) 
 def expand_retried(pattern: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[str]:
     """``expand_urls`` under ``config``'s retry policy (a glob lists storage: ``storage_call``)."""
     one_try = config.fs_options(storage_options, fsspec.utils.get_protocol(pattern))
-    return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config)
+    return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config, bounded=True)

@@ -1,17 +1,20 @@
 """Reading byte ranges from storage so that a training run survives the real world.
 
-On S3 a range is one GET: its request asks for the whole range [start, end), and each read takes
-the next block of that one body (``Body.readinto`` into the block the caller gets). A new request
-is made only to resume after a failure: a connection that breaks midway keeps the bytes that
-arrived and the next request starts at the exact byte where it broke; a failed request (reset
-before any data, timeout, throttling answer) is retried with exponential backoff and full jitter
-until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
-deadline bounds each try as well: a try's connect and read timeouts are cut to the time left, so a
-stalled answer or body ends at the deadline. Stores with no streamed body (fsspec's others) make
-one request per read. The bytes that come out are those of an undisturbed read, none lost, none
-repeated; small whole objects (the manifest, offset sidecars: ``fetch_resumed``) resume at the
-byte reached too. Permanent failures (missing object, access denied, missing credentials, an
-invalid request) fail at once with what to check; ``classify.storage_error`` words every failure.
+Through obstore (S3, ``objects.py``) a range is one GET: its request asks for the whole range
+[start, end), and each read takes the next block of that one body (``Body.readinto`` into the
+block the caller gets); a new request is made only to resume after a failure: a connection that
+breaks midway keeps the bytes that arrived and the next request starts at the exact byte where it
+broke. So it is through s3fs where obstore cannot serve (``_S3fsBody``). fsspec's other stores
+(HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file`` (``fs_fetcher``),
+and a try that breaks is asked for its whole block again. Either way a failed request (reset, timeout, throttling answer) is retried with
+exponential backoff and full jitter until ``StorageConfig.deadline`` runs out (``max_attempts``,
+when set, caps the tries too). The deadline bounds each try as well: a try is given the time left
+(obstore's timeouts are cut to it, an async fsspec call is cancelled at it, a HEAD or a listing is
+waited for no longer: ``call``), so a stalled answer or body ends at the deadline. The bytes that
+come out are those of an undisturbed read, none lost, none repeated; small whole objects (the
+manifest, offset sidecars: ``fetch_resumed``) resume at the byte reached too. Permanent failures
+(missing object, access denied, missing credentials, an invalid request) fail at once with what
+to check; ``classify.storage_error`` words every failure.
 
 The jitter is drawn from the operating system's randomness (``random.SystemRandom``), so the
 DataLoader workers of every rank, throttled together, sleep different delays and come back spread
@@ -32,6 +35,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
+
+import fsspec.asyn
+import fsspec.exceptions
 
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
@@ -81,11 +87,15 @@ class Fetcher:
     """One object's bytes, two ways: ``fetch(a, b, timeout)`` is one try at bytes [a, b) (a short
     body gives fewer bytes, a break mid-body a ``PartialRead``); ``open`` streams a range through
     one GET (``OpenBody``), None where the store has no streamed body (each read is then a request
-    of its own). ``kind`` names the path: "obstore", "s3fs" or "fsspec"."""
+    of its own). Given ``open`` alone, ``fetch`` reads one of its bodies (``body_fetch``). ``kind``
+    names the path: "obstore", "s3fs" or "fsspec"."""
 
     __slots__ = ("kind", "_fetch", "open")
 
-    def __init__(self, kind: str, fetch: Fetch, open_body: OpenBody | None = None):
+    def __init__(self, kind: str, fetch: Fetch | None = None, open_body: OpenBody | None = None):
+        if fetch is None:
+            assert open_body is not None, "a Fetcher needs fetch or open_body"
+            fetch = body_fetch(open_body)
         self.kind = kind
         self._fetch = fetch
         self.open = open_body
@@ -103,54 +113,30 @@ class PartialRead(Exception):
         self.cause = cause
 
 
-def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
-    """``fetch(a, b)`` for S3 through s3fs's client, streaming the body in ``chunk_size`` pieces so
-    that a connection that breaks midway still hands over the pieces that arrived (as PartialRead).
-    (64 KiB pieces cost two thirds of the throughput against 1 MiB ones.) A try that outlives
-    ``timeout`` is cancelled on the event loop (its connection is closed, not leaked)."""
-    import fsspec.asyn
-
-    bucket, key, version = fs.split_path(path)
-    extra = {"VersionId": version} if version else {}
-
-    async def get(a: int, b: int, out: bytearray, got: list[int]) -> None:
-        resp = await s3_call(fs, "get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
-        body = resp["Body"]
-        view = memoryview(out)
-        try:
-            while got[0] < b - a:
-                n = await body.readinto(view[got[0] : got[0] + chunk_size])
-                if not n:
-                    break
-                got[0] += n
-        finally:
-            view.release()
-            body.close()
-
-    async def get_bounded(a: int, b: int, out: bytearray, got: list[int], timeout: float | None) -> None:
-        if timeout is None:
-            await get(a, b, out, got)
-            return
-        try:
-            await asyncio.wait_for(get(a, b, out, got), timeout)
-        except TimeoutError as exc:
-            if exc.args:  # botocore/aiohttp's own read or connect timeout
-                raise
-            raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
+def body_fetch(open_body: OpenBody) -> Fetch:
+    """``fetch(a, b, timeout)`` over a streamed GET: one try at bytes [a, b), the body read into
+    one buffer of the range's size (fewer bytes when the object ends first); a body that breaks
+    after some bytes raises ``PartialRead`` with them, so the retry asks from the byte reached
+    (fsspec's ``cat_file`` reads a body whole and loses them all: a store that cut every body
+    short would never get past the first cut)."""
 
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        # The body is read into one buffer of the range's size: appending to a growing bytearray
-        # copied the block again at each of its reallocations (about 1/8 growth each).
         out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
-        got = [0]
+        view = memoryview(out)
+        got = 0
+        body = open_body(a, b, timeout)
         try:
-            fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, got, timeout)
+            while got < b - a and (n := body.readinto(view[got:], timeout)):
+                got += n
         except Exception as exc:  # classified by the caller; the bytes that arrived are kept
-            if got[0] and classify(exc) in TRANSIENT:
-                raise PartialRead(bytes(out[: got[0]]), exc) from exc
+            if got and classify(exc) in TRANSIENT:
+                raise PartialRead(bytes(out[:got]), exc) from exc
             raise
-        if got[0] < b - a:  # the object ended early (the caller reports a short read)
-            del out[got[0] :]
+        finally:
+            body.close()
+            view.release()
+        if got < b - a:  # the object ended early (the caller reports a short read)
+            del out[got:]
         return out  # a bytearray: no extra copy of a large block
 
     return fetch
@@ -256,14 +242,25 @@ def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
 
 
 def fs_fetcher(fs: Any, path: str) -> Fetch:
-    """``fetch(a, b)`` for any other fsspec filesystem (its own timeouts apply)."""
+    """``fetch(a, b, timeout)`` through an fsspec filesystem: one ranged ``cat_file`` per call
+    (s3fs's: one GET, its body read whole; a break loses that try's bytes, and the retry asks for
+    the same block again). On an async filesystem (s3fs, HTTP) the try is cancelled, its connection
+    closed, when ``timeout`` runs out (fsspec's ``sync`` with a timeout); elsewhere the
+    filesystem's own timeouts apply."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
     extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
+    bounded = getattr(fs, "async_impl", False)
 
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        data = fs.cat_file(path, start=a, end=b, **extra)
+        if bounded and timeout is not None:
+            try:
+                data = fsspec.asyn.sync(fs.loop, fs._cat_file, path, start=a, end=b, timeout=timeout)
+            except fsspec.exceptions.FSTimeoutError:
+                raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
+        else:
+            data = fs.cat_file(path, start=a, end=b, **extra)
         if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
             url = fs.unstrip_protocol(path)
             raise StorageError(
@@ -345,18 +342,44 @@ def call(
     fs: Any = None,
     path: str | None = None,
     began: float | None = None,
+    bounded: bool = False,
 ) -> T:
-    """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
-    let a bare 403 be asked again for its reason; ``began`` (``time.monotonic()``): when the
-    request started, if before this call (the time an error reports counts from there). Each try
-    is bounded by the filesystem's own timeouts, which ``StorageConfig.fs_options`` keeps within
-    the deadline."""
+    """Run one storage call under the retry policy; ``fs``/``path`` let a bare 403 be asked again
+    for its reason; ``began`` (``time.monotonic()``): when the request started, if before this call
+    (the time an error reports counts from there). Each try is bounded by the filesystem's own
+    timeouts, which ``StorageConfig.fs_options`` cuts to the deadline. ``bounded`` (a HEAD, a
+    listing: a call that cannot be handed the time left as a GET is) also waits for a try no longer
+    than the time left, on a thread of its own: a try that outlives the deadline fails with a
+    timeout there (its thread ends at those timeouts; a try started late once ran that long past
+    the deadline, about twice the deadline in all). Not for a whole file's read, which may take
+    longer than the deadline while its bytes keep coming."""
     attempts = _Attempts(url, config, JITTER, counters or NullCounters(), sleep, hint, fs, path, began)
     while True:
         try:
-            return fn()
+            return _within(fn, attempts.remaining()) if bounded else fn()
         except Exception as exc:  # noqa: BLE001 - classified: bugs are re-raised untouched
             attempts.failed(exc)
+
+
+def _within(fn: Callable[[], T], timeout: float) -> T:
+    """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds (then a TimeoutError)."""
+    done: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.append((False, exc))
+
+    thread = threading.Thread(target=run, name="shardstream-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not done:
+        raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)")
+    ok, value = done[0]
+    if ok:
+        return value
+    raise value
 
 
 def fetch_resumed(
@@ -412,7 +435,7 @@ class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
 
-    Where ``fetch`` has ``open`` (S3), the range is one GET: the first read sends a request for
+    Where ``fetch`` has ``open`` (obstore), the range is one GET: the first read sends a request for
     all of [start, end) and every read takes its next bytes from that body, straight into the
     block it returns (no copy but the kernel's). A body that breaks keeps what arrived (returned
     short; the next read sends a new request from the byte reached), and a failure before any byte
