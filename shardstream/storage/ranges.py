@@ -4,8 +4,7 @@ Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
     fetch.open(a, b, timeout)     on S3 one GET streamed as a body (``objects.ObjectBody`` through
                                   obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve)
-    fetch(a, b, timeout)          one try: one such body read whole (``retry.body_fetch``), elsewhere
-                                  fsspec's ranged cat_file
+    fetch(a, b, timeout)          elsewhere one try: fsspec's ranged cat_file (``retry.fs_fetcher``)
     make_range_reader             a range's reads: on S3 one GET for all of it, read block by block;
                                   retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
@@ -189,7 +188,6 @@ def read_head(
     GET on S3, no HEAD first) under the retry policy, each try bounded by the deadline's time
     left; a try that breaks midway keeps what arrived and the next asks from the byte reached
     (this is for small objects: offset sidecars)."""
-    began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
         try:
@@ -197,7 +195,7 @@ def read_head(
                 return f.read(n)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began))
+    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint))
 
 
 def object_size(
@@ -265,7 +263,7 @@ def read_object(
     if url.startswith(("s3://", "s3a://")):
         fs, path, fetch = resolve(url, storage_options, config)
         if fetch is not None:
-            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
+            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint)
             if len(head) < first:
                 return bytes(head)
             if limit is not None and len(head) > limit:
@@ -314,7 +312,3 @@ class FileReader:
         if self._counters is not None:
             self._counters.add("bytes_read", n)
         return n
-
-
-def _noop() -> None:
-    pass

@@ -84,62 +84,21 @@ class OpenBody(Protocol):
 
 
 class Fetcher:
-    """One object's bytes, two ways: ``fetch(a, b, timeout)`` is one try at bytes [a, b) (a short
-    body gives fewer bytes, a break mid-body a ``PartialRead``); ``open`` streams a range through
-    one GET (``OpenBody``), None where the store has no streamed body (each read is then a request
-    of its own). Given ``open`` alone, ``fetch`` reads one of its bodies (``body_fetch``). ``kind``
-    names the path: "obstore", "s3fs" or "fsspec"."""
+    """One object's bytes, one of two ways: ``open`` streams a range through one GET
+    (``OpenBody``: S3), else ``fetch(a, b, timeout)`` is one try at bytes [a, b) (fewer when the
+    object ends first), each read a request of its own. ``kind`` names the path: "obstore",
+    "s3fs" or "fsspec"."""
 
     __slots__ = ("kind", "_fetch", "open")
 
     def __init__(self, kind: str, fetch: Fetch | None = None, open_body: OpenBody | None = None):
-        if fetch is None:
-            assert open_body is not None, "a Fetcher needs fetch or open_body"
-            fetch = body_fetch(open_body)
         self.kind = kind
         self._fetch = fetch
         self.open = open_body
 
     def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes:
+        assert self._fetch is not None, f"the {self.kind} path streams its ranges (open)"
         return self._fetch(a, b, timeout)
-
-
-class PartialRead(Exception):
-    """A read that broke after delivering ``data``: keep it, resume after it."""
-
-    def __init__(self, data: bytes, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.data = data
-        self.cause = cause
-
-
-def body_fetch(open_body: OpenBody) -> Fetch:
-    """``fetch(a, b, timeout)`` over a streamed GET: one try at bytes [a, b), the body read into
-    one buffer of the range's size (fewer bytes when the object ends first); a body that breaks
-    after some bytes raises ``PartialRead`` with them, so the retry asks from the byte reached
-    (fsspec's ``cat_file`` reads a body whole and loses them all: a store that cut every body
-    short would never get past the first cut)."""
-
-    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
-        view = memoryview(out)
-        got = 0
-        body = open_body(a, b, timeout)
-        try:
-            while got < b - a and (n := body.readinto(view[got:], timeout)):
-                got += n
-        except Exception as exc:  # classified by the caller; the bytes that arrived are kept
-            if got and classify(exc) in TRANSIENT:
-                raise PartialRead(bytes(out[:got]), exc) from exc
-            raise
-        finally:
-            body.close()
-            view.release()
-        if got < b - a:  # the object ended early (the caller reports a short read)
-            del out[got:]
-        return out  # a bytearray: no extra copy of a large block
-
-    return fetch
 
 
 class _S3fsBody:
@@ -392,43 +351,29 @@ def fetch_resumed(
     counters: Any = None,
     sleep: Callable[[float], None] = time.sleep,
     hint: str = "",
-    fs: Any = None,
-    path: str | None = None,
-    began: float | None = None,
 ) -> bytes:
-    """Bytes [a, b) of a small object, or fewer when it ends first, under the retry policy: each
-    try gets what is left of the deadline as its timeout, and a try that breaks midway keeps the
-    bytes that arrived and the next one asks from the byte reached (progress starts the deadline
-    afresh, as for shard ranges). For the manifest's first read and offset sidecars."""
-    counters = counters or NullCounters()
-    parts: list[bytes] = []
-    pos = a
-    while True:
-        attempts = _Attempts(url, config, JITTER, counters, sleep, hint, fs, path, began)
-        began = None  # a later request after progress counts from its own start
-        while True:
-            try:
-                data = fetch(pos, b, attempts.remaining())
-            except PartialRead as partial:
-                if not partial.data:  # (no progress: an ordinary failed try)
-                    attempts.failed(partial.cause if isinstance(partial.cause, Exception) else partial, resumed=pos > a)
-                    continue
-                data = partial.data
-                counters.add("retries")
-                counters.add("resumes")
-                logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
-                break
-            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
-                attempts.failed(exc, resumed=pos > a)
-                continue
-            if pos == a:
-                return data  # the usual case: one try, its buffer as it is
-            parts.append(data)
-            return b"".join(parts)
-        parts.append(data)
-        pos += len(data)
-        if pos >= b:
-            return b"".join(parts)
+    """Bytes [a, b) of a small object, or fewer when it ends first, read whole by a ``RangeReader``
+    (one request; a try that breaks keeps what arrived and the next asks from the byte reached).
+    Only its retries are counted, not as a stream's requests and bytes. For the manifest's first
+    read and offset sidecars."""
+    reader = RangeReader(
+        fetch, url=url, start=a, end=b, counters=_RetriesOnly(counters), config=config, sleep=sleep, hint=hint, short_object_ends=True
+    )
+    parts = []
+    while chunk := reader(b - a):
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class _RetriesOnly:
+    """Counters that pass on retries, resumes and throttles only."""
+
+    def __init__(self, counters: Any):
+        self._counters = counters or NullCounters()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if name in ("retries", "resumes", "throttles"):
+            self._counters.add(name, n)
 
 
 class RangeReader:
@@ -565,6 +510,7 @@ class RangeReader:
                     if sent:  # a new request answered with nothing at all
                         attempts.failed(EOFError(f"empty body for bytes {self.pos}-{self.end}"), resumed=self.pos > self.start_at)
                     continue  # ask again from here: the answer says where the object ends (416)
+                self.end = self.pos + got  # (no request more to learn it)
             break
         counters.add("bytes_read", got)
         self.pos += got
@@ -584,13 +530,6 @@ class RangeReader:
                 data = self._fetch(pos, stop, attempts.remaining())
                 if not data:
                     raise EOFError(f"empty body for bytes {pos}-{stop}")
-            except PartialRead as partial:  # keep what arrived; the next read resumes right after it
-                data = partial.data
-                counters.add("retries")
-                counters.add("resumes")
-                if classify(partial.cause) is Kind.THROTTLED:
-                    counters.add("throttles")
-                logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, pos + len(data), partial.cause)
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
                 if self._short_ends and is_past_end(exc):
@@ -600,7 +539,9 @@ class RangeReader:
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             counters.add("bytes_read", len(data))
-            self.pos = pos + len(data)  # a short body is not an error: the next read resumes from here
+            self.pos = pos + len(data)
+            if self.pos < stop:  # a short body: the object ends here
+                self.end = self.pos
             return data
 
 
