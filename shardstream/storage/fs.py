@@ -98,6 +98,12 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
     return url_to_fs(url, **options)
 
 
+def aws_environment() -> tuple[tuple[str, str], ...]:
+    """The ``AWS_*`` and ``REQUESTS_CA_BUNDLE`` variables: what a cached session or client depends on
+    (one made under other credentials, profile, files or CA bundle is not reused)."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "REQUESTS_CA"))))
+
+
 _profiles: dict[tuple, frozenset[str]] = {}
 
 
@@ -110,7 +116,7 @@ def check_profile(profile: str | None) -> None:
         profile, source = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"), "AWS_PROFILE"
     if not profile:
         return
-    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = aws_environment()
     known = _profiles.get(key)
     if known is None:
         import botocore.session
@@ -179,9 +185,7 @@ def shared_s3_session(options: Mapping[str, Any]):
     if "session" in options or not set(options) <= _S3FS_ARGS | {"profile"}:
         return None
     profile = options.get("profile")
-    # A session resolves credentials once: one made under other AWS_* variables (a rotated key,
-    # another profile or credentials file) is not reused.
-    key = (profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    key = (profile, aws_environment())  # (a rotated key, another profile or credentials file: another session)
     with _sessions_lock:
         session = _sessions.get(key)
         if session is None:

@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 
 from shardstream.errors import ConfigError
 from shardstream.storage.config import StorageConfig
-from shardstream.storage.fs import check_profile
+from shardstream.storage.fs import aws_environment, check_profile
 
 CHUNK = 0  # obstore's stream hands each piece on as it arrives: a break mid-body keeps every byte before it
 REFRESH = datetime.timedelta(minutes=5)  # refreshing credentials are asked for again this often
@@ -116,7 +116,7 @@ _sessions: dict[tuple, tuple[Any, str | None]] = {}
 
 def _botocore(profile: str | None) -> tuple[Any, str | None]:
     """(credentials, region) from botocore's chain, once per profile and ``AWS_*`` environment."""
-    key = (profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    key = (profile, aws_environment())
     found = _sessions.get(key)
     if found is None:
         import botocore.session
@@ -246,8 +246,7 @@ def client_for(path: str, options: Mapping[str, Any], config: StorageConfig) -> 
     from fsspec.utils import tokenize
 
     bucket = path.split("/", 1)[0]
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "REQUESTS_CA"))))
-    key = (os.getpid(), bucket, tokenize(dict(options)), env, config)
+    key = (os.getpid(), bucket, tokenize(dict(options)), aws_environment(), config)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
