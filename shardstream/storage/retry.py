@@ -5,16 +5,17 @@ Through obstore (S3, ``objects.py``) a range is one GET: its request asks for th
 block the caller gets); a new request is made only to resume after a failure: a connection that
 breaks midway keeps the bytes that arrived and the next request starts at the exact byte where it
 broke. So it is through s3fs where obstore cannot serve (``_S3fsBody``). fsspec's other stores
-(HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file`` (``fs_fetcher``),
-and a try that breaks is asked for its whole block again. Either way a failed request (reset, timeout, throttling answer) is retried with
-exponential backoff and full jitter until ``StorageConfig.deadline`` runs out (``max_attempts``,
-when set, caps the tries too). The deadline bounds each try as well: a try is given the time left
-(obstore's timeouts are cut to it, an async fsspec call is cancelled at it, a HEAD or a listing is
-waited for no longer: ``call``), so a stalled answer or body ends at the deadline. The bytes that
-come out are those of an undisturbed read, none lost, none repeated; small whole objects (the
-manifest, offset sidecars: ``fetch_resumed``) resume at the byte reached too. Permanent failures
-(missing object, access denied, missing credentials, an invalid request) fail at once with what
-to check; ``classify.storage_error`` words every failure.
+(HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file``
+(``fs_fetcher``), and a try that breaks is asked for its whole block again. Either way a failed
+request (reset, timeout, throttling answer) is retried with exponential backoff and full jitter
+until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
+deadline bounds each try as well: a try is given the time left (obstore's timeouts are cut to it,
+an async fsspec call is cancelled at it, a HEAD or a listing is waited for no longer: ``call``),
+so a stalled answer or body ends at the deadline. The bytes that come out are those of an
+undisturbed read, none lost, none repeated; small whole objects (the manifest, offset sidecars:
+``fetch_resumed``) resume at the byte reached too. Permanent failures (missing object, access
+denied, missing credentials, an invalid request) fail at once with what to check;
+``classify.storage_error`` words every failure.
 
 The jitter is drawn from the operating system's randomness (``random.SystemRandom``), so the
 DataLoader workers of every rank, throttled together, sleep different delays and come back spread
@@ -58,6 +59,10 @@ class Fetch(Protocol):
 
 
 JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
+# A try that would start with less of the deadline left than this is not made: it would meet its
+# own timeout rather than the store ("no answer within the 0.0 s left"), and the error would no
+# longer name what the tries met (a refused connection, a 503).
+LAST_TRY = 0.1
 
 
 def backoff(attempt: int, rng: random.Random = JITTER, config: StorageConfig = DEFAULT_STORAGE) -> float:
@@ -201,11 +206,11 @@ def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
 
 
 def fs_fetcher(fs: Any, path: str) -> Fetch:
-    """``fetch(a, b, timeout)`` through an fsspec filesystem: one ranged ``cat_file`` per call
-    (s3fs's: one GET, its body read whole; a break loses that try's bytes, and the retry asks for
-    the same block again). On an async filesystem (s3fs, HTTP) the try is cancelled, its connection
-    closed, when ``timeout`` runs out (fsspec's ``sync`` with a timeout); elsewhere the
-    filesystem's own timeouts apply."""
+    """``fetch(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
+    ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
+    and the retry asks for the same block again). On an async filesystem (HTTP) the try is
+    cancelled, its connection closed, when ``timeout`` runs out (fsspec's ``sync`` with a
+    timeout); elsewhere the filesystem's own timeouts apply."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
@@ -236,7 +241,7 @@ class _Attempts:
     """One request's tries: counts them, sleeps the backoff, and decides when to give up.
 
     The deadline is the bound: a transient failure is retried, after a full-jitter backoff, while
-    the backoff still ends before ``config.deadline`` (counted from ``began``); ``remaining()`` is
+    the backoff still ends ``LAST_TRY`` before ``config.deadline`` (counted from ``began``); ``remaining()`` is
     what a try may take (its timeouts are cut to it). ``config.max_attempts``, when set, caps
     the tries as well. Throttling answers back off like any other transient failure.
 
@@ -279,7 +284,7 @@ class _Attempts:
             ) from exc
         delay = backoff(self.attempt, self.rng, self.config)
         cap = self.config.max_attempts
-        if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline:
+        if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline - LAST_TRY:
             raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
         self.counters.add("retries")
         if resumed:
@@ -360,8 +365,11 @@ def fetch_resumed(
         fetch, url=url, start=a, end=b, counters=_RetriesOnly(counters), config=config, sleep=sleep, hint=hint, short_object_ends=True
     )
     parts = []
-    while chunk := reader(b - a):
-        parts.append(chunk)
+    try:
+        while chunk := reader(b - a):
+            parts.append(chunk)
+    finally:
+        reader.close()
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -380,7 +388,7 @@ class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
 
-    Where ``fetch`` has ``open`` (obstore), the range is one GET: the first read sends a request for
+    Where ``fetch`` has ``open`` (S3), the range is one GET: the first read sends a request for
     all of [start, end) and every read takes its next bytes from that body, straight into the
     block it returns (no copy but the kernel's). A body that breaks keeps what arrived (returned
     short; the next read sends a new request from the byte reached), and a failure before any byte
