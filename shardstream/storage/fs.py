@@ -14,6 +14,7 @@ a pack's destination check (``check_destination_writable``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import posixpath
@@ -138,37 +139,20 @@ def require_hf(url: str) -> None:
         raise ConfigError(f"{url}: hf:// URLs (the Hugging Face Hub) need huggingface_hub: pip install 'shardstream[hf]'")
 
 
-# s3fs's own keyword arguments: options beyond these (and ``profile``) go to the botocore session
-# s3fs makes, so a dataset with such options keeps a session of its own.
-_S3FS_ARGS = frozenset(
-    {
-        "anon",
-        "endpoint_url",
-        "key",
-        "secret",
-        "token",
-        "use_ssl",
-        "client_kwargs",
-        "requester_pays",
-        "default_block_size",
-        "default_fill_cache",
-        "default_cache_type",
-        "version_aware",
-        "config_kwargs",
-        "s3_additional_kwargs",
-        "username",
-        "password",
-        "cache_regions",
-        "asynchronous",
-        "loop",
-        "max_concurrency",
-        "fixed_upload_size",
-        "skip_instance_cache",
-        "use_listings_cache",
-        "listings_expiry_time",
-        "max_paths",
-    }
-)
+@functools.cache
+def _s3fs_args() -> frozenset[str]:
+    """s3fs's own keyword arguments and fsspec's for its instance and listings caches, read from
+    their signatures: options beyond these (and ``profile``) go to the botocore session s3fs makes,
+    so a dataset with such options keeps a session of its own."""
+    import inspect
+
+    import s3fs
+    from fsspec.dircache import DirCache
+
+    names = set(inspect.signature(s3fs.S3FileSystem.__init__).parameters) | set(inspect.signature(DirCache.__init__).parameters)
+    return frozenset(names - {"self", "args", "kwargs"}) | {"skip_instance_cache"}
+
+
 _sessions: dict[tuple, Any] = {}
 _sessions_lock = threading.Lock()
 
@@ -182,7 +166,7 @@ def shared_s3_session(options: Mapping[str, Any]):
     they inherit a session that has them loaded: a worker's first request went from ~0.45 s to
     ~0.09 s (benchmarks/bench_s3.py). None when the options need a session of their own (one given,
     or session arguments this module does not know)."""
-    if "session" in options or not set(options) <= _S3FS_ARGS | {"profile"}:
+    if "session" in options or not set(options) <= _s3fs_args() | {"profile"}:
         return None
     profile = options.get("profile")
     key = (profile, aws_environment())  # (a rotated key, another profile or credentials file: another session)
