@@ -190,11 +190,8 @@ def read_head(
     (this is for small objects: offset sidecars)."""
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
-        try:
-            with open(path, "rb") as f:
-                return f.read(n)
-        except OSError as exc:
-            raise storage_error(url, exc, hint=hint) from exc
+        with _open_local(url, path, 0, hint) as f:
+            return f.read(n)
     return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint))
 
 
