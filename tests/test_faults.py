@@ -290,3 +290,35 @@ def test_a_stalled_head_fails_within_the_deadline(s3):
             object_size(f"s3://{bucket}/head/obj", {"endpoint_url": proxy.url}, config=config)
         elapsed = time.monotonic() - began
     assert proxy.counts["stalls"] >= 1 and elapsed < 3 * 1.5 + 2, (elapsed, str(info.value))  # (generous: a loaded machine)
+
+
+@pytest.mark.parametrize("what", ["head obstore", "head s3fs", "listing"])
+def test_a_late_try_of_a_head_or_a_listing_ends_at_the_deadline(s3, what):
+    """A HEAD or a listing cannot be handed the time left as a GET is: its try ran to the
+    filesystem's own timeouts (cut to the deadline, not to what is left of it), so a try that
+    started late, here 5 s into a 6 s deadline (``began``: earlier tries, the manifest's first
+    read), stalled about 6 s more, about twice the deadline in all. Now the try is waited for no
+    longer than the second left. (The gap asserted, under 4 s against about 6, is wide for a
+    loaded machine.)"""
+    from shardstream.storage.config import StorageConfig
+    from shardstream.storage.fs import get_fs
+    from shardstream.storage.ranges import object_size
+    from shardstream.storage.retry import call
+
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="late/obj", Body=b"x" * 100)
+    method = "GET" if what == "listing" else "HEAD"
+    config = StorageConfig(deadline=6, connect_timeout=30, read_timeout=30, s3_client=what.split()[-1] if what != "listing" else "obstore")
+    with FaultProxy(options["endpoint_url"], faulty_methods=(method,), stall="accept") as proxy:
+        proxied = {"endpoint_url": proxy.url}
+        url = f"s3://{bucket}/late/obj" if method == "HEAD" else f"s3://{bucket}/late/"
+        began = time.monotonic()
+        with pytest.raises(StorageTimeout, match=r"late/.*timeout.* after 1 try in ([6-9]|\d\d)\.\d s") as info:
+            if method == "HEAD":
+                object_size(url, proxied, config=config, began=began - 5)
+            else:
+                fs, path = get_fs(url, config.fs_options(proxied, "s3"), config)
+                call(url, lambda: fs.ls(path, refresh=True), config=config, began=began - 5, bounded=True)
+        elapsed = time.monotonic() - began
+    assert proxy.counts["stalls"] == 1 and elapsed < 4, (elapsed, str(info.value))
+    assert 6 <= info.value.waited < 9

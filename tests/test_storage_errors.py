@@ -23,7 +23,7 @@ from shardstream import errors as E
 from shardstream.cli.main import main
 from shardstream.storage.classify import Kind, classify, storage_error
 from shardstream.storage.config import StorageConfig
-from shardstream.storage.retry import make_range_reader, s3_fetcher
+from shardstream.storage.retry import Fetcher, make_range_reader, s3_opener
 
 
 def fresh_fs(endpoint, **config):
@@ -101,7 +101,7 @@ def test_throttle_is_retried_and_an_invalid_range_is_not(s3):
     exc = raised(lambda: fs.cat_file(f"{bucket}/k", start=500, end=600))  # 416 InvalidRange: the request is wrong
     assert classify(exc) is Kind.INVALID
     sleeps: list[float] = []
-    read = make_range_reader(s3_fetcher(fs, f"{bucket}/k"), url=f"s3://{bucket}/k", start=500, end=600, sleep=sleeps.append)
+    read = make_range_reader(Fetcher("s3fs", open_body=s3_opener(fs, f"{bucket}/k")), url=f"s3://{bucket}/k", start=500, end=600, sleep=sleeps.append)
     with pytest.raises(E.StorageError, match="refused the request as invalid"):
         read(100)
     assert sleeps == []  # not retried

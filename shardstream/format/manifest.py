@@ -117,6 +117,14 @@ class Manifest:
     2; 2 when built in memory). The file format: docs/manifest.md.
     """
 
+    kind: str | None = None  # the ``"kind"`` field of the JSON it is read from (None: a tar dataset's, with none)
+    kinds: dict[str, type[Manifest]] = {}  # kind -> its subclass (``TableManifest``: format/parquet.py), each registered as defined
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind is not None:
+            Manifest.kinds[cls.kind] = cls
+
     def __init__(
         self,
         shards: Sequence[ShardInfo] = (),
@@ -536,12 +544,8 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
         raise restated(exc, f"cannot read the manifest: {exc}", ManifestError) from exc
     doc = parse_json(raw, url)
     del raw
-    if isinstance(doc, dict) and doc.get("kind") == "parquet":  # a Parquet table's manifest (format/parquet.py)
-        from shardstream.format.parquet import TableManifest
-
-        manifest: Manifest = TableManifest.from_json(doc, url)
-    else:
-        manifest = Manifest.from_json(doc, url)
+    kind = Manifest.kinds.get(str(doc.get("kind"))) if isinstance(doc, dict) else None  # a Parquet table's: format/parquet.py
+    manifest = (kind or Manifest).from_json(doc, url)
     manifest.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
     manifest.storage_options = dict(storage_options or {})
     confine(manifest, url, config.allow_roots)

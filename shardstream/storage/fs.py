@@ -14,6 +14,7 @@ a pack's destination check (``check_destination_writable``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import posixpath
@@ -98,6 +99,12 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
     return url_to_fs(url, **options)
 
 
+def aws_environment() -> tuple[tuple[str, str], ...]:
+    """The ``AWS_*`` and ``REQUESTS_CA_BUNDLE`` variables: what a cached session or client depends on
+    (one made under other credentials, profile, files or CA bundle is not reused)."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "REQUESTS_CA"))))
+
+
 _profiles: dict[tuple, frozenset[str]] = {}
 
 
@@ -110,7 +117,7 @@ def check_profile(profile: str | None) -> None:
         profile, source = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE"), "AWS_PROFILE"
     if not profile:
         return
-    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    key = aws_environment()
     known = _profiles.get(key)
     if known is None:
         import botocore.session
@@ -132,37 +139,20 @@ def require_hf(url: str) -> None:
         raise ConfigError(f"{url}: hf:// URLs (the Hugging Face Hub) need huggingface_hub: pip install 'shardstream[hf]'")
 
 
-# s3fs's own keyword arguments: options beyond these (and ``profile``) go to the botocore session
-# s3fs makes, so a dataset with such options keeps a session of its own.
-_S3FS_ARGS = frozenset(
-    {
-        "anon",
-        "endpoint_url",
-        "key",
-        "secret",
-        "token",
-        "use_ssl",
-        "client_kwargs",
-        "requester_pays",
-        "default_block_size",
-        "default_fill_cache",
-        "default_cache_type",
-        "version_aware",
-        "config_kwargs",
-        "s3_additional_kwargs",
-        "username",
-        "password",
-        "cache_regions",
-        "asynchronous",
-        "loop",
-        "max_concurrency",
-        "fixed_upload_size",
-        "skip_instance_cache",
-        "use_listings_cache",
-        "listings_expiry_time",
-        "max_paths",
-    }
-)
+@functools.cache
+def _s3fs_args() -> frozenset[str]:
+    """s3fs's own keyword arguments and fsspec's for its instance and listings caches, read from
+    their signatures: options beyond these (and ``profile``) go to the botocore session s3fs makes,
+    so a dataset with such options keeps a session of its own."""
+    import inspect
+
+    import s3fs
+    from fsspec.dircache import DirCache
+
+    names = set(inspect.signature(s3fs.S3FileSystem.__init__).parameters) | set(inspect.signature(DirCache.__init__).parameters)
+    return frozenset(names - {"self", "args", "kwargs"}) | {"skip_instance_cache"}
+
+
 _sessions: dict[tuple, Any] = {}
 _sessions_lock = threading.Lock()
 
@@ -176,12 +166,10 @@ def shared_s3_session(options: Mapping[str, Any]):
     they inherit a session that has them loaded: a worker's first request went from ~0.45 s to
     ~0.09 s (benchmarks/bench_s3.py). None when the options need a session of their own (one given,
     or session arguments this module does not know)."""
-    if "session" in options or not set(options) <= _S3FS_ARGS | {"profile"}:
+    if "session" in options or not set(options) <= _s3fs_args() | {"profile"}:
         return None
     profile = options.get("profile")
-    # A session resolves credentials once: one made under other AWS_* variables (a rotated key,
-    # another profile or credentials file) is not reused.
-    key = (profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    key = (profile, aws_environment())  # (a rotated key, another profile or credentials file: another session)
     with _sessions_lock:
         session = _sessions.get(key)
         if session is None:
@@ -295,13 +283,18 @@ def check_destination_writable(fs, path: str, *, storage_options: Mapping[str, A
     bucket = path.split("/", 1)[0]
     url = full_url(fs, bucket)
     try:
-        storage_call(url, lambda probe, bucket_path: probe.ls(bucket_path, refresh=True), storage_options, config)
+        storage_call(url, lambda probe, bucket_path: probe.ls(bucket_path, refresh=True), storage_options, config, bounded=True)
     except Exception as exc:
         raise destination_error(url, exc) from exc
 
 
 def storage_call(
-    url: str, fn: Callable[[Any, str], T], storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE
+    url: str,
+    fn: Callable[[Any, str], T],
+    storage_options: Mapping[str, Any] | None = None,
+    config: StorageConfig = DEFAULT_STORAGE,
+    *,
+    bounded: bool = False,
 ) -> T:
     """``fn(fs, path)`` for ``url`` under ``config``. On remote storage ``fs`` makes one try per
     call (botocore's retries off, ``config``'s timeouts: ``StorageConfig.fs_options``) and the call
@@ -309,12 +302,13 @@ def storage_call(
     5xx, throttling) is retried with backoff until ``config.deadline`` (and ``config.max_attempts``,
     if set), a permanent one fails at once, and either becomes a StorageError naming ``url``, the
     cause, and the tries and time it took (a missing object: ``StorageNotFound``, a
-    FileNotFoundError). Local paths: ``fn`` runs once, its errors as they are."""
+    FileNotFoundError). ``bounded``: ``fn`` is a listing or a HEAD, each try waited for no longer
+    than the deadline's time left (``retry.call``). Local paths: ``fn`` runs once, its errors as they are."""
     began = time.monotonic()
     fs, path = get_fs(url, config.fs_options(storage_options, fsspec.utils.get_protocol(url)), config)
     if is_local(fs):
         return fn(fs, path)
-    return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began)
+    return call(url, lambda: fn(fs, path), config=config, fs=fs, path=path, began=began, bounded=bounded)
 
 
 GLOB_CHARS = "*?["
@@ -337,4 +331,4 @@ def expand_urls(pattern: str, storage_options: Mapping[str, Any] | None = None) 
 def expand_retried(pattern: str, storage_options: Mapping[str, Any] | None = None, config: StorageConfig = DEFAULT_STORAGE) -> list[str]:
     """``expand_urls`` under ``config``'s retry policy (a glob lists storage: ``storage_call``)."""
     one_try = config.fs_options(storage_options, fsspec.utils.get_protocol(pattern))
-    return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config)
+    return storage_call(pattern, lambda fs, path: expand_urls(pattern, one_try), storage_options, config, bounded=True)

@@ -40,12 +40,9 @@ from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import ConfigError
-from shardstream.storage.classify import TRANSIENT, classify
 from shardstream.storage.config import StorageConfig
-from shardstream.storage.fs import check_profile
-from shardstream.storage.retry import PartialRead
+from shardstream.storage.fs import aws_environment, check_profile
 
 CHUNK = 0  # obstore's stream hands each piece on as it arrives: a break mid-body keeps every byte before it
 REFRESH = datetime.timedelta(minutes=5)  # refreshing credentials are asked for again this often
@@ -119,7 +116,7 @@ _sessions: dict[tuple, tuple[Any, str | None]] = {}
 
 def _botocore(profile: str | None) -> tuple[Any, str | None]:
     """(credentials, region) from botocore's chain, once per profile and ``AWS_*`` environment."""
-    key = (profile, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    key = (profile, aws_environment())
     found = _sessions.get(key)
     if found is None:
         import botocore.session
@@ -219,31 +216,6 @@ class Client:
     def open(self, key: str, a: int, b: int, timeout: float | None = None) -> ObjectBody:
         return ObjectBody(self, key, a, b, timeout)
 
-    def fetch(self, key: str, a: int, b: int, timeout: float | None = None) -> bytearray:
-        """One try at bytes [a, b) (``retry.Fetch``): fewer when the object ends first; a body
-        that breaks after some bytes raises ``PartialRead`` with them."""
-        out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
-        view = memoryview(out)
-        got = 0
-        body = self.open(key, a, b, timeout)
-        try:
-            while got < b - a:
-                n = body.readinto(view[got:], timeout)
-                if not n:
-                    break
-                got += n
-        except Exception as exc:
-            view.release()
-            if got and classify(exc) in TRANSIENT:
-                raise PartialRead(bytes(out[:got]), exc) from exc
-            raise
-        finally:
-            body.close()
-        view.release()
-        if got < b - a:  # the object ended early (the caller reports a short read)
-            del out[got:]
-        return out
-
     def size(self, path: str) -> int:
         import obstore
 
@@ -274,8 +246,7 @@ def client_for(path: str, options: Mapping[str, Any], config: StorageConfig) -> 
     from fsspec.utils import tokenize
 
     bucket = path.split("/", 1)[0]
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "REQUESTS_CA"))))
-    key = (os.getpid(), bucket, tokenize(dict(options)), env, config)
+    key = (os.getpid(), bucket, tokenize(dict(options)), aws_environment(), config)
     with _clients_lock:
         client = _clients.get(key)
         if client is None:

@@ -2,9 +2,9 @@
 
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
-    fetch(a, b, timeout)          one try: a ranged GET (``objects.Client.fetch`` through obstore,
-                                  else ``retry.s3_fetcher``) or fsspec's cat_file; on S3 also
-    fetch.open(a, b, timeout)     one GET streamed as a body (``objects.ObjectBody``, ``retry._S3fsBody``)
+    fetch.open(a, b, timeout)     on S3 one GET streamed as a body (``objects.ObjectBody`` through
+                                  obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve)
+    fetch(a, b, timeout)          elsewhere one try: fsspec's ranged cat_file (``retry.fs_fetcher``)
     make_range_reader             a range's reads: on S3 one GET for all of it, read block by block;
                                   retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
@@ -33,7 +33,7 @@ from shardstream.storage import objects
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_fetcher, s3_opener
+from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_opener
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
@@ -59,14 +59,12 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
                     raise
                 raise storage_error(url, exc) from exc
             key = objects.key_of(path)
-            return client, path, Fetcher("obstore", functools.partial(client.fetch, key), functools.partial(client.open, key))
+            return client, path, Fetcher("obstore", open_body=functools.partial(client.open, key))
     fs, path = storage.get_fs(url, config.fs_options(storage_options, protocol))
     if storage.is_local(fs):
         return fs, path, None
-    if protocol in ("s3", "s3a"):
-        # This s3fs instance is keyed by the reader's own options: retries happen (and are counted) in retry.py.
-        fs.retries = 1
-        return fs, path, Fetcher("s3fs", s3_fetcher(fs, path), s3_opener(fs, path))
+    if protocol in ("s3", "s3a"):  # (s3fs's instance is keyed by the reader's own options: one try per call, retried in retry.py)
+        return fs, path, Fetcher("s3fs", open_body=s3_opener(fs, path))
     return fs, path, Fetcher("fsspec", fs_fetcher(fs, path))
 
 
@@ -190,15 +188,11 @@ def read_head(
     GET on S3, no HEAD first) under the retry policy, each try bounded by the deadline's time
     left; a try that breaks midway keeps what arrived and the next asks from the byte reached
     (this is for small objects: offset sidecars)."""
-    began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
-        try:
-            with open(path, "rb") as f:
-                return f.read(n)
-        except OSError as exc:
-            raise storage_error(url, exc, hint=hint) from exc
-    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began))
+        with _open_local(url, path, 0, hint) as f:
+            return f.read(n)
+    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint))
 
 
 def object_size(
@@ -210,8 +204,8 @@ def object_size(
     hint: str = "",
     began: float | None = None,
 ) -> int:
-    """The object's size in bytes (a HEAD on S3), under the retry policy (an error's time counts
-    from ``began``, else from this call)."""
+    """The object's size in bytes (a HEAD on S3), under the retry policy, each try waited for no
+    longer than the deadline's time left (an error's time counts from ``began``, else from this call)."""
     began = time.monotonic() if began is None else began
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
@@ -219,7 +213,7 @@ def object_size(
             return fs.size(path)
         except OSError as exc:
             raise storage_error(url, exc, hint=hint) from exc
-    return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
+    return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began, bounded=True)
 
 
 def open_object(
@@ -266,7 +260,7 @@ def read_object(
     if url.startswith(("s3://", "s3a://")):
         fs, path, fetch = resolve(url, storage_options, config)
         if fetch is not None:
-            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint, fs=fs, path=path, began=began)
+            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint)
             if len(head) < first:
                 return bytes(head)
             if limit is not None and len(head) > limit:
@@ -315,7 +309,3 @@ class FileReader:
         if self._counters is not None:
             self._counters.add("bytes_read", n)
         return n
-
-
-def _noop() -> None:
-    pass

@@ -1,17 +1,21 @@
 """Reading byte ranges from storage so that a training run survives the real world.
 
-On S3 a range is one GET: its request asks for the whole range [start, end), and each read takes
-the next block of that one body (``Body.readinto`` into the block the caller gets). A new request
-is made only to resume after a failure: a connection that breaks midway keeps the bytes that
-arrived and the next request starts at the exact byte where it broke; a failed request (reset
-before any data, timeout, throttling answer) is retried with exponential backoff and full jitter
+Through obstore (S3, ``objects.py``) a range is one GET: its request asks for the whole range
+[start, end), and each read takes the next block of that one body (``Body.readinto`` into the
+block the caller gets); a new request is made only to resume after a failure: a connection that
+breaks midway keeps the bytes that arrived and the next request starts at the exact byte where it
+broke. So it is through s3fs where obstore cannot serve (``_S3fsBody``). fsspec's other stores
+(HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file``
+(``fs_fetcher``), and a try that breaks is asked for its whole block again. Either way a failed
+request (reset, timeout, throttling answer) is retried with exponential backoff and full jitter
 until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
-deadline bounds each try as well: a try's connect and read timeouts are cut to the time left, so a
-stalled answer or body ends at the deadline. Stores with no streamed body (fsspec's others) make
-one request per read. The bytes that come out are those of an undisturbed read, none lost, none
-repeated; small whole objects (the manifest, offset sidecars: ``fetch_resumed``) resume at the
-byte reached too. Permanent failures (missing object, access denied, missing credentials, an
-invalid request) fail at once with what to check; ``classify.storage_error`` words every failure.
+deadline bounds each try as well: a try is given the time left (obstore's timeouts are cut to it,
+an async fsspec call is cancelled at it, a HEAD or a listing is waited for no longer: ``call``),
+so a stalled answer or body ends at the deadline. The bytes that come out are those of an
+undisturbed read, none lost, none repeated; small whole objects (the manifest, offset sidecars:
+``fetch_resumed``) resume at the byte reached too. Permanent failures (missing object, access
+denied, missing credentials, an invalid request) fail at once with what to check;
+``classify.storage_error`` words every failure.
 
 The jitter is drawn from the operating system's randomness (``random.SystemRandom``), so the
 DataLoader workers of every rank, throttled together, sleep different delays and come back spread
@@ -33,6 +37,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+import fsspec.asyn
+import fsspec.exceptions
+
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
 from shardstream.private import s3_call
@@ -52,6 +59,10 @@ class Fetch(Protocol):
 
 
 JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
+# A try that would start with less of the deadline left than this is not made: it would meet its
+# own timeout rather than the store ("no answer within the 0.0 s left"), and the error would no
+# longer name what the tries met (a refused connection, a 503).
+LAST_TRY = 0.1
 
 
 def backoff(attempt: int, rng: random.Random = JITTER, config: StorageConfig = DEFAULT_STORAGE) -> float:
@@ -78,82 +89,21 @@ class OpenBody(Protocol):
 
 
 class Fetcher:
-    """One object's bytes, two ways: ``fetch(a, b, timeout)`` is one try at bytes [a, b) (a short
-    body gives fewer bytes, a break mid-body a ``PartialRead``); ``open`` streams a range through
-    one GET (``OpenBody``), None where the store has no streamed body (each read is then a request
-    of its own). ``kind`` names the path: "obstore", "s3fs" or "fsspec"."""
+    """One object's bytes, one of two ways: ``open`` streams a range through one GET
+    (``OpenBody``: S3), else ``fetch(a, b, timeout)`` is one try at bytes [a, b) (fewer when the
+    object ends first), each read a request of its own. ``kind`` names the path: "obstore",
+    "s3fs" or "fsspec"."""
 
     __slots__ = ("kind", "_fetch", "open")
 
-    def __init__(self, kind: str, fetch: Fetch, open_body: OpenBody | None = None):
+    def __init__(self, kind: str, fetch: Fetch | None = None, open_body: OpenBody | None = None):
         self.kind = kind
         self._fetch = fetch
         self.open = open_body
 
     def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes:
+        assert self._fetch is not None, f"the {self.kind} path streams its ranges (open)"
         return self._fetch(a, b, timeout)
-
-
-class PartialRead(Exception):
-    """A read that broke after delivering ``data``: keep it, resume after it."""
-
-    def __init__(self, data: bytes, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.data = data
-        self.cause = cause
-
-
-def s3_fetcher(fs: Any, path: str, chunk_size: int = 1 << 20) -> Fetch:
-    """``fetch(a, b)`` for S3 through s3fs's client, streaming the body in ``chunk_size`` pieces so
-    that a connection that breaks midway still hands over the pieces that arrived (as PartialRead).
-    (64 KiB pieces cost two thirds of the throughput against 1 MiB ones.) A try that outlives
-    ``timeout`` is cancelled on the event loop (its connection is closed, not leaked)."""
-    import fsspec.asyn
-
-    bucket, key, version = fs.split_path(path)
-    extra = {"VersionId": version} if version else {}
-
-    async def get(a: int, b: int, out: bytearray, got: list[int]) -> None:
-        resp = await s3_call(fs, "get_object", Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}", **extra)
-        body = resp["Body"]
-        view = memoryview(out)
-        try:
-            while got[0] < b - a:
-                n = await body.readinto(view[got[0] : got[0] + chunk_size])
-                if not n:
-                    break
-                got[0] += n
-        finally:
-            view.release()
-            body.close()
-
-    async def get_bounded(a: int, b: int, out: bytearray, got: list[int], timeout: float | None) -> None:
-        if timeout is None:
-            await get(a, b, out, got)
-            return
-        try:
-            await asyncio.wait_for(get(a, b, out, got), timeout)
-        except TimeoutError as exc:
-            if exc.args:  # botocore/aiohttp's own read or connect timeout
-                raise
-            raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
-
-    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        # The body is read into one buffer of the range's size: appending to a growing bytearray
-        # copied the block again at each of its reallocations (about 1/8 growth each).
-        out = uninitialized_bytearray(b - a)  # every byte is written by the GET (or cut off below)
-        got = [0]
-        try:
-            fsspec.asyn.sync(fs.loop, get_bounded, a, b, out, got, timeout)
-        except Exception as exc:  # classified by the caller; the bytes that arrived are kept
-            if got[0] and classify(exc) in TRANSIENT:
-                raise PartialRead(bytes(out[: got[0]]), exc) from exc
-            raise
-        if got[0] < b - a:  # the object ended early (the caller reports a short read)
-            del out[got[0] :]
-        return out  # a bytearray: no extra copy of a large block
-
-    return fetch
 
 
 class _S3fsBody:
@@ -256,14 +206,25 @@ def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
 
 
 def fs_fetcher(fs: Any, path: str) -> Fetch:
-    """``fetch(a, b)`` for any other fsspec filesystem (its own timeouts apply)."""
+    """``fetch(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
+    ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
+    and the retry asks for the same block again). On an async filesystem (HTTP) the try is
+    cancelled, its connection closed, when ``timeout`` runs out (fsspec's ``sync`` with a
+    timeout); elsewhere the filesystem's own timeouts apply."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
     extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
+    bounded = getattr(fs, "async_impl", False)
 
     def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
-        data = fs.cat_file(path, start=a, end=b, **extra)
+        if bounded and timeout is not None:
+            try:
+                data = fsspec.asyn.sync(fs.loop, fs._cat_file, path, start=a, end=b, timeout=timeout)
+            except fsspec.exceptions.FSTimeoutError:
+                raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
+        else:
+            data = fs.cat_file(path, start=a, end=b, **extra)
         if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
             url = fs.unstrip_protocol(path)
             raise StorageError(
@@ -280,7 +241,7 @@ class _Attempts:
     """One request's tries: counts them, sleeps the backoff, and decides when to give up.
 
     The deadline is the bound: a transient failure is retried, after a full-jitter backoff, while
-    the backoff still ends before ``config.deadline`` (counted from ``began``); ``remaining()`` is
+    the backoff still ends ``LAST_TRY`` before ``config.deadline`` (counted from ``began``); ``remaining()`` is
     what a try may take (its timeouts are cut to it). ``config.max_attempts``, when set, caps
     the tries as well. Throttling answers back off like any other transient failure.
 
@@ -323,7 +284,7 @@ class _Attempts:
             ) from exc
         delay = backoff(self.attempt, self.rng, self.config)
         cap = self.config.max_attempts
-        if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline:
+        if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline - LAST_TRY:
             raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
         self.counters.add("retries")
         if resumed:
@@ -345,18 +306,44 @@ def call(
     fs: Any = None,
     path: str | None = None,
     began: float | None = None,
+    bounded: bool = False,
 ) -> T:
-    """Run one storage call (a HEAD, a listing, an upload) under the retry policy; ``fs``/``path``
-    let a bare 403 be asked again for its reason; ``began`` (``time.monotonic()``): when the
-    request started, if before this call (the time an error reports counts from there). Each try
-    is bounded by the filesystem's own timeouts, which ``StorageConfig.fs_options`` keeps within
-    the deadline."""
+    """Run one storage call under the retry policy; ``fs``/``path`` let a bare 403 be asked again
+    for its reason; ``began`` (``time.monotonic()``): when the request started, if before this call
+    (the time an error reports counts from there). Each try is bounded by the filesystem's own
+    timeouts, which ``StorageConfig.fs_options`` cuts to the deadline. ``bounded`` (a HEAD, a
+    listing: a call that cannot be handed the time left as a GET is) also waits for a try no longer
+    than the time left, on a thread of its own: a try that outlives the deadline fails with a
+    timeout there (its thread ends at those timeouts; a try started late once ran that long past
+    the deadline, about twice the deadline in all). Not for a whole file's read, which may take
+    longer than the deadline while its bytes keep coming."""
     attempts = _Attempts(url, config, JITTER, counters or NullCounters(), sleep, hint, fs, path, began)
     while True:
         try:
-            return fn()
+            return _within(fn, attempts.remaining()) if bounded else fn()
         except Exception as exc:  # noqa: BLE001 - classified: bugs are re-raised untouched
             attempts.failed(exc)
+
+
+def _within(fn: Callable[[], T], timeout: float) -> T:
+    """``fn()`` on a daemon thread, waited for at most ``timeout`` seconds (then a TimeoutError)."""
+    done: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            done.append((False, exc))
+
+    thread = threading.Thread(target=run, name="shardstream-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not done:
+        raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)")
+    ok, value = done[0]
+    if ok:
+        return value
+    raise value
 
 
 def fetch_resumed(
@@ -369,43 +356,32 @@ def fetch_resumed(
     counters: Any = None,
     sleep: Callable[[float], None] = time.sleep,
     hint: str = "",
-    fs: Any = None,
-    path: str | None = None,
-    began: float | None = None,
 ) -> bytes:
-    """Bytes [a, b) of a small object, or fewer when it ends first, under the retry policy: each
-    try gets what is left of the deadline as its timeout, and a try that breaks midway keeps the
-    bytes that arrived and the next one asks from the byte reached (progress starts the deadline
-    afresh, as for shard ranges). For the manifest's first read and offset sidecars."""
-    counters = counters or NullCounters()
-    parts: list[bytes] = []
-    pos = a
-    while True:
-        attempts = _Attempts(url, config, JITTER, counters, sleep, hint, fs, path, began)
-        began = None  # a later request after progress counts from its own start
-        while True:
-            try:
-                data = fetch(pos, b, attempts.remaining())
-            except PartialRead as partial:
-                if not partial.data:  # (no progress: an ordinary failed try)
-                    attempts.failed(partial.cause if isinstance(partial.cause, Exception) else partial, resumed=pos > a)
-                    continue
-                data = partial.data
-                counters.add("retries")
-                counters.add("resumes")
-                logger.debug("%s: connection broke at byte %d, resuming there: %s", url, pos + len(data), partial.cause)
-                break
-            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
-                attempts.failed(exc, resumed=pos > a)
-                continue
-            if pos == a:
-                return data  # the usual case: one try, its buffer as it is
-            parts.append(data)
-            return b"".join(parts)
-        parts.append(data)
-        pos += len(data)
-        if pos >= b:
-            return b"".join(parts)
+    """Bytes [a, b) of a small object, or fewer when it ends first, read whole by a ``RangeReader``
+    (one request; a try that breaks keeps what arrived and the next asks from the byte reached).
+    Only its retries are counted, not as a stream's requests and bytes. For the manifest's first
+    read and offset sidecars."""
+    reader = RangeReader(
+        fetch, url=url, start=a, end=b, counters=_RetriesOnly(counters), config=config, sleep=sleep, hint=hint, short_object_ends=True
+    )
+    parts = []
+    try:
+        while chunk := reader(b - a):
+            parts.append(chunk)
+    finally:
+        reader.close()
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class _RetriesOnly:
+    """Counters that pass on retries, resumes and throttles only."""
+
+    def __init__(self, counters: Any):
+        self._counters = counters or NullCounters()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if name in ("retries", "resumes", "throttles"):
+            self._counters.add(name, n)
 
 
 class RangeReader:
@@ -542,6 +518,7 @@ class RangeReader:
                     if sent:  # a new request answered with nothing at all
                         attempts.failed(EOFError(f"empty body for bytes {self.pos}-{self.end}"), resumed=self.pos > self.start_at)
                     continue  # ask again from here: the answer says where the object ends (416)
+                self.end = self.pos + got  # (no request more to learn it)
             break
         counters.add("bytes_read", got)
         self.pos += got
@@ -561,13 +538,6 @@ class RangeReader:
                 data = self._fetch(pos, stop, attempts.remaining())
                 if not data:
                     raise EOFError(f"empty body for bytes {pos}-{stop}")
-            except PartialRead as partial:  # keep what arrived; the next read resumes right after it
-                data = partial.data
-                counters.add("retries")
-                counters.add("resumes")
-                if classify(partial.cause) is Kind.THROTTLED:
-                    counters.add("throttles")
-                logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, pos + len(data), partial.cause)
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
                 if self._short_ends and is_past_end(exc):
@@ -577,7 +547,9 @@ class RangeReader:
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             counters.add("bytes_read", len(data))
-            self.pos = pos + len(data)  # a short body is not an error: the next read resumes from here
+            self.pos = pos + len(data)
+            if self.pos < stop:  # a short body: the object ends here
+                self.end = self.pos
             return data
 
 
