@@ -436,25 +436,28 @@ _MAGIC = (np.uint64(0xFF_FFFF_FFFF << 8), np.uint64(int.from_bytes(b"\0ustar", "
 _MAGIC_WORD = 32
 
 
-def _walk(blocks: np.ndarray, count: int) -> np.ndarray:
+def _walk(blocks: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The headers a member-by-member walk from block 0 visits, each member all within the
     ``count`` blocks (a header at block ``i`` of size s is followed by one at ``i + 1 + ceil(s / 512)``,
-    s as ``_octal_sizes`` reads it). The blocks with a ustar magic (every writer's but v7's) are
-    taken for the headers as far as each one's member ends where the next begins, at once; the walk
-    goes on one member at a time from where they do not (a v7 header, a data block that looks like
-    a header), so the result is the walk's, whatever the data."""
+    s as ``_octal_sizes`` reads it): their block indices, their rows (copied out of ``blocks``) and
+    their sizes. The blocks with a ustar magic (every writer's but v7's) are taken for the headers
+    as far as each one's member ends where the next begins, at once (their rows gathered once, the
+    run path's rows too); the walk goes on one member at a time from where they do not (a v7
+    header, a data block that looks like a header), so the result is the walk's, whatever the data."""
     words = blocks.view(np.uint64)
     candidates = np.flatnonzero((words[:, _MAGIC_WORD] & _MAGIC[0]) == _MAGIC[1])
-    heads = []
+    chain: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     i = 0
     if len(candidates) and candidates[0] == 0:
-        follows = candidates + 1 + (_octal_sizes(blocks[candidates, 124:135]) + (BLOCK - 1)) // BLOCK
+        rows = blocks.take(candidates, axis=0)
+        sizes = _octal_sizes(rows[:, 124:135])
+        follows = candidates + 1 + (sizes + (BLOCK - 1)) // BLOCK
         breaks = follows[:-1] != candidates[1:]
         chained = int(breaks.argmax()) if breaks.any() else len(candidates) - 1  # candidates[:chained + 1] chain
         if follows[chained] > count:  # the last one's member is not all in the block
             chained -= 1  # (every earlier one ends at the next's start, within the block)
         if chained >= 0:
-            heads.append(candidates[: chained + 1])
+            chain = candidates[: chained + 1], rows[: chained + 1], sizes[: chained + 1]
             i = int(follows[chained])
     rest: list[int] = []
     steps: list[int] | None = None  # every block's next, once the walk takes more than a step here
@@ -466,11 +469,14 @@ def _walk(blocks: np.ndarray, count: int) -> np.ndarray:
             break
         rest.append(i)
         i = j
-    if rest:
-        heads.append(np.asarray(rest, dtype=np.intp))
-    if not heads:
-        return np.zeros(0, np.intp)
-    return np.concatenate(heads).astype(np.intp, copy=False)
+    if not rest:
+        return chain if chain is not None else (np.zeros(0, np.intp), blocks[:0], np.zeros(0, np.int64))
+    more = np.asarray(rest, dtype=np.intp)
+    more_rows = blocks.take(more, axis=0)
+    more_sizes = _octal_sizes(more_rows[:, 124:135])
+    if chain is None:
+        return more, more_rows, more_sizes
+    return np.concatenate((chain[0], more)), np.concatenate((chain[1], more_rows)), np.concatenate((chain[2], more_sizes))
 
 
 def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -> _Run | None:
@@ -493,12 +499,10 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     # Every block read as a header: the index of the block after its member. Digits wrap around
     # to large values, never negative ones, so the walk always moves forward; the headers it
     # visits are checked below, and it stops before the first one that is not plain.
-    at = _walk(blocks, count)
+    at, rows, member_sizes = _walk(blocks, count)
     if not len(at):
         return None
-    rows = blocks[at]
     words = rows.view(np.uint64)
-    member_sizes = _octal_sizes(rows[:, 124:135])
     kinds = rows[:, 156]
     pax = kinds == 120
     has_pax = bool(pax.any())
@@ -529,11 +533,13 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
         at, rows, member_sizes, pax = at[:cut], rows[:cut], member_sizes[:cut], pax[:cut]
     first_headers = at
     if has_pax:
-        member = ~pax
-        after_pax = np.concatenate(([False], pax[:-1]))
-        first_headers = np.where(after_pax, np.concatenate((at[:1], at[:-1])), at)[member]
-        at, member_sizes = at[member], member_sizes[member]
-        rows = blocks[at, :100]
+        if not len(pax) % 2 and pax[0::2].all() and not pax[1::2].any():  # a pax header before every member
+            first_headers, at, member_sizes, rows = at[0::2], at[1::2], member_sizes[1::2], rows[1::2]
+        else:
+            member = ~pax
+            after_pax = np.concatenate(([False], pax[:-1]))
+            first_headers = np.where(after_pax, np.concatenate((at[:1], at[:-1])), at)[member]
+            at, member_sizes, rows = at[member], member_sizes[member], rows[member]
     names = np.ascontiguousarray(rows[:, :100]).view("S100").ravel().tolist()  # up to the trailing NULs
     joined = b"\0".join(names)
     if joined.count(0) != len(names) - 1:  # a NUL inside a name: the name ends there
@@ -662,8 +668,37 @@ def _one_harmless_record_each(payloads: np.ndarray, sizes: np.ndarray) -> bool:
     """Whether every payload (row ``i`` of ``payloads``, its first ``sizes[i]`` bytes) is one
     record "<its own length> <keyword>=<value>\\n" with the same harmless keyword, no NUL, no
     other newline and no other control byte below 11: what webdataset's TarWriter writes ("27 mtime=1795748319.707674\\n"), checked
-    in a few numpy calls. A subset of what ``_harmless_pax``'s general check accepts (a record whose
+    in about a dozen numpy calls. A subset of what ``_harmless_pax``'s general check accepts (a record whose
     length field is its own length, spelt without leading zeros); False sends the payloads to it."""
+    n, widest = payloads.shape
+    shortest, longest = int(sizes.min()), int(sizes.max())
+    if shortest < 10 or longest >= 100 or widest < longest:  # (what writers write: 10 to 99 bytes, "NN " then the keyword)
+        return _one_harmless_record_each_any(payloads, sizes)
+    # Each payload's first byte below 11 is its last byte, a newline (so no NUL, tab or other newline in it).
+    rows = _ROWS[:n] if n <= len(_ROWS) else np.arange(n)
+    last = (payloads < 11).argmax(axis=1)
+    if not (last == sizes - 1).all() or not (payloads[rows, last] == 10).all():
+        return False
+    # The length field: the two digits of the payload's size, then a space.
+    head = np.ascontiguousarray(payloads[:, :4]).view("<u4").ravel()
+    if not ((head & 0xFFFFFF) == _LENGTH_VALUE[sizes]).all():
+        return False
+    # The keyword: the first payload's, if harmless; every payload's the same, then '='.
+    first = payloads[0, :shortest].tobytes()
+    equals = first.find(b"=")
+    keyword = first[3:equals]
+    if equals < 0 or not keyword or (keyword not in _HARMLESS_PAX_KEYWORDS and not keyword.startswith(_HARMLESS_PAX_PREFIXES)):
+        return False
+    # ('=' before the newline: within the shortest payload, found there)
+    return bool((payloads[:, 3 : equals + 1] == np.frombuffer(first[3 : equals + 1], np.uint8)).all())
+
+
+_ROWS = np.arange(1024)
+
+
+def _one_harmless_record_each_any(payloads: np.ndarray, sizes: np.ndarray) -> bool:
+    """``_one_harmless_record_each`` for payloads of any length under 1000 bytes, however many
+    digits their length fields have."""
     n, widest = payloads.shape
     if int(sizes.min()) < 6 or widest >= 1000:  # (6 bytes: the shortest such record with a value, "6 k=v" and a newline)
         return False
