@@ -13,7 +13,9 @@ and GNU tar's and bsdtar's pax formats write before every member) are found a bl
 with numpy (``_plain_run``) and grouped into samples with list operations (``_plain_samples``);
 everything else goes through the member by member loop, which has every check; both give the
 same samples and errors (tests/test_tarplain.py). A member's pax or long-name headers and the
-member itself always land in the same list.
+member itself always land in the same list. Read into one reused block (a local file), members
+behind pax headers are read (and listed) in blocks larger by those headers' share (``MAX_SPREAD``),
+so that a block holds about as many samples as a plain tar's.
 
 Record shapes:
     iter_sample_batches -> [(key: str, offset: int, end: int, fields: {ext: bytes}), ...]  a list per read
