@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from shardstream.errors import SampleError, ShardFormatError
 from shardstream.format import tar
+from shardstream.format.scan import scan_shards
 from shardstream.format.tar import END_OF_ARCHIVE, PARSE_WINDOW, iter_sample_batches, iter_sample_dicts, member_header, padding
 from shardstream.pipeline.decode import Decoder, decode_samples
 from shardstream.policy import ErrorPolicy
@@ -105,8 +106,12 @@ def same_both_ways(data: bytes, **kwargs) -> tuple[list, object]:
         slow = parse(data, fast=False, dicts=dicts, **kwargs)
         assert fast == slow
         if dicts:
-            assert parse(data, fast=True, dicts=True, reuse=True, **kwargs) == fast
-            assert parse(data, fast=False, dicts=True, reuse=True, **kwargs) == fast
+            # Read into one reused block (a local file): the same samples and error; the run path
+            # reads members behind pax headers in larger blocks there (MAX_SPREAD), so its lists
+            # may be cut elsewhere.
+            for way in (True, False):
+                lists, error = parse(data, fast=way, dicts=True, reuse=True, **kwargs)
+                assert flat(lists) == flat(fast[0]) and error == fast[1]
         if dicts:
             assert all(list(s)[-2:] == ["__key__", "__url__"] and s["__url__"] == "mem://x.tar" for chunk in fast[0] for s in chunk)
     return parse(data, fast=True, dicts=False, **kwargs)
@@ -275,7 +280,6 @@ def test_fuzz_regular_samples_agree(n, m, sizes, read_size):
 
 def test_local_reads_stay_small(tmp_path):
     from shardstream.format.manifest import Manifest
-    from shardstream.format.scan import scan_shards
     from shardstream.pipeline.read import LOCAL_READ, read_range
     from shardstream.plan.epoch import Range
 
@@ -300,6 +304,43 @@ def test_local_reads_stay_small(tmp_path):
     with open(path, "rb") as f:
         expected = flat(iter_sample_dicts(f.read, url=manifest.shard_url(0), end=manifest.shards[0].span[1]))
     assert got == expected and len(got) == 2000 and asked and max(asked) <= LOCAL_READ + 2560
+
+
+def test_local_reads_of_members_behind_pax_headers_are_larger_by_their_share(tmp_path):
+    """webdataset's small samples (a pax header and its payload before each member) are read into
+    the reused block in reads larger than a plain tar's by the share of those headers (at most
+    MAX_SPREAD times), lists likewise: the same samples as the loop's, as many in a list as a plain
+    tar's; a plain tar's reads stay as they were."""
+    from shardstream.pipeline.read import LOCAL_READ, read_range
+    from shardstream.plan.epoch import Range
+
+    out = io.BytesIO()
+    writer = wds.TarWriter(out)
+    for i in range(3000):
+        writer.write({"__key__": f"{i:06d}", "bin": bytes([i % 256]) * 1024, "json": json.dumps({"label": i}).encode()})
+    writer.close()
+    path = tmp_path / "w.tar"
+    path.write_bytes(out.getvalue())
+    manifest = scan_shards([str(path)])
+    asked = []
+
+    class Recording(FileReader):
+        __slots__ = ()
+
+        def readinto(self, view):
+            asked.append(len(view))
+            return super().readinto(view)
+
+    with open(path, "rb") as f:
+        lists = list(read_range(manifest, Range(0, 0, 3000), read=Recording(f, None, None), read_size=4 << 20))
+    with open(path, "rb") as f:
+        span_end = manifest.shards[0].span[1]
+        expected = flat(tar._parse(f.read, manifest.shard_url(0), 0, span_end, 1 << 16, False, (), tar.LARGE_MEMBER, None, dicts=True, fast=False))
+    assert flat(lists) == expected and len(expected) == 3000
+    # 9 blocks a sample, 4 of them pax headers and payloads: reads and lists 9/5 of a plain tar's.
+    assert LOCAL_READ < max(asked) <= LOCAL_READ * tar.MAX_SPREAD + 4608
+    assert max(len(chunk) for chunk in lists) <= PARSE_WINDOW * 9 // 5 // (9 * 512) + 2
+    assert max(len(chunk) for chunk in lists) > PARSE_WINDOW // (9 * 512) + 2
 
 
 def test_decode_passes_lists_through_when_it_has_nothing_to_do():
@@ -641,3 +682,64 @@ def test_the_one_record_check_accepts_only_what_the_loop_parses_as_harmless(payl
             (keyword,) = records
             assert keyword.encode() in tar._HARMLESS_PAX_KEYWORDS or keyword.encode().startswith(tar._HARMLESS_PAX_PREFIXES)
             assert p.count(b"\n") == 1 and p.endswith(b"\n") and b"\0" not in p
+
+
+def short_records_check(payloads: list[bytes]) -> bool:
+    """``_short_harmless_records`` on these payloads, joined as the run path joins them."""
+    import numpy as np
+
+    return tar._short_harmless_records(np.frombuffer(b"".join(payloads), np.uint8), np.array([len(p) for p in payloads], dtype=np.int64))
+
+
+def test_gnu_tar_and_bsdtar_pax_payloads_take_the_short_records_check(monkeypatch):
+    """Payloads of several records with two-digit lengths (GNU tar's and bsdtar's pax formats:
+    "30 atime=...\\n30 ctime=...\\n") pass the short-records check; the samples are the loop's."""
+    answers = []
+    real = tar._short_harmless_records
+    monkeypatch.setattr(tar, "_short_harmless_records", lambda *a: answers.append(real(*a)) or answers[-1])
+    data = wds_like(range(600), lambda i, ext: record("atime", f"17957{i:05d}.833819224") + record("ctime", f"{i}.5")) + END_OF_ARCHIVE
+    lists, error = same_both_ways(data, read_size=1 << 20)
+    assert error is None and len(flat(lists)) == 600
+    assert answers and all(answers)
+    assert short_records_check([record("atime", "1.5") + record("ctime", "2.25"), record("mtime", "3")]) is True
+    assert short_records_check([record("atime", "1.5") + record("path", "x.txt")]) is False  # path: not harmless
+    assert short_records_check([record("atime", "1.5") + record("SCHILY.xattr.k", "v")]) is False  # long keyword: general scan
+    assert short_records_check([record("atime", "x" * 100)]) is False  # three-digit length: general scan
+    assert short_records_check([record("atime", "1.5\n2")]) is False  # a newline inside a value
+    assert short_records_check([record("atime", "1.5")[:-1] + b" "]) is False  # no closing newline
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.lists(
+            st.one_of(
+                st.builds(
+                    record,
+                    st.sampled_from(["mtime", "atime", "ctime", "uid", "path", "size", "mtim", "gname", "comment", "SCHILY.dev"]),
+                    st.text(alphabet="0159.=\n\t\0 az", max_size=14),
+                ),
+                st.binary(min_size=1, max_size=30),
+                st.builds(lambda n, rest: str(n).encode() + rest, st.integers(0, 120), st.binary(max_size=30)),
+            ),
+            min_size=1,
+            max_size=3,
+        ).map(b"".join),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_short_records_check_accepts_only_what_the_loop_parses_as_harmless(payloads):
+    """Whatever the check accepts, ``_parse_pax`` reads without an error, every record's keyword
+    one the run path may ignore, each record's length field its own length (the newlines are
+    exactly the records' ends), no NUL."""
+    if short_records_check(payloads):
+        for p in payloads:
+            records = tar._parse_pax(p, "u", 0)
+            assert records and all(k.encode() in tar._HARMLESS_PAX_KEYWORDS for k in records)
+            assert p.endswith(b"\n") and b"\0" not in p
+            pos, ends = 0, []
+            while pos < len(p):
+                pos += int(p[pos : p.index(b" ", pos)])
+                ends.append(pos - 1)
+            assert pos == len(p) and ends == [i for i, c in enumerate(p) if c == 10]

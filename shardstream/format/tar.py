@@ -13,7 +13,9 @@ and GNU tar's and bsdtar's pax formats write before every member) are found a bl
 with numpy (``_plain_run``) and grouped into samples with list operations (``_plain_samples``);
 everything else goes through the member by member loop, which has every check; both give the
 same samples and errors (tests/test_tarplain.py). A member's pax or long-name headers and the
-member itself always land in the same list.
+member itself always land in the same list. Read into one reused block (a local file), members
+behind pax headers are read (and listed) in blocks larger by those headers' share (``MAX_SPREAD``),
+so that a block holds about as many samples as a plain tar's.
 
 Record shapes:
     iter_sample_batches -> [(key: str, offset: int, end: int, fields: {ext: bytes}), ...]  a list per read
@@ -53,6 +55,12 @@ LARGE_MEMBER = 1 << 20
 # reads) of 512 KiB, 8.5 with 256 KiB, 9.0 with 96 KiB and 10.1 with 1 MiB.
 PARSE_WINDOW = 512 << 10
 AFTER_LARGE_READ = 64 << 10
+# A local read (into one reused block) of members behind pax headers is larger by the share of
+# the block those headers and their payloads take, up to this factor: webdataset's small samples
+# (a pax header and its payload before each member: 9 blocks a sample where a plain tar has 5)
+# are read 1.8x larger, so that the fixed cost of a block (the run path's numpy calls, a list)
+# is spread over as many samples as in a plain tar.
+MAX_SPREAD = 2.0
 MAX_OCTAL_SIZE = 0o77777777777
 
 # Fixed header fields: mode 0644, uid/gid 0, mtime 0, empty owner names (deterministic output).
@@ -412,12 +420,23 @@ def _octal_sizes(fields: np.ndarray) -> np.ndarray:
 
 class _Run:
     """A run of plain members in a block: where each header, its data and its padding start and
-    end (relative to the block), keys and extensions."""
+    end (relative to the block), keys and extensions; ``spread``: the run's bytes over its bytes
+    less its pax headers and their payloads (1.0 with none, 1.8 in webdataset's small samples)."""
 
-    __slots__ = ("positions", "starts", "stops", "ends", "keys", "exts")
+    __slots__ = ("positions", "starts", "stops", "ends", "keys", "exts", "spread")
 
-    def __init__(self, positions: list[int], starts: list[int], stops: list[int], ends: list[int], keys: Sequence[str], exts: Sequence[str]):
+    def __init__(
+        self,
+        positions: list[int],
+        starts: list[int],
+        stops: list[int],
+        ends: list[int],
+        keys: Sequence[str],
+        exts: Sequence[str],
+        spread: float = 1.0,
+    ):
         self.positions, self.starts, self.stops, self.ends, self.keys, self.exts = positions, starts, stops, ends, keys, exts
+        self.spread = spread
 
     def cut(self, first: int, last: int) -> _Run:
         """Members ``first:last`` of the run."""
@@ -436,25 +455,28 @@ _MAGIC = (np.uint64(0xFF_FFFF_FFFF << 8), np.uint64(int.from_bytes(b"\0ustar", "
 _MAGIC_WORD = 32
 
 
-def _walk(blocks: np.ndarray, count: int) -> np.ndarray:
+def _walk(blocks: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The headers a member-by-member walk from block 0 visits, each member all within the
     ``count`` blocks (a header at block ``i`` of size s is followed by one at ``i + 1 + ceil(s / 512)``,
-    s as ``_octal_sizes`` reads it). The blocks with a ustar magic (every writer's but v7's) are
-    taken for the headers as far as each one's member ends where the next begins, at once; the walk
-    goes on one member at a time from where they do not (a v7 header, a data block that looks like
-    a header), so the result is the walk's, whatever the data."""
+    s as ``_octal_sizes`` reads it): their block indices, their rows (copied out of ``blocks``) and
+    their sizes. The blocks with a ustar magic (every writer's but v7's) are taken for the headers
+    as far as each one's member ends where the next begins, at once (their rows gathered once, the
+    run path's rows too); the walk goes on one member at a time from where they do not (a v7
+    header, a data block that looks like a header), so the result is the walk's, whatever the data."""
     words = blocks.view(np.uint64)
     candidates = np.flatnonzero((words[:, _MAGIC_WORD] & _MAGIC[0]) == _MAGIC[1])
-    heads = []
+    chain: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     i = 0
     if len(candidates) and candidates[0] == 0:
-        follows = candidates + 1 + (_octal_sizes(blocks[candidates, 124:135]) + (BLOCK - 1)) // BLOCK
+        rows = blocks.take(candidates, axis=0)
+        sizes = _octal_sizes(rows[:, 124:135])
+        follows = candidates + 1 + (sizes + (BLOCK - 1)) // BLOCK
         breaks = follows[:-1] != candidates[1:]
         chained = int(breaks.argmax()) if breaks.any() else len(candidates) - 1  # candidates[:chained + 1] chain
         if follows[chained] > count:  # the last one's member is not all in the block
             chained -= 1  # (every earlier one ends at the next's start, within the block)
         if chained >= 0:
-            heads.append(candidates[: chained + 1])
+            chain = candidates[: chained + 1], rows[: chained + 1], sizes[: chained + 1]
             i = int(follows[chained])
     rest: list[int] = []
     steps: list[int] | None = None  # every block's next, once the walk takes more than a step here
@@ -466,11 +488,14 @@ def _walk(blocks: np.ndarray, count: int) -> np.ndarray:
             break
         rest.append(i)
         i = j
-    if rest:
-        heads.append(np.asarray(rest, dtype=np.intp))
-    if not heads:
-        return np.zeros(0, np.intp)
-    return np.concatenate(heads).astype(np.intp, copy=False)
+    if not rest:
+        return chain if chain is not None else (np.zeros(0, np.intp), blocks[:0], np.zeros(0, np.int64))
+    more = np.asarray(rest, dtype=np.intp)
+    more_rows = blocks.take(more, axis=0)
+    more_sizes = _octal_sizes(more_rows[:, 124:135])
+    if chain is None:
+        return more, more_rows, more_sizes
+    return np.concatenate((chain[0], more)), np.concatenate((chain[1], more_rows)), np.concatenate((chain[2], more_sizes))
 
 
 def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -> _Run | None:
@@ -493,12 +518,10 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
     # Every block read as a header: the index of the block after its member. Digits wrap around
     # to large values, never negative ones, so the walk always moves forward; the headers it
     # visits are checked below, and it stops before the first one that is not plain.
-    at = _walk(blocks, count)
+    at, rows, member_sizes = _walk(blocks, count)
     if not len(at):
         return None
-    rows = blocks[at]
     words = rows.view(np.uint64)
-    member_sizes = _octal_sizes(rows[:, 124:135])
     kinds = rows[:, 156]
     pax = kinds == 120
     has_pax = bool(pax.any())
@@ -529,11 +552,13 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
         at, rows, member_sizes, pax = at[:cut], rows[:cut], member_sizes[:cut], pax[:cut]
     first_headers = at
     if has_pax:
-        member = ~pax
-        after_pax = np.concatenate(([False], pax[:-1]))
-        first_headers = np.where(after_pax, np.concatenate((at[:1], at[:-1])), at)[member]
-        at, member_sizes = at[member], member_sizes[member]
-        rows = blocks[at, :100]
+        if not len(pax) % 2 and pax[0::2].all() and not pax[1::2].any():  # a pax header before every member
+            first_headers, at, member_sizes, rows = at[0::2], at[1::2], member_sizes[1::2], rows[1::2]
+        else:
+            member = ~pax
+            after_pax = np.concatenate(([False], pax[:-1]))
+            first_headers = np.where(after_pax, np.concatenate((at[:1], at[:-1])), at)[member]
+            at, member_sizes, rows = at[member], member_sizes[member], rows[member]
     names = np.ascontiguousarray(rows[:, :100]).view("S100").ravel().tolist()  # up to the trailing NULs
     joined = b"\0".join(names)
     if joined.count(0) != len(names) - 1:  # a NUL inside a name: the name ends there
@@ -550,14 +575,12 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
         return None
     keys, exts = split
     starts = at * BLOCK + (pos + BLOCK)
-    return _Run(
-        (first_headers * BLOCK + pos).tolist(),
-        starts.tolist(),
-        (starts + member_sizes).tolist(),
-        (starts + (member_sizes + (BLOCK - 1)) // BLOCK * BLOCK).tolist(),
-        keys,
-        exts,
-    )
+    ends = starts + (member_sizes + (BLOCK - 1)) // BLOCK * BLOCK
+    spread = 1.0
+    if has_pax:
+        span = int(ends[-1]) - pos - int(first_headers[0]) * BLOCK
+        spread = span / (span - int((at - first_headers).sum()) * BLOCK)
+    return _Run((first_headers * BLOCK + pos).tolist(), starts.tolist(), (starts + member_sizes).tolist(), ends.tolist(), keys, exts, spread)
 
 
 # Pax records that change nothing the parser reads (a member's name, size, type or contents):
@@ -587,7 +610,9 @@ def _harmless_pax(blocks: np.ndarray, first: np.ndarray, sizes: np.ndarray) -> i
         payloads = blocks[first, :widest]
         if _one_harmless_record_each(payloads, sizes):
             return n
-        data = payloads[np.arange(widest) < sizes[:, None]]
+        data = payloads[_COLUMNS[:widest] < sizes[:, None]]
+        if _short_harmless_records(data, sizes):
+            return n
     else:
         flat = blocks.reshape(-1)
         data = np.concatenate([flat[a * BLOCK : a * BLOCK + b] for a, b in zip(first.tolist(), sizes.tolist())])
@@ -662,8 +687,81 @@ def _one_harmless_record_each(payloads: np.ndarray, sizes: np.ndarray) -> bool:
     """Whether every payload (row ``i`` of ``payloads``, its first ``sizes[i]`` bytes) is one
     record "<its own length> <keyword>=<value>\\n" with the same harmless keyword, no NUL, no
     other newline and no other control byte below 11: what webdataset's TarWriter writes ("27 mtime=1795748319.707674\\n"), checked
-    in a few numpy calls. A subset of what ``_harmless_pax``'s general check accepts (a record whose
+    in about a dozen numpy calls. A subset of what ``_harmless_pax``'s general check accepts (a record whose
     length field is its own length, spelt without leading zeros); False sends the payloads to it."""
+    n, widest = payloads.shape
+    shortest, longest = int(sizes.min()), int(sizes.max())
+    if shortest < 10 or longest >= 100 or widest < longest:  # (what writers write: 10 to 99 bytes, "NN " then the keyword)
+        return _one_harmless_record_each_any(payloads, sizes)
+    # Each payload's first byte below 11 is its last byte, a newline (so no NUL, tab or other newline in it).
+    rows = _ROWS[:n] if n <= len(_ROWS) else np.arange(n)
+    last = (payloads < 11).argmax(axis=1)
+    if not (last == sizes - 1).all() or not (payloads[rows, last] == 10).all():
+        return False
+    # The length field: the two digits of the payload's size, then a space.
+    head = np.ascontiguousarray(payloads[:, :4]).view("<u4").ravel()
+    if not ((head & 0xFFFFFF) == _LENGTH_VALUE[sizes]).all():
+        return False
+    # The keyword: the first payload's, if harmless; every payload's the same, then '='.
+    first = payloads[0, :shortest].tobytes()
+    equals = first.find(b"=")
+    keyword = first[3:equals]
+    if equals < 0 or not keyword or (keyword not in _HARMLESS_PAX_KEYWORDS and not keyword.startswith(_HARMLESS_PAX_PREFIXES)):
+        return False
+    # ('=' before the newline: within the shortest payload, found there)
+    return bool((payloads[:, 3 : equals + 1] == np.frombuffer(first[3 : equals + 1], np.uint8)).all())
+
+
+_ROWS = np.arange(1024)
+
+
+def _short_harmless_records(data: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether the payloads (``sizes[i]`` bytes each, joined in ``data``) are all records
+    "<length> <keyword>=<value>\\n" of 10 to 99 bytes, each length field its own record's length
+    (two digits), each keyword one of the harmless ones of up to 8 bytes (atime, ctime, mtime,
+    uid...), no NUL and no control byte below 11 but each record's closing newline: what GNU tar's
+    and bsdtar's pax formats write before every member ("30 atime=1795759077.833819224\\n30
+    ctime=1795759077.833819224\\n"), checked in a few dozen numpy calls for all the records at once.
+    A subset of what ``_harmless_pax``'s general check accepts; False sends the payloads to it."""
+    if not len(data):
+        return False
+    newlines = np.flatnonzero(data < 11)  # every control byte: each must close a record
+    if not len(newlines) or newlines[-1] != len(data) - 1 or not (data[newlines] == 10).all():
+        return False
+    if not (data[np.cumsum(sizes) - 1] == 10).all():  # each payload ends with a record (none spans two)
+        return False
+    starts = np.empty_like(newlines)
+    starts[0] = 0
+    starts[1:] = newlines[:-1] + 1
+    lengths = newlines - starts + 1
+    if int(lengths.min()) < 10 or int(lengths.max()) > 99:
+        return False
+    # Each record's first 12 bytes, cut out at once as 24 (_RECORD_COLUMNS): its length field
+    # (bytes 0..3, read as a word) and its keyword of up to 8 bytes (3..10, a word) and an '=' (3..11).
+    cut = np.concatenate((data, _PAD))[starts[:, None] + _RECORD_COLUMNS]
+    # The length field: two digits spelling the record's length, then a space.
+    if not ((cut.view("<u4")[:, 0] & 0xFFFFFF) == _LENGTH_VALUE[lengths]).all():
+        return False
+    # The keyword: bytes 3.. up to the record's first '=', within 8 bytes and before its newline.
+    signs = cut[:, 8:17] == 61
+    equals = signs.argmax(axis=1)  # (0 where none: an empty keyword, never harmless)
+    if not signs.any(axis=1).all() or not (equals + 4 < lengths).all():
+        return False
+    numbers = cut.view("<u8")[:, 1] & _KEYWORD_MASKS[equals]
+    found = _SHORT_KEYWORDS[np.minimum(np.searchsorted(_SHORT_KEYWORDS, numbers), len(_SHORT_KEYWORDS) - 1)]
+    return bool((found == numbers).all())
+
+
+# A record's bytes 0..3 (its length field and a byte; then 4 unused), 3..10 (a keyword of up to 8
+# bytes) and 11 (the '=' after 8 bytes), so that the first two land in words of their own.
+_RECORD_COLUMNS = np.array([0, 1, 2, 3, 0, 0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10] + [11] * 8, dtype=np.intp)
+_PAD = np.zeros(16, np.uint8)
+_KEYWORD_MASKS = np.array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype=np.uint64)  # the first k bytes of a word
+
+
+def _one_harmless_record_each_any(payloads: np.ndarray, sizes: np.ndarray) -> bool:
+    """``_one_harmless_record_each`` for payloads of any length under 1000 bytes, however many
+    digits their length fields have."""
     n, widest = payloads.shape
     if int(sizes.min()) < 6 or widest >= 1000:  # (6 bytes: the shortest such record with a value, "6 k=v" and a newline)
         return False
@@ -966,6 +1064,10 @@ def _parse(
     readinto = getattr(read, "readinto", None)
     read_next = read_size  # bytes asked for by the next refill (smaller right after a large member)
     arena: bytearray | None = bytearray() if reuse_blocks and readinto is not None else None  # the reused block
+    # Reads into the reused block (and its lists) are this much larger than read_size (and
+    # PARSE_WINDOW): the spread of the block's run of members behind pax headers (``_Run``), so
+    # that a block holds about as many samples as one of plain members (MAX_SPREAD).
+    spread = 1.0
     filled = 0  # bytes of buf that hold the stream (the reused block may be longer)
     big: memoryview | bytes | None = None  # the current member's data, when it was read on its own
     plain: _Run | None = None  # the run of plain members found in plain_buf
@@ -980,7 +1082,8 @@ def _parse(
         buflen = filled
         if resumed is None:
             out: list[Any] = []
-            window_end = pos + PARSE_WINDOW  # members that start from here on wait for the next list (same block, no read)
+            # Members that start from here on wait for the next list (same block, no read).
+            window_end = pos + (PARSE_WINDOW if spread == 1.0 else int(PARSE_WINDOW * spread))
         else:
             (out, window_end), resumed = resumed, None
         windowed = False
@@ -997,6 +1100,8 @@ def _parse(
                     first = -1
             if first < 0:
                 plain, plain_buf, first = _plain_run(buf, pos, min(buflen, limit), large_member), buf, 0
+                if plain is not None and arena is not None:
+                    spread = min(plain.spread, MAX_SPREAD)
             if plain is not None:
                 last = bisect_left(plain.positions, window_end, first)
                 run = plain.cut(first, last)
@@ -1190,7 +1295,7 @@ def _parse(
         plain = plain_buf = None
         if arena is not None and readinto is not None:
             tail = buf[pos:buflen] if pos < buflen else b""
-            want = len(tail) + min(max(read_next, missing), end - fetched)
+            want = len(tail) + min(max(read_next if spread == 1.0 else int(read_next * spread), missing), end - fetched)
             read_next = min(2 * read_next, read_size)
             if len(arena) < want:
                 arena = bytearray(want)
