@@ -66,12 +66,13 @@ IMPORTS = textwrap.dedent(
     import os, sys
     import shardstream
 
+    ARGV = list(sys.argv)  # (scripts parse their arguments at the top level, too)
     with open(os.environ["IMPORTS_OUT"], "a") as f:  # each process that imports this script
-        f.write(f"{__name__} {os.getpid()}\\n")
+        f.write(f"{__name__} {os.getpid()} {ARGV[-1]}\\n")
 
     def started(worker_id):
         with open(os.environ["IMPORTS_OUT"], "a") as f:
-            f.write(f"worker {os.getpid()}\\n")
+            f.write(f"worker {os.getpid()} {ARGV[-1]}\\n")
 
     def run():
         dataset = shardstream.ShardStream(sys.argv[1], batch_size=4, shuffle=False, world=shardstream.World(0, 1))
@@ -96,8 +97,9 @@ def test_the_forkserver_imports_a_guarded_main_script_once_for_every_worker(tmp_
     env.pop("SHARDSTREAM_START_METHOD", None)
     done = subprocess.run([sys.executable, str(script), url], env=env, timeout=scaled(120), capture_output=True, text=True)
     lines = [line.split() for line in out.read_text().splitlines()]
-    workers = {pid for name, pid in lines if name == "worker"}
-    importers = [(name, pid) for name, pid in lines if name != "worker"]
+    workers = {pid for name, pid, _ in lines if name == "worker"}
+    importers = [(name, pid) for name, pid, _ in lines if name != "worker"]
+    assert all(argv == url for _, _, argv in lines)  # the script saw the rank's arguments wherever it ran
     if guarded:
         assert done.returncode == 0, done.stderr[-2000:]
         assert len(workers) == 4  # two passes of 2 workers

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import json
 import logging
 import multiprocessing
 import os
@@ -79,7 +80,7 @@ PRELOAD = ("torch", "numpy.random", "shardstream.loader")
 # The server imports them only; it makes no request, so its children start obstore afresh.
 REMOTE_PRELOAD = ("botocore.session", "botocore.credentials", "obstore.store")
 MAIN_PRELOAD = "shardstream.loader.mainpreload"  # imports the main script in the server (see there)
-MAIN_ENV = "SHARDSTREAM_FORKSERVER_MAIN"  # the script's path, for MAIN_PRELOAD
+MAIN_ENV = "SHARDSTREAM_FORKSERVER_MAIN"  # [the script's path, sys.argv] as JSON, for MAIN_PRELOAD
 _preload_remote = False
 _PR_SET_PDEATHSIG = 1
 
@@ -163,7 +164,7 @@ def context(method: str) -> Any:
             ours = PRELOAD + (REMOTE_PRELOAD if _preload_remote else ())
             script = _main_to_preload()
             if script is not None:  # (multiprocessing's own preload of __main__ never gets the path: mainpreload.py)
-                os.environ[MAIN_ENV] = script
+                os.environ[MAIN_ENV] = json.dumps([script, sys.argv])
                 ours += (MAIN_PRELOAD,)
             multiprocessing.set_forkserver_preload([*preload, *(m for m in ours if m not in preload)])
     return multiprocessing.get_context(method)
