@@ -166,6 +166,8 @@ def context(method: str) -> Any:
             if script is not None:  # (multiprocessing's own preload of __main__ never gets the path: mainpreload.py)
                 os.environ[MAIN_ENV] = json.dumps([script, sys.argv])
                 ours += (MAIN_PRELOAD,)
+            else:
+                os.environ.pop(MAIN_ENV, None)  # (one inherited from a parent names its script, not this one)
             multiprocessing.set_forkserver_preload([*preload, *(m for m in ours if m not in preload)])
     return multiprocessing.get_context(method)
 
