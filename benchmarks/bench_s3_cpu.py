@@ -11,7 +11,9 @@ On a 2-core machine every process shares the same two cores, so a reader's rate 
 the default; the pools keep their clients), so a row is the steady state of a pass; the row with
 8 samples makes a new loader each run and shows the fixed cost of starting 2 workers. The other
 processes' CPU is read from /proc for every process below this one (the forkserver's children
-included, live or reaped), less the server's. Medians of ``--repeats`` interleaved runs. With
+included, live or reaped), less the server's, and so are their minor page faults (fresh memory
+mapped and zeroed on first touch: the cost that dominates large samples). Medians of
+``--repeats`` interleaved runs. With
 ``--s3fs`` also shardstream's s3fs path (``StorageConfig(s3_client="s3fs")``; obstore is the default).
 """
 
@@ -36,8 +38,9 @@ from s3server import KINDS, s3_server  # type: ignore[import-not-found]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def processes() -> dict[int, tuple[int, float]]:
-    """Every process's (parent PID, user + system CPU seconds of it and its reaped children)."""
+def processes() -> dict[int, tuple[int, float, int]]:
+    """Every process's (parent PID, user + system CPU seconds of it and its reaped children, minor
+    page faults of it and its reaped children)."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -47,33 +50,36 @@ def processes() -> dict[int, tuple[int, float]]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # ended while listed
             continue
-        out[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / TICK)
+        out[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / TICK, int(fields[7]) + int(fields[8]))
     return out
 
 
-def tree_cpu(root: int, server: int) -> tuple[float, float]:
+def tree_cpu(root: int, server: int) -> tuple[float, float, int]:
     """CPU seconds of every process below ``root`` (not ``root`` itself), with the reaped children
-    of each counted in its parent, from one look at /proc: (all but ``server``'s subtree, ``server``'s)."""
+    of each counted in its parent, from one look at /proc: (all but ``server``'s subtree, ``server``'s,
+    the minor page faults of all but ``server``'s subtree)."""
     procs = processes()
     kids: dict[int, list[int]] = {}
-    for pid, (ppid, _) in procs.items():
+    for pid, (ppid, _, _) in procs.items():
         kids.setdefault(ppid, []).append(pid)
 
-    def below(top: list[int]) -> float:
+    def below(top: list[int], field: int = 1) -> float:
         total, todo = 0.0, list(top)
         while todo:
             pid = todo.pop()
-            total += procs[pid][1]
+            total += procs[pid][field]
             todo.extend(kids.get(pid, []))
         return total
 
-    return below([p for p in kids.get(root, []) if p != server]), below([server] if server in procs else [])
+    others = [p for p in kids.get(root, []) if p != server]
+    return below(others), below([server] if server in procs else []), int(below(others, 2))
 
 
-def own_cpu() -> float:
+def own_cpu() -> tuple[float, int]:
+    """This process's CPU seconds and minor page faults."""
     with open("/proc/self/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return (int(fields[11]) + int(fields[12])) / TICK, int(fields[7])
 
 
 def main() -> None:
@@ -158,28 +164,30 @@ def main() -> None:
         load, waited = wait_for_quiet(args.max_load, args.wait)
         print(f"1-minute load {load:.2f} at the start (waited {waited:.0f} s for < {args.max_load}); {server.version()}")
         me = os.getpid()
-        seen: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name, *_ in rows}
+        seen: dict[str, list[tuple[float, ...]]] = {name: [] for name, *_ in rows}
         for _ in range(args.repeats):
             for name, n, size, fn in rows:
-                (kids0, server0), own0 = tree_cpu(me, server.pid), own_cpu()
+                (kids0, server0, kf0), (own0, of0) = tree_cpu(me, server.pid), own_cpu()
                 t = time.perf_counter()
                 got = fn()
                 wall = time.perf_counter() - t
-                (kids1, server1), own1 = tree_cpu(me, server.pid), own_cpu()
+                (kids1, server1, kf1), (own1, of1) = tree_cpu(me, server.pid), own_cpu()
                 assert got == n, (name, got, n)
                 mb = size / 1e6
-                seen[name].append((mb / wall, (own1 - own0) / mb * 1e3, (kids1 - kids0) / mb * 1e3, (server1 - server0) / mb * 1e3))
+                ms = (mb / wall, (own1 - own0) / mb * 1e3, (kids1 - kids0) / mb * 1e3, (server1 - server0) / mb * 1e3)
+                seen[name].append((*ms, (of1 - of0) / mb, (kf1 - kf0) / mb))
         for pool in pools.values():
             pool.shutdown()
         print(f"medians of {args.repeats} interleaved runs, {total / 1e6:.0f} MB per run (8 samples: {few_total / 1e6:.0f} MB)")
         print(f"1-minute load {load_average():.2f} at the end")
-        print("| reader | MB/s | main CPU ms/MB | other processes ms/MB | reader's total ms/MB | server ms/MB |")
-        print("|---|---|---|---|---|---|")
+        print("| reader | MB/s | main CPU ms/MB | other processes ms/MB | reader's total ms/MB | server ms/MB | page faults per MB, main / others |")
+        print("|---|---|---|---|---|---|---|")
         for name, values in seen.items():
-            rate, main_ms, kids_ms, server_ms = (statistics.median(v[i] for v in values) for i in range(4))
+            rate, main_ms, kids_ms, server_ms, main_faults, kids_faults = (statistics.median(v[i] for v in values) for i in range(6))
             both = statistics.median(v[1] + v[2] for v in values)
-            print(f"| {name} | {rate:,.0f} | {main_ms:.2f} | {kids_ms:.2f} | {both:.2f} | {server_ms:.2f} |")
-        print('("other processes": DataLoader workers, or the reference\'s two processes; the server is left out of them)')
+            print(f"| {name} | {rate:,.0f} | {main_ms:.2f} | {kids_ms:.2f} | {both:.2f} | {server_ms:.2f} | {main_faults:.0f} / {kids_faults:.0f} |")
+        print('("other processes": DataLoader workers, or the reference\'s two processes; the server is left out of them;')
+        print(" a minor page fault is a page of fresh memory mapped and zeroed on first touch)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ structure and sends small tensors inline."""
 from __future__ import annotations
 
 import collections
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -135,3 +137,44 @@ def test_loader_map_sees_batches_as_the_dataset_made_them(tmp_path):
     ds = ShardStream(root, batch_size=4, world=World(0, 1))
     loader = make_loader(ds, num_workers=2).map(lambda b: (type(b["cls"]).__name__, len(b["__key__"])))
     assert list(loader) == [("Tensor", 4)] * 10
+
+
+def _faults_reallocating() -> int:
+    """Minor page faults of allocating 16 MiB in 4 MiB buffers again right after freeing the same."""
+    import resource
+
+    held = [bytearray(4 << 20) for _ in range(4)]
+    del held
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    held = [bytearray(4 << 20) for _ in range(4)]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del held
+    return faults
+
+
+def _with_faults(sample):
+    sample["faults"] = _faults_reallocating()
+    return sample
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_keep_the_memory_they_free_for_their_next_samples(tmp_path):
+    """A loader's workers reuse the heap memory they freed (glibc keeps it rather than unmapping or
+    trimming it): 16 MiB of large buffers allocated again after a free take no new pages, where a
+    process left to glibc's defaults maps (and the kernel zeroes) every page afresh, 4,096 faults."""
+    import subprocess
+
+    url = write_dataset(tmp_path / "ds", n=4, max_count=2)
+    ds = ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), transform=_with_faults)
+    loader = make_loader(ds, num_workers=2, pin_memory=False, log_interval=None)
+    in_workers = [f for batch in loader for f in batch["faults"].tolist()]
+    assert len(in_workers) == 4 and max(in_workers) < 256, in_workers
+    here = os.path.dirname(__file__)
+    plain = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_loader; print(test_loader._faults_reallocating())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert int(plain.stdout) > 2048  # (the same in a process of its own, glibc's defaults)

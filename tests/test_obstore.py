@@ -118,3 +118,39 @@ def test_fork_started_workers_after_obstore_read_through_s3fs(s3):
     loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False)
     got = {k: bytes(b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])}
     assert got == {s["__key__"]: s["bin"] for s in samples}
+
+
+@pytest.mark.parametrize("cut", [None, "rst"])
+def test_read_ahead_keeps_obstores_pieces_and_the_parser_joins_them_once(s3, monkeypatch, cut):
+    """With read-ahead on, the fetch thread queues the pieces obstore handed over (``ObjectBody.take``)
+    rather than copying them into blocks of its own (``readinto``), and a large member is joined
+    from them once: the bytes are exact, the shard's bytes read once, and a body cut midway (a TCP
+    reset) resumes at the byte where it broke with the pieces that arrived kept."""
+    from faultproxy import FaultProxy
+
+    bucket, options, _ = s3
+    samples = [{"__key__": f"k{i}", "bin": os.urandom(1_300_000 + 777 * i), "cls": i} for i in range(4)]
+    samples.insert(2, {"__key__": "small", "bin": b"x" * 100, "cls": 9})
+    url = write_dataset(f"s3://{bucket}/pieces", samples=samples, max_count=10, storage_options=options)
+    calls = {"take": 0, "readinto": 0}
+    for name in calls:
+        method = getattr(objects.ObjectBody, name)
+
+        def counted(self, *args, _name=name, _method=method, **kwargs):
+            calls[_name] += 1
+            return _method(self, *args, **kwargs)
+
+        monkeypatch.setattr(objects.ObjectBody, name, counted)
+    config = StorageConfig(backoff_base=0.001, backoff_cap=0.01)
+    read = Read(read_size=1 << 20, readahead_bytes=8 << 20)
+    with FaultProxy(options["endpoint_url"], reset_after=700_000 if cut else None, cut=cut or "rst") as proxy:
+        store = Store(options={"endpoint_url": proxy.url}, config=config, read=read)
+        ds = ShardStream(url, batch_size=5, shuffle=False, decode=False, world=World(0, 1), store=store)
+        calls.update(take=0, readinto=0)  # (the manifest is read without read-ahead)
+        got = {k: bytes(b) for batch in ds for k, b in zip(batch["__key__"], batch["bin"])}
+        stats = ds.stats()
+    assert got == {s["__key__"]: s["bin"] for s in samples}
+    assert stats["bytes_read"] == int(ds.manifest.sizes.sum())
+    assert calls["take"] > 0 and calls["readinto"] == 0, calls
+    if cut:
+        assert proxy.counts["resets"] > 0 and stats["resumes"] > 0

@@ -59,3 +59,52 @@ def test_a_worker_over_s3_starts_with_the_s3_client_imported(tmp_path, s3):
 def test_a_worker_over_local_shards_does_not_import_it(tmp_path):
     url = write_dataset(tmp_path / "d", n=20, max_count=10)
     assert worker_modules(tmp_path, url, {}) == {"botocore.session": False, "obstore.store": False}
+
+
+IMPORTS = textwrap.dedent(
+    """
+    import os, sys
+    import shardstream
+
+    ARGV = list(sys.argv)  # (scripts parse their arguments at the top level, too)
+    with open(os.environ["IMPORTS_OUT"], "a") as f:  # each process that imports this script
+        f.write(f"{__name__} {os.getpid()} {ARGV[-1]}\\n")
+
+    def started(worker_id):
+        with open(os.environ["IMPORTS_OUT"], "a") as f:
+            f.write(f"worker {os.getpid()} {ARGV[-1]}\\n")
+
+    def run():
+        dataset = shardstream.ShardStream(sys.argv[1], batch_size=4, shuffle=False, world=shardstream.World(0, 1))
+        loader = shardstream.make_loader(dataset, num_workers=2, worker_init_fn=started, pin_memory=False, persistent_workers=False)
+        for _ in range(2):  # two passes: new workers each
+            assert sum(len(b["__key__"]) for b in loader) == 20
+    """
+)
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_forkserver_imports_a_guarded_main_script_once_for_every_worker(tmp_path, guarded):
+    """Workers started from the forkserver find the main script imported already (its server imported
+    it once: loader/mainpreload.py) rather than each importing it, and the modules it imports, again.
+    A script whose loader starts at its top level is never imported there (that would run it): the
+    first pass refuses it, as before."""
+    url = write_dataset(tmp_path / "d", n=20, max_count=5)
+    script = tmp_path / "main.py"
+    script.write_text(IMPORTS + ('\nif __name__ == "__main__":\n    run()\n' if guarded else "\nrun()\n"))
+    out = tmp_path / "imports.txt"
+    env = {**os.environ, "IMPORTS_OUT": str(out)}
+    env.pop("SHARDSTREAM_START_METHOD", None)
+    done = subprocess.run([sys.executable, str(script), url], env=env, timeout=scaled(120), capture_output=True, text=True)
+    lines = [line.split() for line in out.read_text().splitlines()]
+    workers = {pid for name, pid, _ in lines if name == "worker"}
+    importers = [(name, pid) for name, pid, _ in lines if name != "worker"]
+    assert all(argv == url for _, _, argv in lines)  # the script saw the rank's arguments wherever it ran
+    if guarded:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len(workers) == 4  # two passes of 2 workers
+        assert [name for name, _ in importers] == ["__main__", "__mp_main__"]  # the main process, then the server
+        assert not workers & {pid for _, pid in importers}
+    else:
+        assert done.returncode != 0 and "if __name__ == '__main__':" in done.stderr
+        assert [name for name, _ in importers] == ["__main__"] and not workers

@@ -346,14 +346,18 @@ def _check_signed(buf: bytes, pos: int, stored: int, url: str, base: int) -> Non
 
 def _pieces(read: Callable[[int], bytes], left: int, url: str, at: int, end: int) -> Iterator[bytes]:
     """The next ``left`` bytes of the stream as the pieces ``read`` hands over, all of the rest
-    asked for each time (one request on S3); a stream that ends first is a truncated shard."""
+    asked for each time (one request on S3), or as the pieces its ``read.pieces(n)`` hands over
+    where it has that (read-ahead: the body's own buffers, not joined into a block first); a stream
+    that ends first is a truncated shard."""
+    take = getattr(read, "pieces", None)
     while left > 0:
-        piece = read(left)
-        if not piece:
+        got = take(left) if take is not None else [read(left)]
+        if not got or not got[0]:
             raise ShardFormatError(url, at, f"stream ended at byte {at}, expected {end} (truncated shard)")
-        yield piece
-        left -= len(piece)
-        at += len(piece)
+        for piece in got:
+            yield piece
+            left -= len(piece)
+            at += len(piece)
 
 
 def _fill(view: memoryview, read: Callable[[int], bytes], readinto: Callable[[memoryview], int] | None, url: str, at: int, end: int) -> None:

@@ -13,7 +13,9 @@ that does not ask fixes the method for every later one, and a loader keeps its m
 passes, so a run never changes method mid-way.
 With persistent workers (make_loader's default) workers start once, not every epoch.
 
-Life. Each worker reports its steps on the rank's board (stats.py). The loader bounds every wait
+Life. A worker keeps the heap memory it frees for its next samples (``keep_freed_memory``: glibc
+would otherwise map and zero every page of each large sample afresh). Each worker reports its
+steps on the rank's board (stats.py). The loader bounds every wait
 for a batch (``timeout``, and ``first_batch_timeout`` for a pass's first one) and raises
 ``WorkerTimeout`` naming the rank, the worker, its pid and its last step, so a hung rank fails the
 job (and ``torchrun`` restarts it from a checkpoint) instead of every rank waiting forever.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import json
 import logging
 import multiprocessing
 import os
@@ -76,6 +79,8 @@ PRELOAD = ("torch", "numpy.random", "shardstream.loader")
 # credential chain 0.3-0.8 s, obstore), so the first batch does not wait for them in every worker.
 # The server imports them only; it makes no request, so its children start obstore afresh.
 REMOTE_PRELOAD = ("botocore.session", "botocore.credentials", "obstore.store")
+MAIN_PRELOAD = "shardstream.loader.mainpreload"  # imports the main script in the server (see there)
+MAIN_ENV = "SHARDSTREAM_FORKSERVER_MAIN"  # [the script's path, sys.argv] as JSON, for MAIN_PRELOAD
 _preload_remote = False
 _PR_SET_PDEATHSIG = 1
 
@@ -150,15 +155,41 @@ def _register_generator() -> None:
 
 def context(method: str) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
-    (and the main module, as it does by default), so a worker starts without importing them."""
+    (and the main script, where it may: ``_main_to_preload``), so a worker starts without importing them."""
     if method != "fork":
         _register_generator()
     if method == "forkserver":
         if not forkserver_running():  # not started yet: preload counts
             preload = forkserver_preload()
             ours = PRELOAD + (REMOTE_PRELOAD if _preload_remote else ())
+            script = _main_to_preload()
+            if script is not None:  # (multiprocessing's own preload of __main__ never gets the path: mainpreload.py)
+                os.environ[MAIN_ENV] = json.dumps([script, sys.argv])
+                ours += (MAIN_PRELOAD,)
+            else:
+                os.environ.pop(MAIN_ENV, None)  # (one inherited from a parent names its script, not this one)
             multiprocessing.set_forkserver_preload([*preload, *(m for m in ours if m not in preload)])
     return multiprocessing.get_context(method)
+
+
+def _main_to_preload() -> str | None:
+    """The main script's path when the forkserver may import it (``mainpreload.py``): a script run
+    by its path whose loaders start inside its ``if __name__ == "__main__":`` block, or from
+    functions (the caller's frames say), so that importing it runs no training. None otherwise:
+    ``python -m``, ``-c``, an interactive session, no guard, or a loader made at its top level."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or getattr(main, "__spec__", None) is not None or not path.endswith(".py"):
+        return None
+    guards = _main_guards(path)
+    if not guards:
+        return None
+    frame: FrameType | None = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
+        frame = frame.f_back
+    if frame is not None and not any(first <= frame.f_lineno <= last for first, last in guards):
+        return None
+    return os.path.abspath(path)
 
 
 def preload_remote() -> None:
@@ -315,9 +346,35 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# A worker keeps the heap memory it frees for its next batches instead of handing it back to the
+# kernel (glibc's malloc; elsewhere nothing changes). Left to glibc, each large sample (a 4 MiB
+# member joined from its pieces, a batch's buffers) is fresh memory: mapped, then zeroed and mapped
+# page by page on first touch, then unmapped or trimmed when the batch is handed off. On s3rver
+# with 2 workers and 4 MiB samples that was 136 page faults per MB and 0.2 ms of a worker's CPU
+# per MB (BENCHMARKS.md, "Fewer copies and page faults on S3"). Allocations up to MMAP_THRESHOLD
+# come from the heap, and up to TRIM_THRESHOLD of free memory at its top is kept: a worker's
+# memory stays at its high-water mark (its read-ahead budget and the batches it has in flight).
+MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+
+
+def keep_freed_memory() -> bool:
+    """In a worker: glibc's malloc keeps freed memory for reuse (see above). False where the C
+    library has no ``mallopt`` (musl, macOS) or refuses the values."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) & bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
 class WorkerStart:
-    """The loader's ``worker_init_fn``: die with the rank, the hand-off's segment pool (if any), then
-    the user's function. A class, not a closure, so it pickles for workers that are not forked."""
+    """The loader's ``worker_init_fn``: die with the rank, keep freed memory (``keep_freed_memory``),
+    the hand-off's segment pool (if any), then the user's function. A class, not a closure, so it pickles for workers that are not forked."""
 
     def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None):
         self.channels, self.fn = channels, fn
@@ -336,6 +393,7 @@ class WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         die_with_parent(self.main_pid, self.method == "fork", self.main_thread)
+        keep_freed_memory()
         if self.environ is not None and self.environ != os.environ:
             os.environ.clear()
             os.environ.update(self.environ)

@@ -229,16 +229,18 @@ def read_range(
 
 class _FirstReadsSmall:
     """Reads of at most FIRST_READ, doubling each time, until they reach what the parser asks for.
-    ``readinto`` (large members filled in place) passes straight through when the stream has it."""
+    ``readinto`` (large members filled in place) and ``pieces`` (a large member's rest as the
+    read-ahead's pieces, joined once by the parser) pass straight through when the stream has them."""
 
-    __slots__ = ("_read", "_cap", "readinto")
+    __slots__ = ("_read", "_cap", "readinto", "pieces")
 
     def __init__(self, read: Callable[[int], bytes]):
         self._read = read
         self._cap = FIRST_READ
-        into = getattr(read, "readinto", None)
-        if into is not None:
-            self.readinto = into
+        for name in ("readinto", "pieces"):
+            method = getattr(read, name, None)
+            if method is not None:
+                setattr(self, name, method)
 
     def __call__(self, n: int) -> bytes:
         if n <= self._cap:

@@ -268,8 +268,10 @@ def _requests() -> concurrent.futures.ThreadPoolExecutor:
 
 class ObjectBody:
     """One GET of bytes [a, b) (``retry.Body``). The request goes out when the body is made (on a
-    thread of ``_requests``); the first ``readinto`` waits for its answer at most ``timeout``
-    seconds and raises an error answer; later ones hand over the body's pieces as they arrive."""
+    thread of ``_requests``); the first read waits for its answer at most ``timeout`` seconds and
+    raises an error answer; later ones hand over the body's pieces as they arrive: copied into the
+    caller's buffer (``readinto``), or as they are (``take``: a view of obstore's own buffer, no
+    copy, for a reader that keeps pieces rather than a block)."""
 
     __slots__ = ("_future", "_stream", "_piece", "_path")
 
@@ -282,28 +284,43 @@ class ObjectBody:
         store = client.store_within(timeout)
         self._future: concurrent.futures.Future | None = _requests().submit(obstore.get, store, key, options={"range": (a, b)})
 
-    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+    def _next(self, timeout: float | None) -> memoryview:
+        """The rest of the piece in hand, else the body's next piece (empty at its end)."""
         piece = self._piece
-        if not piece:
-            try:
-                if self._stream is None:
-                    if self._future is None:
-                        raise ValueError("read from a closed body")
-                    try:
-                        answer = self._future.result(timeout)
-                    except concurrent.futures.TimeoutError:
-                        raise TimeoutError(f"no answer within the {timeout:.1f} s left for this try") from None
-                    self._stream = answer.stream(min_chunk_size=CHUNK)
-                piece = memoryview(next(self._stream))
-            except StopIteration:
-                return 0
-            except Exception as exc:
-                self.close()
-                raise translate(exc) from exc
+        if piece:
+            return piece
+        try:
+            if self._stream is None:
+                if self._future is None:
+                    raise ValueError("read from a closed body")
+                try:
+                    answer = self._future.result(timeout)
+                except concurrent.futures.TimeoutError:
+                    raise TimeoutError(f"no answer within the {timeout:.1f} s left for this try") from None
+                self._stream = answer.stream(min_chunk_size=CHUNK)
+            return memoryview(next(self._stream))
+        except StopIteration:
+            return piece
+        except Exception as exc:
+            self.close()
+            raise translate(exc) from exc
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+        piece = self._next(timeout)
         k = min(len(view), len(piece))
         view[:k] = piece[:k]
         self._piece = piece[k:]
         return k
+
+    def take(self, n: int, timeout: float | None = None) -> memoryview:
+        """The body's next bytes, at most ``n``, as a read-only view of the piece obstore handed
+        over (no copy; empty at the body's end)."""
+        piece = self._next(timeout)
+        if len(piece) <= n:
+            self._piece = memoryview(b"")
+            return piece
+        self._piece = piece[n:]
+        return piece[:n]
 
     def close(self) -> None:
         future, self._future, self._stream, self._piece = self._future, None, None, memoryview(b"")

@@ -137,7 +137,7 @@ class _EndsBefore:
     """``read(n)`` over the first ``length`` bytes of a reader that goes ``tail`` bytes further:
     the read that reaches ``length`` asks for the tail too (no request of its own: on S3 the range's
     one GET already runs to the object's end) and the tail is cut off the block it arrives in.
-    ``readinto``, ``remaining`` and ``start`` pass through (``RangeReader``)."""
+    ``readinto``, ``pieces``, ``remaining`` and ``start`` pass through (``RangeReader``)."""
 
     __slots__ = ("_read", "_left", "_tail")
 
@@ -157,6 +157,22 @@ class _EndsBefore:
 
     def start(self) -> None:
         self._read.start()
+
+    def pieces(self, n: int) -> list:
+        """``RangeReader.pieces`` over the first ``length`` bytes: the tail is cut off the pieces."""
+        left = self._left
+        if left <= 0:
+            return []
+        out = self._read.pieces(n if n < left else left + self._tail)
+        got = 0
+        for i, piece in enumerate(out):
+            if got + len(piece) >= left:
+                out[i:] = [piece if got + len(piece) == left else memoryview(piece)[: left - got]] if left > got else []
+                got = left
+                break
+            got += len(piece)
+        self._left = left - got
+        return out
 
     def __call__(self, n: int) -> bytes:
         left = self._left

@@ -419,6 +419,7 @@ class RangeReader:
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
         self._config, self._sleep, self._hint, self._short_ends = config, sleep, hint, short_object_ends
+        self._takes = self._open is not None and getattr(fetch, "kind", None) == "obstore"  # its bodies have ``take``
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -476,11 +477,36 @@ class RangeReader:
             return len(data)
         return self._fill(view[: stop - self.pos])
 
-    def _fill(self, view: memoryview) -> int:
-        """Fill ``view`` from the range's body (sending a request when none is open): as many bytes
-        as arrive before the body ends or breaks; 0 only at the end of the stream."""
+    def pieces(self, n: int) -> list:
+        """The next <= n bytes of the range as the pieces its body handed over (``Body.take``: no
+        copy, e.g. views of obstore's buffers), or as one block where the body has no ``take``;
+        an empty list at the range's end. Retry, resume and the deadline as for ``read``."""
+        stop = min(self.end, self.pos + n)
+        if stop <= self.pos:
+            self.close()
+            return []
+        if not self._takes:
+            block = self(n)
+            return [block] if block else []
+        out: list = []
+
+        def take(body: Any, want: int, timeout: float | None) -> int:
+            piece = body.take(want, timeout)
+            if piece:
+                out.append(piece)
+            return len(piece)
+
+        self._fill(stop - self.pos, take)
+        return out
+
+    def _fill(self, want: int | memoryview, take: Callable[[Any, int, float | None], int] | None = None) -> int:
+        """Fill the view ``want`` from the range's body (sending a request when none is open), or
+        with ``take`` (body, bytes wanted, timeout) -> bytes taken, take up to ``want`` bytes: as
+        many as arrive before the body ends or breaks; 0 only at the end of the stream."""
         attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
         counters = self._counters
+        view = want if isinstance(want, memoryview) else None
+        size = len(want) if isinstance(want, memoryview) else want
         got = 0
         while True:
             began = time.perf_counter()
@@ -489,8 +515,8 @@ class RangeReader:
             try:
                 if body is None:
                     body = self._send(attempts.remaining())
-                while got < len(view):
-                    k = body.readinto(view[got:], attempts.remaining())
+                while got < size:
+                    k = body.readinto(view[got:], attempts.remaining()) if view is not None else take(body, size - got, attempts.remaining())  # type: ignore[misc]
                     if not k:
                         break
                     got += k
@@ -512,7 +538,7 @@ class RangeReader:
                 attempts.failed(exc, resumed=self.pos > self.start_at)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-            if got < len(view):  # the body is complete: the object ended before the range did
+            if got < size:  # the body is complete: the object ended before the range did
                 self.close()
                 if not got:
                     if sent:  # a new request answered with nothing at all
