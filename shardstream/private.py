@@ -111,6 +111,16 @@ NAMES: dict[str, tuple[str, str, str]] = {
         "DupFd",
         "a file descriptor pickled for a new process: sent by the spawning process, a duplicate in the child",
     ),
+    "multiprocessing.spawn.import_main_path": (
+        "multiprocessing.spawn",
+        "import_main_path",
+        "imports the main script as __mp_main__ the way a spawned worker does, so the forkserver's server imports it once for all its workers",
+    ),
+    "multiprocessing.spawn._check_not_importing_main": (
+        "multiprocessing.spawn",
+        "_check_not_importing_main",
+        "reads current_process()._inheriting: a script that starts processes as the server imports it raises instead",
+    ),
     "sys._current_frames": ("sys", "_current_frames", "counts the threads running Python code (threading.enumerate misses _thread's)"),
     "multiprocessing.pool.Pool._outqueue": (
         "multiprocessing.pool",
@@ -321,6 +331,22 @@ def resource_tracker_in_own_session() -> bool:
         finally:
             util.spawnv_passfds = spawnv
     return True
+
+
+def import_main_inherited(path: str) -> None:
+    """Import the main script at ``path`` as ``__mp_main__``, as the forkserver's own preload of
+    ``__main__`` does: with the current process marked ``_inheriting``, so that a script starting
+    processes at import raises (``spawn._check_not_importing_main``) instead of starting them."""
+    resolve("multiprocessing.spawn._check_not_importing_main")
+    import_main_path = resolve("multiprocessing.spawn.import_main_path")
+    from multiprocessing import process
+
+    current = process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        import_main_path(path)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
 
 
 def python_threads() -> int:

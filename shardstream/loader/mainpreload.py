@@ -20,6 +20,7 @@ import os
 import sys
 
 from shardstream.loader.workers import MAIN_ENV
+from shardstream.private import import_main_inherited
 
 
 def _import_main() -> None:
@@ -29,20 +30,15 @@ def _import_main() -> None:
     path, argv = json.loads(given)
     if getattr(sys.modules.get("__main__"), "__file__", None) == path:
         return  # multiprocessing did it (a Python whose forkserver passes the path)
-    from multiprocessing import process, spawn
-
-    current = process.current_process()
-    current._inheriting = True  # type: ignore[attr-defined]  # (as the forkserver's own preload of __main__ does)
     saved, sys.argv = sys.argv, list(argv)  # the rank's, as spawn.prepare gives a worker that imports it
     try:
-        spawn.import_main_path(path)
+        import_main_inherited(path)
     except KeyboardInterrupt:
         raise
     except BaseException:  # noqa: BLE001 - (SystemExit too: argparse) each worker imports the script itself then, as before
         pass
     finally:
         sys.argv = saved
-        del current._inheriting  # type: ignore[attr-defined]
 
 
 _import_main()
