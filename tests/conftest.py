@@ -71,8 +71,10 @@ def pytest_runtest_protocol(item, nextitem):
 # a worker claimed the last two of them while the other ran out of work and stopped. Here the
 # longest files go first (longest-processing-time first), so the files handed out last are
 # short. The list is the suite's longest files by their total time, longest first (-n 0, a file
-# at a time, after the loader's reference cycle was fixed); files not in it follow, most tests
-# first. An out-of-date list costs balance, never a test.
+# at a time, after the loader's reference cycle was fixed); files not in it follow, fewest tests
+# first, so the last files handed out are the ones of many short tests (test_plan, test_schedule),
+# which even out the two workers' ends a test at a time. An out-of-date list costs balance, never
+# a test.
 LONGEST_FILES = (
     "test_docs.py",
     "test_examples.py",
@@ -109,7 +111,7 @@ def pytest_collection_modifyitems(session, config, items):
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::")[0].rsplit("/", 1)[-1], []).append(item)
-    order = sorted(by_file, key=lambda name: (rank.get(name, len(rank)), -len(by_file[name]) if name not in rank else 0))
+    order = sorted(by_file, key=lambda name: (rank.get(name, len(rank)), len(by_file[name]) if name not in rank else 0))
     items[:] = [item for name in order for item in by_file[name]]
 
 
