@@ -64,6 +64,57 @@ def pytest_runtest_protocol(item, nextitem):
     yield
 
 
+# -- the order files are handed out in (make test: -n auto --dist loadfile) ---------------------
+# loadfile gives each xdist worker whole files, the next one as soon as its current file is down
+# to 2 tests, in the order of the queue. xdist's own order is most tests first, which put the few
+# long multi-process files (1 to 5 tests each: DDP launches, examples run under torchrun) last:
+# a worker claimed the last two of them while the other ran out of work and stopped. Here the
+# longest files go first (longest-processing-time first), so the files handed out last are
+# short. The list is the suite's longest files by their total time, longest first (-n 0, a file
+# at a time, after the loader's reference cycle was fixed); files not in it follow, fewest tests
+# first, so the last files handed out are the ones of many short tests (test_plan, test_schedule),
+# which even out the two workers' ends a test at a time. An out-of-date list costs balance, never
+# a test.
+LONGEST_FILES = (
+    "test_docs.py",
+    "test_examples.py",
+    "test_resume_ddp.py",
+    "test_tarplain.py",
+    "test_segments.py",
+    "test_storage_errors.py",
+    "test_mix_ddp.py",
+    "test_faults.py",
+    "test_scale.py",
+    "test_lightning.py",
+    "test_parquet_ddp.py",
+    "test_preload.py",
+    "test_resume.py",
+    "test_bounds.py",
+    "test_exit.py",
+    "test_requests.py",
+    "test_shm_kill.py",
+    "test_parquet_columnar.py",
+    "test_private.py",
+    "test_stream.py",
+)
+
+
+def pytest_configure(config):
+    # xdist would sort files by their number of tests after collection: keep the order below
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Items grouped by file, files in the order above (each file's own order kept)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0].rsplit("/", 1)[-1], []).append(item)
+    order = sorted(by_file, key=lambda name: (rank.get(name, len(rank)), len(by_file[name]) if name not in rank else 0))
+    items[:] = [item for name in order for item in by_file[name]]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -119,6 +119,29 @@ def test_a_guarded_script_runs_its_workers_from_forkserver(root, tmp_path):
     assert done.stdout.splitlines()[0] == "ran as __main__" and done.stdout.splitlines()[-1] == "batches 20"
 
 
+def test_a_loader_dropped_mid_pass_goes_with_its_last_reference(root):
+    """Starting workers from forkserver looks up the caller's frames (the main-guard check) and
+    lets them go: no reference cycle holds the loader, so dropped mid-pass it goes at once, its
+    workers stopped by its DataLoader iterator, not at the garbage collector's next pass (where
+    that iterator's queues are finalized first and its shutdown waits 5 s for each worker)."""
+    import gc
+    import weakref
+
+    ds = ShardStream(root, batch_size=4, world=World(0, 1), shuffle=False)
+    gc.collect()
+    gc.disable()  # the collector's own passes (any allocation may start one) would hide a cycle
+    try:
+        loader = make_loader(ds, num_workers=2, start_method="forkserver", log_interval=None, pin_memory=False)
+        for n, _ in enumerate(loader):
+            if n == 3:
+                break
+        gone = weakref.ref(loader)
+        del loader
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def raise_in_worker_1(worker_id):
     """A worker_init_fn: worker 1 raises a RuntimeError of its own (as a library it sets up may)."""
     if worker_id == 1:

@@ -46,7 +46,6 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import synchronize
-from types import FrameType
 from typing import Any
 
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
@@ -249,13 +248,9 @@ def check_main_guarded(method: str) -> None:
     path = getattr(main, "__file__", None)
     if main is None or not path:  # an interactive session, python -c: nothing is imported again
         return
-    here = inspect.currentframe()
-    frame: FrameType | None = here.f_back if here is not None else None
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
-        frame = frame.f_back
-    if frame is None:  # called from a function the script's guard (or another module) called
+    line = _main_line(path, vars(main))
+    if line is None:  # called from a function the script's guard (or another module) called
         return
-    line = frame.f_lineno
     guards = _main_guards(path)
     if guards is None or any(first <= line <= last for first, last in guards):
         return
@@ -264,6 +259,22 @@ def check_main_guarded(method: str) -> None:
         f"{method} imports the script again and would run this code too (then fail starting workers of its own): "
         f"add `if __name__ == '__main__':` around your training code (workers start from {method} here, see docs/training.md)"
     )
+
+
+def _main_line(path: str, main_globals: dict[str, Any]) -> int | None:
+    """The line of the main script's top level that this call comes from, None if it comes from
+    inside a function. The frames are let go before returning: a frame held in a local of its own
+    function is a reference cycle, and the callers' frames (the loader starting its workers, its
+    DataLoader iterator) would then live until the garbage collector's next pass, whose shutdown
+    of an iterator's workers waits DataLoader's 5 s status interval for each (its queues' own
+    finalizers have run first)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is main_globals and frame.f_code.co_filename == path):
+            frame = frame.f_back
+        return frame.f_lineno if frame is not None else None
+    finally:
+        del frame
 
 
 @functools.lru_cache(maxsize=8)
