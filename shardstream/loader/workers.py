@@ -183,10 +183,8 @@ def _main_to_preload() -> str | None:
     guards = _main_guards(path)
     if not guards:
         return None
-    frame: FrameType | None = inspect.currentframe()
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main) and frame.f_code.co_filename == path):
-        frame = frame.f_back
-    if frame is not None and not any(first <= frame.f_lineno <= last for first, last in guards):
+    line = _main_line(path, vars(main))  # (None: called from inside a function)
+    if line is not None and not any(first <= line <= last for first, last in guards):
         return None
     return os.path.abspath(path)
 
