@@ -69,7 +69,9 @@ def test_the_cycle_finder_finds_one(tmp_path, monkeypatch):
 
 def test_the_layer_contract_has_no_layer_of_mutual_imports():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    (contract,) = config["tool"]["importlinter"]["contracts"]
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["containers"] == ["shardstream"]]  # the package's; others order inside one package
+    for each in contracts:
+        assert [layer for layer in each["layers"] if ":" in layer] == [], each["name"]
     layers = contract["layers"]
-    assert [layer for layer in layers if ":" in layer] == []
     assert layers.index("format") < layers.index("storage")  # format (manifests, tar scans) sits on storage
