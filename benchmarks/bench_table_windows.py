@@ -25,26 +25,10 @@ import sys
 import tempfile
 import time
 
+from bench_tables import COLUMNS, make_table  # this folder is a script's first path entry
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-COLUMNS = [f"f{i}" for i in range(7)] + ["label"]
-
-
-def make_table(root: str, rows: int, files: int, group: int) -> list[str]:
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    os.makedirs(root, exist_ok=True)
-    paths, per = [], -(-rows // files)
-    for f in range(files):
-        first, n = f * per, min(per, rows - f * per)
-        rng = np.random.default_rng(f)
-        table = pa.table({**{c: rng.random(n, dtype=np.float32) for c in COLUMNS[:7]}, "label": np.arange(first, first + n, dtype=np.int64)})
-        path = os.path.join(root, f"part-{f:03d}.parquet")
-        pq.write_table(table, path, row_group_size=group)
-        paths.append(path)
-    return paths
 
 
 def one_pass(args) -> dict:

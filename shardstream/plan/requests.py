@@ -348,6 +348,12 @@ def _table_source_count(plan: Any, source: int, m: TableManifest, where: np.ndar
         slice_of = np.searchsorted(starts, positions, side="right") - 1  # the slice each range is read by
         files = m.group_file[seq.shard(positions % quota)]
         footers = len(_distinct(slice_of * len(m.files) + files))
+    return _as_table(plan, m, pieces, runs, footers)
+
+
+def _as_table(plan: Any, m: TableManifest, pieces: RequestCount, runs: int, footers: int) -> RequestCount:
+    """A table's count from its row groups' count as ranges (``pieces``): a GET per projected run
+    of each range, a footer per worker and file, the bytes of the projected columns' share."""
     share = len(m.projection) / max(1, len(m.columns)) if m.projection is not None else 1.0
     gets = pieces.ranges * runs + footers
     return RequestCount(
@@ -426,13 +432,4 @@ def count_table_requests(plan: Any, m: TableManifest) -> RequestCount:
         else:  # wraps around the sequence's end
             entries = np.concatenate([np.arange(first, len(order)), np.arange(0, int(np.searchsorted(starts, hi - n - 1, side="right")))])
         footers += len(np.unique(files_of[entries]))
-    share = len(m.projection) / max(1, len(m.columns)) if m.projection is not None else 1.0
-    gets = pieces.ranges * runs + footers
-    return RequestCount(
-        ranges=pieces.ranges * runs,
-        sidecars=footers,
-        bytes=int(pieces.bytes * share),
-        world_size=plan.world_size,
-        by_prefix=tuple((name, round(g * gets / max(1, pieces.gets))) for name, g in pieces.by_prefix),
-        side="footers",
-    )
+    return _as_table(plan, m, pieces, runs, footers)
