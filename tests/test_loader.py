@@ -178,3 +178,15 @@ def test_workers_keep_the_memory_they_free_for_their_next_samples(tmp_path):
         check=True,
     )
     assert int(plain.stdout) > 2048  # (the same in a process of its own, glibc's defaults)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_keep_glibcs_defaults_when_asked(tmp_path, monkeypatch):
+    """SHARDSTREAM_KEEP_FREED_MEMORY=0 in the rank's environment: the workers leave glibc's malloc as
+    it is, so the same reallocation maps its pages afresh (a user short of memory keeps it low)."""
+    monkeypatch.setenv("SHARDSTREAM_KEEP_FREED_MEMORY", "0")
+    url = write_dataset(tmp_path / "ds", n=4, max_count=2)
+    ds = ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), transform=_with_faults)
+    loader = make_loader(ds, num_workers=2, pin_memory=False, log_interval=None)
+    in_workers = [f for batch in loader for f in batch["faults"].tolist()]
+    assert len(in_workers) == 4 and min(in_workers) > 2048, in_workers

@@ -363,6 +363,9 @@ def _pid_alive(pid: int) -> bool:
 # per MB (BENCHMARKS.md, "Fewer copies and page faults on S3"). Allocations up to MMAP_THRESHOLD
 # come from the heap, and up to TRIM_THRESHOLD of free memory at its top is kept: a worker's
 # memory stays at its high-water mark (its read-ahead budget and the batches it has in flight).
+# SHARDSTREAM_KEEP_FREED_MEMORY=0 in the rank's environment leaves the workers at glibc's defaults
+# (memory handed back as soon as glibc sees fit, each large sample fresh memory).
+KEEP_FREED_ENV = "SHARDSTREAM_KEEP_FREED_MEMORY"
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
 TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -402,10 +405,11 @@ class WorkerStart:
 
     def __call__(self, worker_id: int) -> None:
         die_with_parent(self.main_pid, self.method == "fork", self.main_thread)
-        keep_freed_memory()
         if self.environ is not None and self.environ != os.environ:
             os.environ.clear()
             os.environ.update(self.environ)
+        if os.environ.get(KEEP_FREED_ENV, "1") != "0":
+            keep_freed_memory()
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
