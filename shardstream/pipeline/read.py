@@ -31,7 +31,7 @@ from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import FileReader
 from shardstream.storage.ranges import open_range as open_object_range
-from shardstream.storage.readahead import Budget, Prefetcher
+from shardstream.storage.readahead import Budget, PlannedSequence, Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -249,37 +249,26 @@ class _FirstReadsSmall:
         return self._read(self._cap // 2)
 
 
-class PlannedReads:
-    """One source's read-ahead over a whole pass: one Prefetcher over its planned ranges of every
-    window, in order, so fetching runs on from one window's last range into the next window's
-    first (the shuffle and the mix see windows; storage sees one sequence of ranges). Its bytes
-    count against ``source.budget``, shared by the worker's sources. ``read_ranges`` takes each
-    window's ranges from it in turn; ``close`` at the pass's end (or when it is abandoned)."""
+class PlannedReads(PlannedSequence[Range]):
+    """One source's read-ahead over a whole pass (``PlannedSequence``): one Prefetcher over its
+    planned ranges of every window, in order (the shuffle and the mix see windows; storage sees
+    one sequence of ranges). Its bytes count against ``source.budget``, shared by the worker's
+    sources. ``read_ranges`` takes each window's ranges from it in turn."""
+
+    noun = "range"
 
     def __init__(self, source: RangeSource, ranges: Sequence[Range]):
-        self.ranges = list(ranges)
-        self.next = 0  # the first range the next read_ranges call takes
-        self.prefetcher: Prefetcher | None = None
-        if source.readahead_bytes > 0 and self.ranges:
-            self.prefetcher = Prefetcher(
-                [source.opener(r) for r in self.ranges],
+        ranges = list(ranges)
+        prefetcher = None
+        if source.readahead_bytes > 0 and ranges:
+            prefetcher = Prefetcher(
+                [source.opener(r) for r in ranges],
                 block_size=source.read_size,
                 max_bytes=source.readahead_bytes,
                 budget=source.budget,
                 threads=source.readahead_threads,
             )
-
-    def take(self, ranges: Sequence[Range]) -> int:
-        """The index of ``ranges``' first in the pass's sequence; they must be the next planned."""
-        first = self.next
-        if list(self.ranges[first : first + len(ranges)]) != list(ranges):
-            raise RuntimeError(f"ranges read out of their planned order (at planned range {first} of {len(self.ranges)})")
-        self.next = first + len(ranges)
-        return first
-
-    def close(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.close()
+        super().__init__(ranges, prefetcher)
 
 
 def read_ranges(

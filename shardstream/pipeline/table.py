@@ -42,7 +42,7 @@ from shardstream.policy import ErrorPolicy
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import DOWNLOAD_BLOCK, open_range
-from shardstream.storage.readahead import Budget, Prefetcher
+from shardstream.storage.readahead import Budget, PlannedSequence, Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -346,30 +346,17 @@ def _prefetcher(source: TableSource, groups: list[int]) -> Prefetcher | None:
     return Prefetcher(openers, block_size=source.read_size, max_bytes=source.readahead_bytes)
 
 
-class PlannedGroups:
-    """One table source's read-ahead over a whole pass (``pipeline.read.PlannedReads`` for tar):
-    one Prefetcher over the row groups of every window's planned ranges, in order (each window's
-    consecutive repeats once, as ``read_groups`` reads them), so fetching runs on from one
-    window's last row group into the next window's first while the current one is consumed, in
-    the worker's one budget. ``read_groups`` takes each window's row groups from it in turn;
-    ``close`` at the pass's end (or when it is abandoned)."""
+class PlannedGroups(PlannedSequence[int]):
+    """One table source's read-ahead over a whole pass (``PlannedSequence``; ``pipeline.read.PlannedReads``
+    for tar): one Prefetcher over the row groups of every window's planned ranges, in order (each
+    window's consecutive repeats once, as ``read_groups`` reads them), in the worker's one budget.
+    ``read_groups`` takes each window's row groups from it in turn."""
+
+    noun = "row group"
 
     def __init__(self, source: TableSource, windows: Iterable[Sequence[Range]]):
-        self.groups = [g for ranges in windows for g in _groups(ranges)]
-        self.next = 0  # the first row group the next read_groups call takes
-        self.prefetcher = _prefetcher(source, self.groups)
-
-    def take(self, groups: list[int]) -> int:
-        """The index of ``groups``' first in the pass's sequence; they must be the next planned."""
-        first = self.next
-        if self.groups[first : first + len(groups)] != groups:
-            raise RuntimeError(f"row groups read out of their planned order (at planned row group {first} of {len(self.groups)})")
-        self.next = first + len(groups)
-        return first
-
-    def close(self) -> None:
-        if self.prefetcher is not None:
-            self.prefetcher.close()
+        groups = [g for ranges in windows for g in _groups(ranges)]
+        super().__init__(groups, _prefetcher(source, groups))
 
 
 def read_groups(

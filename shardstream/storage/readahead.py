@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 Opener = Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]
 SENT_AHEAD = 8  # ranges at most whose requests one fetch thread has sent beyond the range it reads (small shards: 9 in flight)
@@ -34,6 +34,8 @@ SENT_AHEAD = 8  # ranges at most whose requests one fetch thread has sent beyond
 # compete with the first blocks of a pass, which its first batch waits for, and still arrives in
 # time (16 MiB: 160 ms at 100 MB/s, 40 ms at 400). After that, once what is left fits in the bound.
 SEND_AHEAD_BYTES = 16 << 20
+
+T = TypeVar("T")
 
 
 class Pieces(list):
@@ -368,3 +370,29 @@ class _RangeReader:
             view[got : got + len(piece)] = piece
             got += len(piece)
         return got
+
+
+class PlannedSequence(Generic[T]):
+    """A pass's reads in their planned order (tar ranges, a table's row groups) and the read-ahead
+    over all of them (``prefetcher``, or None without one), so fetching runs on from one window's
+    last read into the next window's first. Each window's reader ``take``s its reads, which must
+    be the next planned; ``close`` at the pass's end (or when it is abandoned)."""
+
+    noun = "read"
+
+    def __init__(self, items: list[T], prefetcher: Prefetcher | None):
+        self.items = items
+        self.next = 0  # the first item the next reader takes
+        self.prefetcher = prefetcher
+
+    def take(self, items: Sequence[T]) -> int:
+        """The index of ``items``' first in the pass's sequence; they must be the next planned."""
+        first = self.next
+        if list(self.items[first : first + len(items)]) != list(items):
+            raise RuntimeError(f"{self.noun}s read out of their planned order (at planned {self.noun} {first} of {len(self.items)})")
+        self.next = first + len(items)
+        return first
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
