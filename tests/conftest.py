@@ -183,6 +183,16 @@ def make_samples(n: int, size: int = 100, seed: int = 0):
     return [{"__key__": f"s{i:06d}", "bin": rng.bytes(int(rng.integers(1, size + 1))), "cls": i % 7, "txt": f"sample {i}"} for i in range(n)]
 
 
+def forget_aws_credentials(monkeypatch, tmp_path) -> None:
+    """No AWS credentials anywhere botocore's chain (and obstore's) looks: no variables, no shared
+    files, no instance metadata."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
 def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, samples=None, storage_options=None) -> str:
     """The one "small dataset" helper: ``n`` samples from make_samples (or ``samples``) packed with
     ShardWriter into ``url`` (a local folder or an s3:// URL), ``max_count`` samples per shard.

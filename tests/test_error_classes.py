@@ -10,7 +10,7 @@ import os
 import pickle
 
 import pytest
-from conftest import make_samples, write_dataset
+from conftest import forget_aws_credentials, make_samples, write_dataset
 from test_auth import _options, _set_auth, auth  # noqa: F401 - auth: the fixture, used by name
 
 from shardstream import (
@@ -76,11 +76,7 @@ def test_a_missing_bucket_and_a_missing_manifest_are_not_found(s3):
 def test_no_credentials_is_no_credentials_and_a_manifest_error(s3, monkeypatch, tmp_path):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/ds", n=10, max_count=5, storage_options=options)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_aws_credentials(monkeypatch, tmp_path)
     exc = _caught(url, {"endpoint_url": options["endpoint_url"], "skip_instance_cache": True}, NoCredentials)
     assert isinstance(exc, ManifestError) and "no credentials found" in str(exc)
 

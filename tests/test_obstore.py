@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import make_samples, write_dataset
+from conftest import forget_aws_credentials, make_samples, write_dataset
 
 from shardstream import Read, ShardStream, Store, World, make_loader
 from shardstream.errors import AccessDenied, ConfigError, NoCredentials, StorageNotFound
@@ -96,11 +96,7 @@ def test_wrong_credentials_are_refused_at_once_with_what_to_check(s3):
 
 
 def test_no_credentials_and_an_unreadable_ca_bundle_say_so(s3_endpoint, monkeypatch, tmp_path):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_aws_credentials(monkeypatch, tmp_path)
     options = {"endpoint_url": s3_endpoint}
     with pytest.raises(NoCredentials, match="no credentials found"):
         read_object("s3://bucket/k", options)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import s3fs
-from conftest import make_samples, scaled
+from conftest import forget_aws_credentials, make_samples, scaled
 from faultproxy import FaultProxy
 
 from shardstream import Decode, ShardStream, ShardWriter, World, make_loader
@@ -79,11 +79,7 @@ def test_refused_dns_and_stall_are_transient_with_their_cause(dead_port, monkeyp
 
 
 def test_no_credentials(s3_endpoint, monkeypatch, tmp_path):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_aws_credentials(monkeypatch, tmp_path)
     exc = raised(lambda: fresh_fs(s3_endpoint).cat_file("bkt/x"))
     assert classify(exc) is Kind.NO_CREDENTIALS
     err = storage_error("s3://bkt/x", exc)
@@ -207,11 +203,7 @@ def test_pack_to_s3_without_credentials_or_endpoint_is_one_line(image_folder, s3
     tries, seconds = _tries(err)
     assert 1 < tries and 0 < seconds <= elapsed + 0.05, err  # the deadline ended it, not a count of tries (seconds: rounded to 0.1)
     assert elapsed < scaled(30), elapsed  # generous: a loaded machine; the default deadline is 60 s
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    forget_aws_credentials(monkeypatch, tmp_path)
     endpoint = s3_endpoint.replace("127.0.0.1", "localhost")  # a new s3fs instance: none cached with credentials
     assert main(["pack", str(root), "s3://bkt/y", "--endpoint-url", endpoint, "--no-progress"]) == 1
     err = capsys.readouterr().err
