@@ -13,7 +13,7 @@ deadline bounds each try as well: a try is given the time left (obstore's timeou
 an async fsspec call is cancelled at it, a HEAD or a listing is waited for no longer: ``call``),
 so a stalled answer or body ends at the deadline. The bytes that come out are those of an
 undisturbed read, none lost, none repeated; small whole objects (the manifest, offset sidecars:
-``fetch_resumed``) resume at the byte reached too. Permanent failures (missing object, access
+``ranges.read_head``) resume at the byte reached too. Permanent failures (missing object, access
 denied, missing credentials, an invalid request) fail at once with what to check;
 ``classify.storage_error`` words every failure.
 
@@ -51,13 +51,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class Fetch(Protocol):
-    """Bytes [a, b) of one object, or fewer (a short body); at most ``timeout`` seconds (None: no bound)."""
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes: ...
-
-
 JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
 # A try that would start with less of the deadline left than this is not made: it would meet its
 # own timeout rather than the store ("no answer within the 0.0 s left"), and the error would no
@@ -65,9 +58,9 @@ JITTER = random.SystemRandom()  # os.urandom per draw: different in every proces
 LAST_TRY = 0.1
 
 
-def backoff(attempt: int, rng: random.Random = JITTER, config: StorageConfig = DEFAULT_STORAGE) -> float:
+def backoff(attempt: int, config: StorageConfig = DEFAULT_STORAGE) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
-    return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2 ** min(attempt, 64)))
+    return JITTER.uniform(0, min(config.backoff_cap, config.backoff_base * 2 ** min(attempt, 64)))
 
 
 class Body(Protocol):
@@ -81,29 +74,18 @@ class Body(Protocol):
     def close(self) -> None: ...
 
 
-class OpenBody(Protocol):
-    """Send a GET for bytes [a, b) of one object now and return its ``Body`` at once: the answer is
-    read, and any failure raised, by the body's first ``readinto``. ``timeout`` bounds the connect."""
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> Body: ...
-
-
 class Fetcher:
-    """One object's bytes, one of two ways: ``open`` streams a range through one GET
-    (``OpenBody``: S3), else ``fetch(a, b, timeout)`` is one try at bytes [a, b) (fewer when the
-    object ends first), each read a request of its own. ``kind`` names the path: "obstore",
-    "s3fs" or "fsspec"."""
+    """One object's bytes, one of two ways. On S3 ``open(a, b, timeout)`` sends a GET for bytes
+    [a, b) now and returns its ``Body`` at once (the answer is read, and any failure raised, by the
+    body's first ``readinto``; ``timeout`` bounds the connect): a range streams through one GET.
+    Elsewhere ``fetch(a, b, timeout)`` is one try at bytes [a, b), or fewer when the object ends
+    first, of at most ``timeout`` seconds (None: no bound): each read a request of its own.
+    ``kind`` names the path: "obstore", "s3fs" or "fsspec"."""
 
-    __slots__ = ("kind", "_fetch", "open")
+    __slots__ = ("kind", "fetch", "open")
 
-    def __init__(self, kind: str, fetch: Fetch | None = None, open_body: OpenBody | None = None):
-        self.kind = kind
-        self._fetch = fetch
-        self.open = open_body
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes:
-        assert self._fetch is not None, f"the {self.kind} path streams its ranges (open)"
-        return self._fetch(a, b, timeout)
+    def __init__(self, kind: str, fetch: Callable[..., bytes] | None = None, open_body: Callable[..., Body] | None = None):
+        self.kind, self.fetch, self.open = kind, fetch, open_body
 
 
 class _S3fsBody:
@@ -194,7 +176,7 @@ class _S3fsBody:
             self._held = 0
 
 
-def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
+def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> Callable[..., Body]:
     """``open(a, b, timeout)`` for S3 through s3fs's client: one streamed GET per range."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
@@ -205,7 +187,7 @@ def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
     return open_body
 
 
-def fs_fetcher(fs: Any, path: str) -> Fetch:
+def fs_fetcher(fs: Any, path: str) -> Callable[..., bytes]:
     """``fetch(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
     ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
     and the retry asks for the same block again). On an async filesystem (HTTP) the try is
@@ -254,7 +236,6 @@ class _Attempts:
         self,
         url: str,
         config: StorageConfig,
-        rng: random.Random,
         counters: Any,
         sleep,
         hint: str,
@@ -262,7 +243,7 @@ class _Attempts:
         path: str | None = None,
         began: float | None = None,
     ):
-        self.url, self.config, self.rng, self.counters, self.sleep, self.hint = url, config, rng, counters, sleep, hint
+        self.url, self.config, self.counters, self.sleep, self.hint = url, config, counters, sleep, hint
         self.fs, self.path = fs, path
         self.began = time.monotonic() if began is None else began
         self.attempt = 0
@@ -282,7 +263,7 @@ class _Attempts:
             raise storage_error(
                 self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint, fs=self.fs, path=self.path
             ) from exc
-        delay = backoff(self.attempt, self.rng, self.config)
+        delay = backoff(self.attempt, self.config)
         cap = self.config.max_attempts
         if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline - LAST_TRY:
             raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
@@ -317,7 +298,7 @@ def call(
     timeout there (its thread ends at those timeouts; a try started late once ran that long past
     the deadline, about twice the deadline in all). Not for a whole file's read, which may take
     longer than the deadline while its bytes keep coming."""
-    attempts = _Attempts(url, config, JITTER, counters or NullCounters(), sleep, hint, fs, path, began)
+    attempts = _Attempts(url, config, counters or NullCounters(), sleep, hint, fs, path, began)
     while True:
         try:
             return _within(fn, attempts.remaining()) if bounded else fn()
@@ -346,44 +327,6 @@ def _within(fn: Callable[[], T], timeout: float) -> T:
     raise value
 
 
-def fetch_resumed(
-    url: str,
-    fetch: Fetch,
-    a: int,
-    b: int,
-    *,
-    config: StorageConfig = DEFAULT_STORAGE,
-    counters: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
-    hint: str = "",
-) -> bytes:
-    """Bytes [a, b) of a small object, or fewer when it ends first, read whole by a ``RangeReader``
-    (one request; a try that breaks keeps what arrived and the next asks from the byte reached).
-    Only its retries are counted, not as a stream's requests and bytes. For the manifest's first
-    read and offset sidecars."""
-    reader = RangeReader(
-        fetch, url=url, start=a, end=b, counters=_RetriesOnly(counters), config=config, sleep=sleep, hint=hint, short_object_ends=True
-    )
-    parts = []
-    try:
-        while chunk := reader(b - a):
-            parts.append(chunk)
-    finally:
-        reader.close()
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-class _RetriesOnly:
-    """Counters that pass on retries, resumes and throttles only."""
-
-    def __init__(self, counters: Any):
-        self._counters = counters or NullCounters()
-
-    def add(self, name: str, n: int = 1) -> None:
-        if name in ("retries", "resumes", "throttles"):
-            self._counters.add(name, n)
-
-
 class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
@@ -396,13 +339,13 @@ class RangeReader:
     does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
     ``fetch``. A read that makes progress starts the deadline afresh.
 
-    ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
-    (the read starts at or past the object's end) ends the stream, as a short local file does: the
-    caller reports a truncated object, not an invalid request."""
+    The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
+    at or past the object's end) ends the stream, as a short local file does: the caller reports a
+    truncated object, not an invalid request."""
 
     def __init__(
         self,
-        fetch: Fetch,
+        fetch: Fetcher,
         *,
         url: str,
         start: int,
@@ -411,15 +354,13 @@ class RangeReader:
         config: StorageConfig = DEFAULT_STORAGE,
         sleep: Callable[[float], None] = time.sleep,
         hint: str = "",
-        short_object_ends: bool = False,
     ):
-        self._fetch = fetch
-        self._open: OpenBody | None = getattr(fetch, "open", None)
+        self._fetch, self._open = fetch.fetch, fetch.open
         self._body: Body | None = None
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
-        self._config, self._sleep, self._hint, self._short_ends = config, sleep, hint, short_object_ends
-        self._takes = self._open is not None and getattr(fetch, "kind", None) == "obstore"  # its bodies have ``take``
+        self._config, self._sleep, self._hint = config, sleep, hint
+        self._takes = self._open is not None and fetch.kind == "obstore"  # its bodies have ``take``
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -503,7 +444,7 @@ class RangeReader:
         """Fill the view ``want`` from the range's body (sending a request when none is open), or
         with ``take`` (body, bytes wanted, timeout) -> bytes taken, take up to ``want`` bytes: as
         many as arrive before the body ends or breaks; 0 only at the end of the stream."""
-        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
+        attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
         counters = self._counters
         view = want if isinstance(want, memoryview) else None
         size = len(want) if isinstance(want, memoryview) else want
@@ -532,7 +473,7 @@ class RangeReader:
                     # ``view`` alive, and the block could not be cut to size)
                     logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got, f"{type(exc).__name__}: {exc}")
                     break
-                if self._short_ends and is_past_end(exc):
+                if is_past_end(exc):
                     logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
                     return 0
                 attempts.failed(exc, resumed=self.pos > self.start_at)
@@ -554,19 +495,19 @@ class RangeReader:
 
     def _fetch_block(self, stop: int) -> bytes:
         """One request per read (stores with no streamed body)."""
-        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
+        attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
         counters = self._counters
         pos = self.pos
         while True:
             began = time.perf_counter()
             try:
                 counters.add("requests")
-                data = self._fetch(pos, stop, attempts.remaining())
+                data = self._fetch(pos, stop, attempts.remaining())  # type: ignore[misc]
                 if not data:
                     raise EOFError(f"empty body for bytes {pos}-{stop}")
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if self._short_ends and is_past_end(exc):
+                if is_past_end(exc):
                     logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, pos)
                     return b""
                 attempts.failed(exc, resumed=pos > self.start_at)
@@ -577,6 +518,3 @@ class RangeReader:
             if self.pos < stop:  # a short body: the object ends here
                 self.end = self.pos
             return data
-
-
-make_range_reader = RangeReader  # ``read(n)`` over bytes [start, end) of ``fetch``: the name the callers use
