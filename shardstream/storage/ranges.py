@@ -121,7 +121,7 @@ def open_range(
             f.seek(start)
             return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
     tail = (shard_size or 0) - end
-    if 0 < tail <= THROUGH_TAIL and fsspec.utils.get_protocol(url) in ("s3", "s3a"):
+    if 0 < tail <= THROUGH_TAIL and fetch.kind != "fsspec":  # (on S3)
         # A whole shard's samples end just before the tar's end-of-archive blocks: ask for the
         # object through its end, so the GET is the whole object (a server or cache then serves it
         # as it is; moto copies every range that stops short of the end) and drop those few bytes.
@@ -162,17 +162,13 @@ class _EndsBefore:
     def pieces(self, n: int) -> list:
         """``RangeReader.pieces`` over the first ``length`` bytes: the tail is cut off the pieces."""
         left = self._left
-        if left <= 0:
-            return []
-        out = self._read.pieces(n if n < left else left + self._tail)
-        got = 0
-        for i, piece in enumerate(out):
-            if got + len(piece) >= left:
-                out[i:] = [piece if got + len(piece) == left else memoryview(piece)[: left - got]] if left > got else []
-                got = left
+        out: list = []
+        for piece in self._read.pieces(n if n < left else left + self._tail) if left > 0 else ():
+            out.append(piece if len(piece) <= left else memoryview(piece)[:left])
+            left -= len(out[-1])
+            if not left:
                 break
-            got += len(piece)
-        self._left = left - got
+        self._left = left
         return out
 
     def __call__(self, n: int) -> bytes:

@@ -282,7 +282,6 @@ def call(
     *,
     config: StorageConfig = DEFAULT_STORAGE,
     counters: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
     hint: str = "",
     fs: Any = None,
     path: str | None = None,
@@ -298,7 +297,7 @@ def call(
     timeout there (its thread ends at those timeouts; a try started late once ran that long past
     the deadline, about twice the deadline in all). Not for a whole file's read, which may take
     longer than the deadline while its bytes keep coming."""
-    attempts = _Attempts(url, config, counters or NullCounters(), sleep, hint, fs, path, began)
+    attempts = _Attempts(url, config, counters or NullCounters(), time.sleep, hint, fs, path, began)
     while True:
         try:
             return _within(fn, attempts.remaining()) if bounded else fn()
@@ -360,7 +359,7 @@ class RangeReader:
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
         self._config, self._sleep, self._hint = config, sleep, hint
-        self._takes = self._open is not None and fetch.kind == "obstore"  # its bodies have ``take``
+        self._takes = fetch.kind == "obstore"  # its bodies have ``take``
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -473,17 +472,15 @@ class RangeReader:
                     # ``view`` alive, and the block could not be cut to size)
                     logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got, f"{type(exc).__name__}: {exc}")
                     break
-                if is_past_end(exc):
-                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
+                if self._failed(attempts, exc):
                     return 0
-                attempts.failed(exc, resumed=self.pos > self.start_at)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             if got < size:  # the body is complete: the object ended before the range did
                 self.close()
                 if not got:
                     if sent:  # a new request answered with nothing at all
-                        attempts.failed(EOFError(f"empty body for bytes {self.pos}-{self.end}"), resumed=self.pos > self.start_at)
+                        self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self.end}"))
                     continue  # ask again from here: the answer says where the object ends (416)
                 self.end = self.pos + got  # (no request more to learn it)
             break
@@ -497,24 +494,31 @@ class RangeReader:
         """One request per read (stores with no streamed body)."""
         attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
         counters = self._counters
-        pos = self.pos
         while True:
             began = time.perf_counter()
             try:
                 counters.add("requests")
-                data = self._fetch(pos, stop, attempts.remaining())  # type: ignore[misc]
+                data = self._fetch(self.pos, stop, attempts.remaining())  # type: ignore[misc]
                 if not data:
-                    raise EOFError(f"empty body for bytes {pos}-{stop}")
+                    raise EOFError(f"empty body for bytes {self.pos}-{stop}")
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if is_past_end(exc):
-                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, pos)
+                if self._failed(attempts, exc):
                     return b""
-                attempts.failed(exc, resumed=pos > self.start_at)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             counters.add("bytes_read", len(data))
-            self.pos = pos + len(data)
+            self.pos += len(data)
             if self.pos < stop:  # a short body: the object ends here
                 self.end = self.pos
             return data
+
+    def _failed(self, attempts: _Attempts, exc: Exception) -> bool:
+        """A try that got no byte: True when it ends the stream (an HTTP 416: the object ends
+        before the byte reached), else the backoff is slept before the next try, or the error the
+        failure means raised."""
+        if is_past_end(exc):
+            logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
+            return True
+        attempts.failed(exc, resumed=self.pos > self.start_at)
+        return False
