@@ -121,17 +121,16 @@ def open_range(
             f.seek(start)
             return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
     tail = (shard_size or 0) - end
-    if 0 < tail <= THROUGH_TAIL and fetch.kind != "fsspec":  # (on S3)
-        # A whole shard's samples end just before the tar's end-of-archive blocks: ask for the
-        # object through its end, so the GET is the whole object (a server or cache then serves it
-        # as it is; moto copies every range that stops short of the end) and drop those few bytes.
-        inner = RangeReader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config, hint=hint)
-        return _EndsBefore(inner, end - start, tail), inner.close
+    if not (0 < tail <= THROUGH_TAIL and fetch.kind != "fsspec"):
+        tail = 0
+    # On S3 a whole shard's samples end just before the tar's end-of-archive blocks (``tail``): ask
+    # for the object through its end, so the GET is the whole object (a server or cache then serves
+    # it as it is; moto copies every range that stops short of the end) and drop those few bytes.
     # A 416 for a range asked here means the object is shorter than the manifest (or its HEAD)
     # said: the stream ends there, as a short local file's does, and the parser reports a truncated
     # shard naming the URL, the byte reached and the end expected, as it does on local disk.
-    reader = RangeReader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint)
-    return reader, reader.close
+    reader = RangeReader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config, hint=hint)
+    return (_EndsBefore(reader, end - start, tail) if tail else reader), reader.close
 
 
 class _EndsBefore:

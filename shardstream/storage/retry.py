@@ -98,10 +98,10 @@ class _S3fsBody:
     asked for yet. The error comes after the pieces that arrived first."""
 
     WINDOW = 4 << 20
+    CHUNK = 1 << 20  # the most one read of the body takes
 
-    def __init__(self, fs: Any, params: dict[str, Any], chunk_size: int):
+    def __init__(self, fs: Any, params: dict[str, Any]):
         self._loop = fs.loop
-        self._chunk = chunk_size
         self._cond = threading.Condition()
         self._pieces: deque[memoryview] = deque()
         self._held = 0  # bytes in _pieces
@@ -123,7 +123,7 @@ class _S3fsBody:
                         if self._held < self.WINDOW:
                             break
                     await room.wait()
-                chunk = await body.read(self._chunk)
+                chunk = await body.read(self.CHUNK)
                 with self._cond:
                     if chunk:
                         self._pieces.append(memoryview(chunk))
@@ -176,13 +176,13 @@ class _S3fsBody:
             self._held = 0
 
 
-def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> Callable[..., Body]:
+def s3_opener(fs: Any, path: str) -> Callable[..., Body]:
     """``open(a, b, timeout)`` for S3 through s3fs's client: one streamed GET per range."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
 
     def open_body(a: int, b: int, timeout: float | None = None) -> Body:
-        return _S3fsBody(fs, {"Bucket": bucket, "Key": key, "Range": f"bytes={a}-{b - 1}", **extra}, chunk_size)
+        return _S3fsBody(fs, {"Bucket": bucket, "Key": key, "Range": f"bytes={a}-{b - 1}", **extra})
 
     return open_body
 
