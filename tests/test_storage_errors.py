@@ -105,11 +105,11 @@ def test_throttle_is_retried_and_an_invalid_range_is_not(s3):
 def test_a_bug_is_not_a_storage_error():
     assert classify(ValueError("bug")) is None and classify(KeyError("bug")) is None
 
-    def fetch(a, b, timeout=None):
+    def open_body(a, b, timeout=None):
         raise ZeroDivisionError("bug in a fetcher")
 
     with pytest.raises(ZeroDivisionError):
-        RangeReader(Fetcher("fsspec", fetch), url="s3://b/k", start=0, end=10)(10)
+        RangeReader(Fetcher("fsspec", open_body), url="s3://b/k", start=0, end=10)(10)
 
 
 def test_every_error_survives_pickling_and_the_dataloader_rebuild():

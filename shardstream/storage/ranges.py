@@ -3,8 +3,8 @@
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
     fetch.open(a, b, timeout)     on S3 one GET streamed as a body (``objects.ObjectBody`` through
-                                  obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve)
-    fetch(a, b, timeout)          elsewhere one try: fsspec's ranged cat_file (``retry.fs_fetcher``)
+                                  obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve);
+                                  elsewhere one try: fsspec's ranged cat_file (``retry.fs_opener``)
     RangeReader                   a range's reads: on S3 one GET for all of it, read block by block;
                                   retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
@@ -34,7 +34,7 @@ from shardstream.storage import objects
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.retry import Fetcher, RangeReader, call, fs_fetcher, s3_opener
+from shardstream.storage.retry import Fetcher, RangeReader, call, fs_opener, s3_opener
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
@@ -66,7 +66,7 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
         return fs, path, None
     if protocol in ("s3", "s3a"):  # (s3fs's instance is keyed by the reader's own options: one try per call, retried in retry.py)
         return fs, path, Fetcher("s3fs", open_body=s3_opener(fs, path))
-    return fs, path, Fetcher("fsspec", fs_fetcher(fs, path))
+    return fs, path, Fetcher("fsspec", fs_opener(fs, path))
 
 
 def _open_local(url: str, path: str, start: int, hint: str):
@@ -121,7 +121,7 @@ def open_range(
             f.seek(start)
             return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
     tail = (shard_size or 0) - end
-    if not (0 < tail <= THROUGH_TAIL and fetch.kind != "fsspec"):
+    if not (0 < tail <= THROUGH_TAIL and fetch.streams):
         tail = 0
     # On S3 a whole shard's samples end just before the tar's end-of-archive blocks (``tail``): ask
     # for the object through its end, so the GET is the whole object (a server or cache then serves

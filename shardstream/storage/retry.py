@@ -6,7 +6,7 @@ block the caller gets); a new request is made only to resume after a failure: a 
 breaks midway keeps the bytes that arrived and the next request starts at the exact byte where it
 broke. So it is through s3fs where obstore cannot serve (``_S3fsBody``). fsspec's other stores
 (HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file``
-(``fs_fetcher``), and a try that breaks is asked for its whole block again. Either way a failed
+(``fs_opener``), and a try that breaks is asked for its whole block again. Either way a failed
 request (reset, timeout, throttling answer) is retried with exponential backoff and full jitter
 until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
 deadline bounds each try as well: a try is given the time left (obstore's timeouts are cut to it,
@@ -75,17 +75,18 @@ class Body(Protocol):
 
 
 class Fetcher:
-    """One object's bytes, one of two ways. On S3 ``open(a, b, timeout)`` sends a GET for bytes
-    [a, b) now and returns its ``Body`` at once (the answer is read, and any failure raised, by the
-    body's first ``readinto``; ``timeout`` bounds the connect): a range streams through one GET.
-    Elsewhere ``fetch(a, b, timeout)`` is one try at bytes [a, b), or fewer when the object ends
-    first, of at most ``timeout`` seconds (None: no bound): each read a request of its own.
-    ``kind`` names the path: "obstore", "s3fs" or "fsspec"."""
+    """How one object's bytes are read: ``open(a, b, timeout)`` sends a request for bytes [a, b)
+    now and returns its ``Body``. ``kind`` names the path. On S3 ("obstore", "s3fs") a range
+    streams through one GET: ``open`` returns at once, the answer is read, and any failure raised,
+    by the body's first ``readinto`` (``timeout`` bounds the connect). Elsewhere ("fsspec") each
+    read is a request of its own: ``open`` is one try at the read's bytes, or fewer when the object
+    ends first, of at most ``timeout`` seconds (None: no bound), its body those bytes
+    (``fs_opener``)."""
 
-    __slots__ = ("kind", "fetch", "open")
+    __slots__ = ("kind", "open", "streams")
 
-    def __init__(self, kind: str, fetch: Callable[..., bytes] | None = None, open_body: Callable[..., Body] | None = None):
-        self.kind, self.fetch, self.open = kind, fetch, open_body
+    def __init__(self, kind: str, open_body: Callable[..., Body]):
+        self.kind, self.open, self.streams = kind, open_body, kind != "fsspec"
 
 
 class _S3fsBody:
@@ -187,19 +188,19 @@ def s3_opener(fs: Any, path: str) -> Callable[..., Body]:
     return open_body
 
 
-def fs_fetcher(fs: Any, path: str) -> Callable[..., bytes]:
-    """``fetch(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
+def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
+    """``open(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
     ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
-    and the retry asks for the same block again). On an async filesystem (HTTP) the try is
-    cancelled, its connection closed, when ``timeout`` runs out (fsspec's ``sync`` with a
-    timeout); elsewhere the filesystem's own timeouts apply."""
+    and the retry asks for the same block again), its bytes the body (``_Fetched``). On an async
+    filesystem (HTTP) the try is cancelled, its connection closed, when ``timeout`` runs out
+    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
     extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
     bounded = getattr(fs, "async_impl", False)
 
-    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
+    def open_body(a: int, b: int, timeout: float | None = None) -> Body:
         if bounded and timeout is not None:
             try:
                 data = fsspec.asyn.sync(fs.loop, fs._cat_file, path, start=a, end=b, timeout=timeout)
@@ -214,9 +215,31 @@ def fs_fetcher(fs: Any, path: str) -> Callable[..., bytes]:
                 "support HTTP Range requests (206 Partial Content), which shardstream needs",
                 url=url,
             )
+        return _Fetched(data)
+
+    return open_body
+
+
+class _Fetched:
+    """A request's bytes fetched whole (``fs_opener``), handed over by the one read that asked for
+    them: copied into its view (``readinto``) or as they came (``take``: no copy)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+        data, self._data = self._data, b""
+        view[: len(data)] = data
+        return len(data)
+
+    def take(self, n: int, timeout: float | None = None) -> bytes:
+        data, self._data = self._data, b""
         return data
 
-    return fetch
+    def close(self) -> None:
+        self._data = b""
 
 
 class _Attempts:
@@ -330,13 +353,13 @@ class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
 
-    Where ``fetch`` has ``open`` (S3), the range is one GET: the first read sends a request for
-    all of [start, end) and every read takes its next bytes from that body, straight into the
-    block it returns (no copy but the kernel's). A body that breaks keeps what arrived (returned
-    short; the next read sends a new request from the byte reached), and a failure before any byte
-    is retried under the policy; ``start()`` sends the request before the first read (read-ahead
-    does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
-    ``fetch``. A read that makes progress starts the deadline afresh.
+    Where ``fetch`` streams (S3), the range is one GET: the first read sends a request for all of
+    [start, end) and every read takes its next bytes from that body, straight into the block it
+    returns (no copy but the kernel's). A body that breaks keeps what arrived (returned short; the
+    next read sends a new request from the byte reached), and a failure before any byte is retried
+    under the policy; ``start()`` sends the request before the first read (read-ahead does, for the
+    next range, while this one's last blocks arrive). Elsewhere each read is one request, its bytes
+    returned as they came. A read that makes progress starts the deadline afresh.
 
     The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
     at or past the object's end) ends the stream, as a short local file does: the caller reports a
@@ -354,8 +377,9 @@ class RangeReader:
         sleep: Callable[[float], None] = time.sleep,
         hint: str = "",
     ):
-        self._fetch, self._open = fetch.fetch, fetch.open
+        self._open, self._streams = fetch.open, fetch.streams
         self._body: Body | None = None
+        self._asked = end  # the end of the last request's bytes
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
         self._config, self._sleep, self._hint = config, sleep, hint
@@ -368,8 +392,8 @@ class RangeReader:
     def start(self) -> None:
         """Send the request for the rest of the range now (streamed stores only); its answer is
         read, and any failure handled, by the next read."""
-        if self._open is not None and self._body is None and self.pos < self.end:
-            self._send(self._config.deadline)
+        if self._streams and self._body is None and self.pos < self.end:
+            self._send(self._config.deadline, self.end)
 
     def close(self) -> None:
         """End the range's request (a body not read to its end closes its connection)."""
@@ -377,12 +401,12 @@ class RangeReader:
         if body is not None:
             body.close()
 
-    def _send(self, timeout: float) -> Body:
-        """Send the request for the rest of the range; ``timeout``: what the try may take (its
-        connect is cut to it)."""
-        assert self._open is not None
+    def _send(self, timeout: float, stop: int) -> Body:
+        """Send the request for bytes [pos, stop) (streamed: the rest of the range); ``timeout``:
+        what the try may take (its connect is cut to it)."""
         self._counters.add("requests")
-        self._body = self._open(self.pos, self.end, timeout)
+        self._asked = stop
+        self._body = self._open(self.pos, stop, timeout)
         return self._body
 
     def __call__(self, n: int) -> bytes:
@@ -390,8 +414,9 @@ class RangeReader:
         if stop <= self.pos:
             self.close()
             return b""
-        if self._open is None:
-            return self._fetch_block(stop)
+        if not self._streams:  # one request per read: its bytes as they came
+            block = self._taken(stop - self.pos)
+            return block[0] if block else b""
         out = uninitialized_bytearray(stop - self.pos)
         view = memoryview(out)
         try:
@@ -411,10 +436,6 @@ class RangeReader:
         if stop <= self.pos:
             self.close()
             return 0
-        if self._open is None:
-            data = self._fetch_block(stop)
-            view[: len(data)] = data
-            return len(data)
         return self._fill(view[: stop - self.pos])
 
     def pieces(self, n: int) -> list:
@@ -428,6 +449,10 @@ class RangeReader:
         if not self._takes:
             block = self(n)
             return [block] if block else []
+        return self._taken(stop - self.pos)
+
+    def _taken(self, size: int) -> list:
+        """The next ``size`` bytes (or fewer) as the pieces the body hands over (``take``)."""
         out: list = []
 
         def take(body: Any, want: int, timeout: float | None) -> int:
@@ -436,7 +461,7 @@ class RangeReader:
                 out.append(piece)
             return len(piece)
 
-        self._fill(stop - self.pos, take)
+        self._fill(size, take)
         return out
 
     def _fill(self, want: int | memoryview, take: Callable[[Any, int, float | None], int] | None = None) -> int:
@@ -454,7 +479,7 @@ class RangeReader:
             sent = body is None
             try:
                 if body is None:
-                    body = self._send(attempts.remaining())
+                    body = self._send(attempts.remaining(), self.end if self._streams else self.pos + size)
                 while got < size:
                     k = body.readinto(view[got:], attempts.remaining()) if view is not None else take(body, size - got, attempts.remaining())  # type: ignore[misc]
                     if not k:
@@ -480,38 +505,15 @@ class RangeReader:
                 self.close()
                 if not got:
                     if sent:  # a new request answered with nothing at all
-                        self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self.end}"))
+                        self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self._asked}"))
                     continue  # ask again from here: the answer says where the object ends (416)
                 self.end = self.pos + got  # (no request more to learn it)
             break
         counters.add("bytes_read", got)
         self.pos += got
-        if self.pos >= self.end:
+        if self.pos >= self.end or not self._streams:
             self.close()  # the whole body is in: its connection serves the next request
         return got
-
-    def _fetch_block(self, stop: int) -> bytes:
-        """One request per read (stores with no streamed body)."""
-        attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
-        counters = self._counters
-        while True:
-            began = time.perf_counter()
-            try:
-                counters.add("requests")
-                data = self._fetch(self.pos, stop, attempts.remaining())  # type: ignore[misc]
-                if not data:
-                    raise EOFError(f"empty body for bytes {self.pos}-{stop}")
-            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
-                counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if self._failed(attempts, exc):
-                    return b""
-                continue
-            counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-            counters.add("bytes_read", len(data))
-            self.pos += len(data)
-            if self.pos < stop:  # a short body: the object ends here
-                self.end = self.pos
-            return data
 
     def _failed(self, attempts: _Attempts, exc: Exception) -> bool:
         """A try that got no byte: True when it ends the stream (an HTTP 416: the object ends
