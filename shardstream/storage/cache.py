@@ -187,9 +187,7 @@ class ShardCache:
         the lock, "no record" (the caller takes it and asks again)."""
         recorded = _read_record(path, size)
         if recorded is not None:
-            crc = 0
-            for block in _blocks(f):
-                crc = zlib.crc32(block, crc)
+            crc = _crc32(f)
             if crc != recorded:
                 return f"does not match the CRC-32 recorded when it was filled ({crc:08x}, recorded {recorded:08x}): damaged on disk", True
             return None, False
@@ -197,10 +195,8 @@ class ShardCache:
             return "has no checksum record", False
         if not sha256:
             return "has no checksum record, and the manifest no sha256 to check it against", False
-        digest, crc = hashlib.sha256(), 0
-        for block in _blocks(f):
-            digest.update(block)
-            crc = zlib.crc32(block, crc)
+        digest = hashlib.sha256()
+        crc = _crc32(f, digest)
         if digest.hexdigest() != sha256:
             return f"has sha256 {digest.hexdigest()}, the manifest says {sha256}: damaged on disk", True
         _write_record(path, crc, size)
@@ -391,16 +387,20 @@ def _write_record(path: str, crc: int, size: int) -> None:
         os.fsync(f.fileno())
 
 
-def _blocks(f: Any):
-    """The bytes of the open file ``f`` from its start, block by block (one buffer, reused)."""
+def _crc32(f: Any, digest: Any = None) -> int:
+    """The CRC-32 of the open file ``f`` from its start, read block by block into one buffer;
+    ``digest`` (a hashlib object) is given the bytes too."""
     f.seek(0)
-    buf = bytearray(_HASH_BLOCK)
-    view = memoryview(buf)
+    crc = 0
+    view = memoryview(bytearray(_HASH_BLOCK))
     try:
         while n := f.readinto(view):
-            yield view[:n]
+            crc = zlib.crc32(view[:n], crc)
+            if digest is not None:
+                digest.update(view[:n])
     finally:
         view.release()
+    return crc
 
 
 def _fsync_dir(path: str) -> None:

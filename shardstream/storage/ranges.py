@@ -199,20 +199,14 @@ def read_head(
     """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
     GET on S3, no HEAD first) under the retry policy, each try bounded by the deadline's time
     left; a try that breaks midway keeps what arrived and the next asks from the byte reached
-    (this is for small objects: offset sidecars)."""
+    (this is for small objects: offset sidecars, the manifest's first read). Only its retries are
+    counted, not as a stream's requests and bytes."""
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
         with _open_local(url, path, 0, hint) as f:
             return f.read(n)
-    return bytes(_read_first(url, fetch, n, config, counters, hint))
-
-
-def _read_first(url: str, fetch: Fetcher, n: int, config: StorageConfig, counters: Any, hint: str) -> bytes:
-    """Bytes [0, n) of a small object, or fewer when it ends first: one ``RangeReader``'s read (one
-    request; a try that breaks keeps what arrived and the next asks from the byte reached). Only its
-    retries are counted, not as a stream's requests and bytes."""
     reader = RangeReader(fetch, url=url, start=0, end=n, counters=_RetriesOnly(counters), config=config, hint=hint)
-    return _read_whole(reader, reader.close, n, n)
+    return bytes(_read_whole(reader, reader.close, n, n))
 
 
 class _RetriesOnly:
@@ -307,14 +301,12 @@ def read_object(
     began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     first = FIRST_READ_OBJECT if limit is None else min(FIRST_READ_OBJECT, limit + 1)
     if url.startswith(("s3://", "s3a://")):
-        fs, path, fetch = resolve(url, storage_options, config)
-        if fetch is not None:
-            head = _read_first(url, fetch, first, config, counters, hint)
-            if len(head) < first:
-                return bytes(head)
-            if limit is not None and len(head) > limit:
-                raise TooLarge(url, len(head), limit)
-            began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
+        head = read_head(url, first, storage_options, config=config, counters=counters, hint=hint)
+        if len(head) < first:
+            return head
+        if limit is not None and len(head) > limit:
+            raise TooLarge(url, len(head), limit)
+        began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
     size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint, began=began, limit=limit)
     return bytes(_read_whole(read, close, size))
 
