@@ -18,7 +18,7 @@ from shardstream import Read, ShardStream, Store, World, make_loader
 from shardstream.format.offsets import OFFSET_CACHE
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.readahead import SENT_AHEAD, Prefetcher
-from shardstream.storage.retry import Fetcher, make_range_reader
+from shardstream.storage.retry import Fetcher, RangeReader
 
 
 def _shard_gets(proxy: FaultProxy, bucket: str) -> Counter:
@@ -133,23 +133,20 @@ def _fetcher(data: bytes, log: list, cut_every: int | None = None) -> Fetcher:
         log.append(("open", a, b))
         return _Body(data[a:b], log, cut_every)
 
-    def no_fetch(a, b, timeout=None):
-        raise AssertionError("a streamed range makes no per-read request")
-
-    return Fetcher("test", no_fetch, open_body)
+    return Fetcher("test", open_body)
 
 
 def test_a_range_reader_reads_every_block_from_one_body_and_resumes_at_the_byte_reached():
     data = bytes(range(256)) * 400  # 102,400 bytes
     log: list = []
-    read = make_range_reader(_fetcher(data, log), url="s3://b/k", start=100, end=90_000)
+    read = RangeReader(_fetcher(data, log), url="s3://b/k", start=100, end=90_000)
     out = b"".join(iter(lambda: bytes(read(7_000)), b""))
     assert out == data[100:90_000]
     assert [e for e in log if e[0] == "open"] == [("open", 100, 90_000)]
     assert log[-1] == ("close", 89_900)  # read to its end: closed (the connection serves the next request)
 
     log.clear()
-    read = make_range_reader(
+    read = RangeReader(
         _fetcher(data, log, cut_every=25_000), url="s3://b/k", start=0, end=len(data), config=StorageConfig(backoff_base=0, backoff_cap=0)
     )
     view = memoryview(bytearray(len(data)))
@@ -160,7 +157,7 @@ def test_a_range_reader_reads_every_block_from_one_body_and_resumes_at_the_byte_
     assert [e[1] for e in log if e[0] == "open"] == [0, 25_000, 50_000, 75_000, 100_000]
 
     log.clear()
-    read = make_range_reader(_fetcher(data, log), url="s3://b/k", start=0, end=len(data))
+    read = RangeReader(_fetcher(data, log), url="s3://b/k", start=0, end=len(data))
     read(10)
     read.close()  # abandoned halfway: its body is closed
     assert log == [("open", 0, len(data)), ("close", 10)]

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ConfigError, StateError
-from shardstream.plan.cursor import Cursor as Cursor  # re-exported: it lived here
 from shardstream.plan.epoch import WHOLE, EpochPlan
 from shardstream.plan.layout import Consumption, Layout, RestLayout, WindowRead, epoch_layout, unconsumed, window_read
 from shardstream.plan.mix import Ask, MixPlan, mix_batches, plan_mix, quotas

@@ -39,6 +39,7 @@ cache directory:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 _SUFFIX = ".tar"
 _PARTIAL = ".partial-"
 _DIR_LOCK = ".cache.lock"
+_LOCK = ".lock"  # beside <name>.tar: held shared by its readers, exclusive by its filler
 _RECORD = ".crc32"  # beside <name>.tar: "<crc32 hex> <size>", written at the fill
 _RECORD_BYTES = 30  # its size, always (counted under the limit with its shard's)
 _FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
@@ -73,34 +75,19 @@ class ShardCache:
             os.makedirs(self.dir, exist_ok=True)
             if not os.access(self.dir, os.R_OK | os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, "no permission to read and write it")
-            with self._dir_locked():  # (creates the directory's lock file: a read-only filesystem fails here)
+            with _locked(os.path.join(self.dir, _DIR_LOCK)):  # (creates the directory's lock file: a read-only filesystem fails here)
                 self._reclaim_partials()
         except OSError as exc:
             raise ConfigError(f"cache directory {self.dir} cannot be used: {_why(exc)}; pass Cache(dir=...) a writable directory") from exc
 
-    def _dir_locked(self):
-        """The directory-wide lock under which bytes on disk are counted and reserved."""
-        return _FileLock(os.path.join(self.dir, _DIR_LOCK))
-
-    def _reclaim_partials(self) -> int:
-        """Remove partial files whose writer is gone (their shard lock is free); returns bytes freed."""
-        freed = 0
+    def _reclaim_partials(self) -> None:
+        """Remove partial files whose writer is gone (their shard lock is free)."""
         for name in os.listdir(self.dir):
-            if _PARTIAL not in name:
-                continue
-            full = os.path.join(self.dir, name)
-            with open(full.split(_PARTIAL)[0][: -len(_SUFFIX)] + ".lock", "a+b") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live process is filling it
-                try:
-                    freed += os.stat(full).st_size
-                    os.unlink(full)
-                    logger.info("cache %s: removed %s left by a process that died", self.dir, name)
-                except FileNotFoundError:
-                    pass
-        return freed
+            if _PARTIAL in name:
+                full = os.path.join(self.dir, name)
+                with _unused(full) as free:  # (not free: a live process is filling it)
+                    if free and _remove(full):
+                        logger.info("cache %s: removed %s left by a process that died", self.dir, name)
 
     def check_fits(self, shards: list[tuple[int, str]]) -> None:
         """``shards`` as (bytes, url). Shards larger than the limit are streamed, not cached (one
@@ -137,7 +124,7 @@ class ShardCache:
         """
         counters = counters or NullCounters()
         path = self.name(url, sha256, size)
-        lock = open(path[: -len(_SUFFIX)] + ".lock", "a+b")
+        lock = open(_beside(path, _LOCK), "a+b")
         try:
             fcntl.flock(lock, fcntl.LOCK_SH)
             hit = self._use(path, lock, size, url, sha256)
@@ -153,11 +140,7 @@ class ShardCache:
                 return hit
             counters.add("cache_misses")
             tmp = self._reserve(path, size)
-            if tmp is None:
-                lock.close()
-                counters.add("cache_bypass")
-                return None
-            if not self._fill(tmp, path, url, sha256, size, download):
+            if tmp is None or not self._fill(tmp, path, url, sha256, size, download):
                 lock.close()
                 counters.add("cache_bypass")
                 return None
@@ -192,7 +175,7 @@ class ShardCache:
                 if damaged:
                     drop.add("cache_corrupt")
                 _remove(path)
-                _remove(_record_path(path))
+                _remove(_beside(path, _RECORD))
             return None
         os.utime(path)  # least recently used = oldest mtime
         return f, lock
@@ -204,9 +187,7 @@ class ShardCache:
         the lock, "no record" (the caller takes it and asks again)."""
         recorded = _read_record(path, size)
         if recorded is not None:
-            crc = 0
-            for block in _blocks(f):
-                crc = zlib.crc32(block, crc)
+            crc = _crc32(f)
             if crc != recorded:
                 return f"does not match the CRC-32 recorded when it was filled ({crc:08x}, recorded {recorded:08x}): damaged on disk", True
             return None, False
@@ -214,10 +195,8 @@ class ShardCache:
             return "has no checksum record", False
         if not sha256:
             return "has no checksum record, and the manifest no sha256 to check it against", False
-        digest, crc = hashlib.sha256(), 0
-        for block in _blocks(f):
-            digest.update(block)
-            crc = zlib.crc32(block, crc)
+        digest = hashlib.sha256()
+        crc = _crc32(f, digest)
         if digest.hexdigest() != sha256:
             return f"has sha256 {digest.hexdigest()}, the manifest says {sha256}: damaged on disk", True
         _write_record(path, crc, size)
@@ -233,7 +212,7 @@ class ShardCache:
         the bytes on disk never exceed the limit; None when there is no room or no disk."""
         if size + _RECORD_BYTES > self.limit:
             return None  # larger than the whole cache: streamed (warned about at construction)
-        with self._dir_locked():
+        with _locked(os.path.join(self.dir, _DIR_LOCK)):  # bytes on disk are counted and reserved under it
             if not self._make_room(size + _RECORD_BYTES, keep=path):
                 logger.warning(
                     "cache %s: no room under its limit (%d bytes) beside the shards in use: streaming this shard from storage", self.dir, self.limit
@@ -298,10 +277,9 @@ class ShardCache:
             self._disk_full(exc)
             return False
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            _remove(tmp)
             if not published:
-                _remove(_record_path(path))  # a record written for a shard that was not published
+                _remove(_beside(path, _RECORD))  # a record written for a shard that was not published
 
     def _make_room(self, incoming: int, keep: str) -> bool:
         """Evict least recently used shards not in use until ``incoming`` fits; False if it cannot.
@@ -331,17 +309,12 @@ class ShardCache:
                 break
             if full == keep:
                 continue
-            with open(full[: -len(_SUFFIX)] + ".lock", "a+b") as lock:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+            with _unused(full) as free:
+                if not free:
                     continue  # being read or filled: never evicted
-                try:
-                    os.unlink(full)
+                if _remove(full):
                     total -= size
-                except FileNotFoundError:
-                    pass
-                _remove(_record_path(full))
+                _remove(_beside(full, _RECORD))
         return total + incoming <= self.limit
 
 
@@ -355,22 +328,48 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _remove(path: str) -> None:
+def _remove(path: str) -> bool:
+    """Remove ``path``; False when it was already gone."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
-def _record_path(path: str) -> str:
-    return path[: -len(_SUFFIX)] + _RECORD
+def _beside(path: str, suffix: str) -> str:
+    """The file beside the cached shard ``path`` (``<name>.tar``, or a partial of it) named
+    ``<name>`` + ``suffix``: its lock (``_LOCK``) or its checksum record (``_RECORD``)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, name.split(_PARTIAL)[0][: -len(_SUFFIX)] + suffix)
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive flock on the file ``path``, held across processes while in the block."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # (closing the file drops the flock)
+
+
+@contextlib.contextmanager
+def _unused(path: str):
+    """In the block, the exclusive lock of the cached shard ``path`` (or a partial of it), taken
+    without waiting: yields True, or False when it is held (the shard is being read or filled)."""
+    with open(_beside(path, _LOCK), "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def _read_record(path: str, size: int) -> int | None:
     """The CRC-32 recorded for the cached shard at ``path`` of ``size`` bytes, or None (no record,
     or one that is unreadable or for another size)."""
     try:
-        with open(_record_path(path), "rb") as f:
+        with open(_beside(path, _RECORD), "rb") as f:
             text = f.read(_RECORD_BYTES + 1).split()
         if len(text) == 2 and int(text[1]) == size:
             return int(text[0], 16)
@@ -382,22 +381,26 @@ def _read_record(path: str, size: int) -> int | None:
 def _write_record(path: str, crc: int, size: int) -> None:
     """Record ``path``'s CRC-32 (called under its shard's exclusive lock: nobody reads it meanwhile).
     It is written before the shard's rename and fsync'ed with the directory after it."""
-    with open(_record_path(path), "wb") as f:
+    with open(_beside(path, _RECORD), "wb") as f:
         f.write(b"%08x %020d\n" % (crc, size))
         f.flush()
         os.fsync(f.fileno())
 
 
-def _blocks(f: Any):
-    """The bytes of the open file ``f`` from its start, block by block (one buffer, reused)."""
+def _crc32(f: Any, digest: Any = None) -> int:
+    """The CRC-32 of the open file ``f`` from its start, read block by block into one buffer;
+    ``digest`` (a hashlib object) is given the bytes too."""
     f.seek(0)
-    buf = bytearray(_HASH_BLOCK)
-    view = memoryview(buf)
+    crc = 0
+    view = memoryview(bytearray(_HASH_BLOCK))
     try:
         while n := f.readinto(view):
-            yield view[:n]
+            crc = zlib.crc32(view[:n], crc)
+            if digest is not None:
+                digest.update(view[:n])
     finally:
         view.release()
+    return crc
 
 
 def _fsync_dir(path: str) -> None:
@@ -412,19 +415,3 @@ def _fsync_dir(path: str) -> None:
         pass  # a filesystem that cannot fsync a directory: the file itself was fsync'ed
     finally:
         os.close(fd)
-
-
-class _FileLock:
-    """An exclusive flock on a file, as a context manager (held across processes)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.file: Any = None
-
-    def __enter__(self) -> _FileLock:
-        self.file = open(self.path, "a+b")
-        fcntl.flock(self.file, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.file.close()  # closing drops the flock

@@ -119,12 +119,12 @@ _TYPES = (
     (Kind.UNAVAILABLE, "urllib3", {"HTTPError"}),
 )
 
-_DENIED = (
-    ("InvalidAccessKeyId", "the access key ID is not known to this endpoint (check AWS_ACCESS_KEY_ID, --profile and --endpoint-url)"),
-    ("SignatureDoesNotMatch", "the secret key does not match the access key ID (check AWS_SECRET_ACCESS_KEY or the profile's secret)"),
-    ("ExpiredToken", "the session token has expired (refresh the credentials)"),
-    ("InvalidToken", "the session token is not valid (check AWS_SESSION_TOKEN or the profile)"),
-)
+_DENIED = {
+    "InvalidAccessKeyId": "the access key ID is not known to this endpoint (check AWS_ACCESS_KEY_ID, --profile and --endpoint-url)",
+    "SignatureDoesNotMatch": "the secret key does not match the access key ID (check AWS_SECRET_ACCESS_KEY or the profile's secret)",
+    "ExpiredToken": "the session token has expired (refresh the credentials)",
+    "InvalidToken": "the session token is not valid (check AWS_SESSION_TOKEN or the profile)",
+}
 _DENIED_DEFAULT = "access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
 _NO_CREDENTIALS = (
     "no credentials found (looked in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the AWS_PROFILE or --profile "
@@ -233,11 +233,7 @@ def is_past_end(exc: BaseException) -> bool:
 def denied_message(exc: BaseException) -> str:
     """What a 403 means, in words that say what to check: unknown key, wrong secret, expired token
     or missing permission."""
-    code = error_code(exc) or ""
-    for word, message in _DENIED:
-        if word == code:
-            return message
-    return _DENIED_DEFAULT
+    return _DENIED.get(error_code(exc) or "", _DENIED_DEFAULT)
 
 
 def explain_denied(fs, path: str, exc: BaseException) -> str:

@@ -3,9 +3,9 @@
 Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
     fetch.open(a, b, timeout)     on S3 one GET streamed as a body (``objects.ObjectBody`` through
-                                  obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve)
-    fetch(a, b, timeout)          elsewhere one try: fsspec's ranged cat_file (``retry.fs_fetcher``)
-    make_range_reader             a range's reads: on S3 one GET for all of it, read block by block;
+                                  obstore, ``retry._S3fsBody`` through s3fs where obstore cannot serve);
+                                  elsewhere one try: fsspec's ranged cat_file (``retry.fs_opener``)
+    RangeReader                   a range's reads: on S3 one GET for all of it, read block by block;
                                   retry with backoff, exact resume after a broken body, deadline
     ShardCache                    optional: whole shards kept on local disk across epochs
     Prefetcher (readahead.py)     optional: the next blocks fetched in a background thread, the
@@ -13,7 +13,8 @@ Layers, inside out (like fsspec's ``fetcher(start, end)`` under its caches):
 
 Local files skip the network layers: ``read`` is the file's own ``read`` (no per-read overhead),
 and opening them goes through the same error translation (``classify.storage_error``).
-Whole-object reads (the manifest, scans, verify) use the same layers via ``open_object``.
+Whole-object reads (the manifest, scans, verify) use the same layers via ``open_object``; a
+small object's first bytes (``read_head``, the manifest's first read) are one ``RangeReader``'s.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from shardstream.storage import objects
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.retry import Fetcher, RangeReader, call, fetch_resumed, fs_fetcher, make_range_reader, s3_opener
+from shardstream.storage.retry import Fetcher, RangeReader, call, fs_opener, s3_opener
 
 DOWNLOAD_BLOCK = 8 << 20  # block size of whole-shard downloads into the cache
 FIRST_READ_OBJECT = 8 << 20  # read_object's first request on remote storage
@@ -65,7 +66,7 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
         return fs, path, None
     if protocol in ("s3", "s3a"):  # (s3fs's instance is keyed by the reader's own options: one try per call, retried in retry.py)
         return fs, path, Fetcher("s3fs", open_body=s3_opener(fs, path))
-    return fs, path, Fetcher("fsspec", fs_fetcher(fs, path))
+    return fs, path, Fetcher("fsspec", fs_opener(fs, path))
 
 
 def _open_local(url: str, path: str, start: int, hint: str):
@@ -93,8 +94,8 @@ def open_range(
     """Return ``(read, close)`` for bytes [start, end) of ``url``; ``read(n)`` gives the next <= n bytes.
 
     Local files are read directly; remote objects through the cache when one is given (the
-    whole shard is fetched once), else with ``make_range_reader`` (ranged reads with retry and
-    exact resume)."""
+    whole shard is fetched once), else with a ``RangeReader`` (ranged reads with retry and exact
+    resume)."""
     counters = counters or NullCounters()
     counters.add("ranges_opened")
     fs, path, fetch = resolve(url, storage_options, config)
@@ -107,7 +108,7 @@ def open_range(
     if cache is not None and shard_size is not None:
 
         def download(write: Callable[[bytes], None]) -> None:
-            read_all = make_range_reader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config, hint=hint, short_object_ends=True)
+            read_all = RangeReader(fetch, url=url, start=0, end=shard_size, counters=counters, config=config, hint=hint)
             try:
                 while chunk := read_all(DOWNLOAD_BLOCK):
                     write(chunk)
@@ -120,17 +121,16 @@ def open_range(
             f.seek(start)
             return FileReader(f, None, None), lambda: ShardCache.release(f, lock)
     tail = (shard_size or 0) - end
-    if 0 < tail <= THROUGH_TAIL and fsspec.utils.get_protocol(url) in ("s3", "s3a"):
-        # A whole shard's samples end just before the tar's end-of-archive blocks: ask for the
-        # object through its end, so the GET is the whole object (a server or cache then serves it
-        # as it is; moto copies every range that stops short of the end) and drop those few bytes.
-        inner = make_range_reader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config, hint=hint, short_object_ends=True)
-        return _EndsBefore(inner, end - start, tail), inner.close
+    if not (0 < tail <= THROUGH_TAIL and fetch.streams):
+        tail = 0
+    # On S3 a whole shard's samples end just before the tar's end-of-archive blocks (``tail``): ask
+    # for the object through its end, so the GET is the whole object (a server or cache then serves
+    # it as it is; moto copies every range that stops short of the end) and drop those few bytes.
     # A 416 for a range asked here means the object is shorter than the manifest (or its HEAD)
     # said: the stream ends there, as a short local file's does, and the parser reports a truncated
     # shard naming the URL, the byte reached and the end expected, as it does on local disk.
-    reader = make_range_reader(fetch, url=url, start=start, end=end, counters=counters, config=config, hint=hint, short_object_ends=True)
-    return reader, reader.close
+    reader = RangeReader(fetch, url=url, start=start, end=end + tail, counters=counters, config=config, hint=hint)
+    return (_EndsBefore(reader, end - start, tail) if tail else reader), reader.close
 
 
 class _EndsBefore:
@@ -161,17 +161,13 @@ class _EndsBefore:
     def pieces(self, n: int) -> list:
         """``RangeReader.pieces`` over the first ``length`` bytes: the tail is cut off the pieces."""
         left = self._left
-        if left <= 0:
-            return []
-        out = self._read.pieces(n if n < left else left + self._tail)
-        got = 0
-        for i, piece in enumerate(out):
-            if got + len(piece) >= left:
-                out[i:] = [piece if got + len(piece) == left else memoryview(piece)[: left - got]] if left > got else []
-                got = left
+        out: list = []
+        for piece in self._read.pieces(n if n < left else left + self._tail) if left > 0 else ():
+            out.append(piece if len(piece) <= left else memoryview(piece)[:left])
+            left -= len(out[-1])
+            if not left:
                 break
-            got += len(piece)
-        self._left = left - got
+        self._left = left
         return out
 
     def __call__(self, n: int) -> bytes:
@@ -203,12 +199,38 @@ def read_head(
     """The first ``n`` bytes of an object, or all of it when it is shorter: one request (a ranged
     GET on S3, no HEAD first) under the retry policy, each try bounded by the deadline's time
     left; a try that breaks midway keeps what arrived and the next asks from the byte reached
-    (this is for small objects: offset sidecars)."""
+    (this is for small objects: offset sidecars, the manifest's first read). Only its retries are
+    counted, not as a stream's requests and bytes."""
     fs, path, fetch = resolve(url, storage_options, config)
     if fetch is None:
         with _open_local(url, path, 0, hint) as f:
             return f.read(n)
-    return bytes(fetch_resumed(url, fetch, 0, n, config=config, counters=counters, hint=hint))
+    reader = RangeReader(fetch, url=url, start=0, end=n, counters=_RetriesOnly(counters), config=config, hint=hint)
+    return bytes(_read_whole(reader, reader.close, n, n))
+
+
+class _RetriesOnly:
+    """Counters that pass on retries, resumes and throttles only."""
+
+    def __init__(self, counters: Any):
+        self._counters = counters or NullCounters()
+
+    def add(self, name: str, n: int = 1) -> None:
+        if name in ("retries", "resumes", "throttles"):
+            self._counters.add(name, n)
+
+
+def _read_whole(read: ReadFn, close: Callable[[], None], size: int, block: int = DOWNLOAD_BLOCK) -> bytes:
+    """The next ``size`` bytes of ``read``, or fewer when it ends first, in reads of at most
+    ``block`` bytes; then ``close()``."""
+    parts = []
+    try:
+        while size > 0 and (chunk := read(min(size, block))):
+            parts.append(chunk)
+            size -= len(chunk)
+    finally:
+        close()
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def object_size(
@@ -232,6 +254,15 @@ def object_size(
     return call(url, lambda: fs.size(path), config=config, counters=counters, hint=hint, fs=fs, path=path, began=began, bounded=True)
 
 
+class TooLarge(Exception):
+    """``read_object``'s (or ``open_object``'s) object is larger than the limit it was given
+    (``size`` bytes, at least)."""
+
+    def __init__(self, url: str, size: int, limit: int):
+        super().__init__(f"{url}: {size} bytes, more than the {limit} allowed")
+        self.url, self.size, self.limit = url, size, limit
+
+
 def open_object(
     url: str,
     storage_options: Mapping[str, Any] | None = None,
@@ -240,19 +271,15 @@ def open_object(
     counters: Any = None,
     hint: str = "",
     began: float | None = None,
+    limit: int | None = None,
 ) -> tuple[int, ReadFn, Callable[[], None]]:
-    """``(size, read, close)`` over a whole object, read front to back with retry and resume."""
+    """``(size, read, close)`` over a whole object, read front to back with retry and resume; an
+    object larger than ``limit`` bytes raises ``TooLarge`` once its size is known."""
     size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
+    if limit is not None and size > limit:
+        raise TooLarge(url, size, limit)
     read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
     return size, read, close
-
-
-class TooLarge(Exception):
-    """``read_object``'s object is larger than the limit it was given (``size`` bytes, at least)."""
-
-    def __init__(self, url: str, size: int, limit: int):
-        super().__init__(f"{url}: {size} bytes, more than the {limit} allowed")
-        self.url, self.size, self.limit = url, size, limit
 
 
 def read_object(
@@ -274,30 +301,14 @@ def read_object(
     began = time.monotonic()  # an error's time counts from here: making the filesystem is part of the request
     first = FIRST_READ_OBJECT if limit is None else min(FIRST_READ_OBJECT, limit + 1)
     if url.startswith(("s3://", "s3a://")):
-        fs, path, fetch = resolve(url, storage_options, config)
-        if fetch is not None:
-            head = fetch_resumed(url, fetch, 0, first, config=config, counters=counters, hint=hint)
-            if len(head) < first:
-                return bytes(head)
-            if limit is not None and len(head) > limit:
-                raise TooLarge(url, len(head), limit)
-            began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
-    size = object_size(url, storage_options, config=config, counters=counters, hint=hint, began=began)
-    if limit is not None and size > limit:
-        raise TooLarge(url, size, limit)
-    read, close = open_range(url, 0, size, storage_options, counters, config=config, hint=hint)
-    try:
-        parts = []
-        left = size
-        while left > 0:
-            chunk = read(min(left, DOWNLOAD_BLOCK))
-            if not chunk:
-                break
-            parts.append(chunk)
-            left -= len(chunk)
-        return b"".join(parts)
-    finally:
-        close()
+        head = read_head(url, first, storage_options, config=config, counters=counters, hint=hint)
+        if len(head) < first:
+            return head
+        if limit is not None and len(head) > limit:
+            raise TooLarge(url, len(head), limit)
+        began = time.monotonic()  # a new request: the HEAD of a manifest larger than the first read
+    size, read, close = open_object(url, storage_options, config=config, counters=counters, hint=hint, began=began, limit=limit)
+    return bytes(_read_whole(read, close, size))
 
 
 class FileReader:

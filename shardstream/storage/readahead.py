@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+from shardstream.stats import NullCounters
+
 Opener = Callable[[], tuple[Callable[[int], bytes], Callable[[], None]]]
 SENT_AHEAD = 8  # ranges at most whose requests one fetch thread has sent beyond the range it reads (small shards: 9 in flight)
 # While a thread fetches its first range, requests go out ahead only once what is left of it is at
@@ -67,35 +69,21 @@ class Budget:
 
     def __init__(self, max_bytes: int, counters: Any = None):
         self.max_bytes = max_bytes
-        self.counters = counters
+        self.counters = counters or NullCounters()
         self.cond = threading.Condition()
         self.held = self.peak = self.fetched = self.wasted = 0
 
-    def _charge(self, size: int) -> None:  # (under cond)
-        self.held += size
-        self.fetched += size
-        counters = self.counters
-        if counters is not None:
-            counters.add("readahead_fetched", size)
-            if self.held > self.peak:
-                counters.add("readahead_peak", self.held - self.peak)
-        self.peak = max(self.peak, self.held)
-
-    def _read_for_nothing(self, size: int) -> None:  # (under cond)
-        """A block a fetch thread had read when its Prefetcher closed or the consumer passed its
-        range: fetched and wasted at once, never held (so every byte read is counted fetched)."""
-        self.fetched += size
-        self.wasted += size
-        if self.counters is not None:
-            self.counters.add("readahead_fetched", size)
-            self.counters.add("readahead_wasted", size)
-
-    def _release(self, size: int, wasted: bool) -> None:  # (under cond)
-        self.held -= size
-        if wasted:
-            self.wasted += size
-            if self.counters is not None:
-                self.counters.add("readahead_wasted", size)
+    def _add(self, held: int, fetched: int = 0, wasted: int = 0) -> None:  # (under cond)
+        """``held`` bytes more held (fewer when negative), ``fetched`` more fetched, ``wasted`` more
+        dropped unparsed; the peak follows."""
+        self.held += held
+        self.fetched += fetched
+        self.wasted += wasted
+        self.counters.add("readahead_fetched", fetched)
+        self.counters.add("readahead_wasted", wasted)
+        if self.held > self.peak:
+            self.counters.add("readahead_peak", self.held - self.peak)
+            self.peak = self.held
 
 
 class Prefetcher:
@@ -141,13 +129,12 @@ class Prefetcher:
             while not self._stop and index >= self._front and budget.held + size > budget.max_bytes and self._waiting != index:
                 self._cond.wait()
             if self._stop or index < self._front:  # closed, or the consumer moved past this range
-                if size:
-                    budget._read_for_nothing(size)
+                budget._add(0, fetched=size, wasted=size)  # (never held: every byte read is counted fetched)
                 return False
             self._queue(index).append(item)
             if self._waiting == index:  # one block over the budget for the waiting consumer, no more
                 self._waiting = None
-            budget._charge(size)
+            budget._add(size, fetched=size)
             self._cond.notify_all()
             return True
 
@@ -247,7 +234,7 @@ class Prefetcher:
                 self._waiting = None  # (already so when a block came)
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray, Pieces)):
-                self._budget._release(_block_bytes(value), wasted=False)
+                self._budget._add(-_block_bytes(value))
             else:  # the range's end or its error (its last item): the next range is the front now
                 self._front = index + 1
                 del self._queues[index]
@@ -265,7 +252,8 @@ class Prefetcher:
         while queue:
             value = queue.popleft()
             if isinstance(value, (bytes, bytearray, Pieces)):
-                self._budget._release(_block_bytes(value), wasted=True)
+                size = _block_bytes(value)
+                self._budget._add(-size, wasted=size)
 
     def reader(self, index: int) -> _RangeReader:
         """``read(n)`` over range ``index``'s bytes (and ``readinto(view)``); raises what fetching

@@ -6,14 +6,14 @@ block the caller gets); a new request is made only to resume after a failure: a 
 breaks midway keeps the bytes that arrived and the next request starts at the exact byte where it
 broke. So it is through s3fs where obstore cannot serve (``_S3fsBody``). fsspec's other stores
 (HTTP, the Hub, ...) have no streamed body: each read is one ranged ``cat_file``
-(``fs_fetcher``), and a try that breaks is asked for its whole block again. Either way a failed
+(``fs_opener``), and a try that breaks is asked for its whole block again. Either way a failed
 request (reset, timeout, throttling answer) is retried with exponential backoff and full jitter
 until ``StorageConfig.deadline`` runs out (``max_attempts``, when set, caps the tries too). The
 deadline bounds each try as well: a try is given the time left (obstore's timeouts are cut to it,
 an async fsspec call is cancelled at it, a HEAD or a listing is waited for no longer: ``call``),
 so a stalled answer or body ends at the deadline. The bytes that come out are those of an
 undisturbed read, none lost, none repeated; small whole objects (the manifest, offset sidecars:
-``fetch_resumed``) resume at the byte reached too. Permanent failures (missing object, access
+``ranges.read_head``) resume at the byte reached too. Permanent failures (missing object, access
 denied, missing credentials, an invalid request) fail at once with what to check;
 ``classify.storage_error`` words every failure.
 
@@ -51,13 +51,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class Fetch(Protocol):
-    """Bytes [a, b) of one object, or fewer (a short body); at most ``timeout`` seconds (None: no bound)."""
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes: ...
-
-
 JITTER = random.SystemRandom()  # os.urandom per draw: different in every process, forked or not
 # A try that would start with less of the deadline left than this is not made: it would meet its
 # own timeout rather than the store ("no answer within the 0.0 s left"), and the error would no
@@ -65,9 +58,9 @@ JITTER = random.SystemRandom()  # os.urandom per draw: different in every proces
 LAST_TRY = 0.1
 
 
-def backoff(attempt: int, rng: random.Random = JITTER, config: StorageConfig = DEFAULT_STORAGE) -> float:
+def backoff(attempt: int, config: StorageConfig = DEFAULT_STORAGE) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
-    return rng.uniform(0, min(config.backoff_cap, config.backoff_base * 2 ** min(attempt, 64)))
+    return JITTER.uniform(0, min(config.backoff_cap, config.backoff_base * 2 ** min(attempt, 64)))
 
 
 class Body(Protocol):
@@ -81,29 +74,19 @@ class Body(Protocol):
     def close(self) -> None: ...
 
 
-class OpenBody(Protocol):
-    """Send a GET for bytes [a, b) of one object now and return its ``Body`` at once: the answer is
-    read, and any failure raised, by the body's first ``readinto``. ``timeout`` bounds the connect."""
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> Body: ...
-
-
 class Fetcher:
-    """One object's bytes, one of two ways: ``open`` streams a range through one GET
-    (``OpenBody``: S3), else ``fetch(a, b, timeout)`` is one try at bytes [a, b) (fewer when the
-    object ends first), each read a request of its own. ``kind`` names the path: "obstore",
-    "s3fs" or "fsspec"."""
+    """How one object's bytes are read: ``open(a, b, timeout)`` sends a request for bytes [a, b)
+    now and returns its ``Body``. ``kind`` names the path. On S3 ("obstore", "s3fs") a range
+    streams through one GET: ``open`` returns at once, the answer is read, and any failure raised,
+    by the body's first ``readinto`` (``timeout`` bounds the connect). Elsewhere ("fsspec") each
+    read is a request of its own: ``open`` is one try at the read's bytes, or fewer when the object
+    ends first, of at most ``timeout`` seconds (None: no bound), its body those bytes
+    (``fs_opener``)."""
 
-    __slots__ = ("kind", "_fetch", "open")
+    __slots__ = ("kind", "open", "streams")
 
-    def __init__(self, kind: str, fetch: Fetch | None = None, open_body: OpenBody | None = None):
-        self.kind = kind
-        self._fetch = fetch
-        self.open = open_body
-
-    def __call__(self, a: int, b: int, timeout: float | None = None) -> bytes:
-        assert self._fetch is not None, f"the {self.kind} path streams its ranges (open)"
-        return self._fetch(a, b, timeout)
+    def __init__(self, kind: str, open_body: Callable[..., Body]):
+        self.kind, self.open, self.streams = kind, open_body, kind != "fsspec"
 
 
 class _S3fsBody:
@@ -116,10 +99,10 @@ class _S3fsBody:
     asked for yet. The error comes after the pieces that arrived first."""
 
     WINDOW = 4 << 20
+    CHUNK = 1 << 20  # the most one read of the body takes
 
-    def __init__(self, fs: Any, params: dict[str, Any], chunk_size: int):
+    def __init__(self, fs: Any, params: dict[str, Any]):
         self._loop = fs.loop
-        self._chunk = chunk_size
         self._cond = threading.Condition()
         self._pieces: deque[memoryview] = deque()
         self._held = 0  # bytes in _pieces
@@ -141,7 +124,7 @@ class _S3fsBody:
                         if self._held < self.WINDOW:
                             break
                     await room.wait()
-                chunk = await body.read(self._chunk)
+                chunk = await body.read(self.CHUNK)
                 with self._cond:
                     if chunk:
                         self._pieces.append(memoryview(chunk))
@@ -194,30 +177,30 @@ class _S3fsBody:
             self._held = 0
 
 
-def s3_opener(fs: Any, path: str, chunk_size: int = 1 << 20) -> OpenBody:
+def s3_opener(fs: Any, path: str) -> Callable[..., Body]:
     """``open(a, b, timeout)`` for S3 through s3fs's client: one streamed GET per range."""
     bucket, key, version = fs.split_path(path)
     extra = {"VersionId": version} if version else {}
 
     def open_body(a: int, b: int, timeout: float | None = None) -> Body:
-        return _S3fsBody(fs, {"Bucket": bucket, "Key": key, "Range": f"bytes={a}-{b - 1}", **extra}, chunk_size)
+        return _S3fsBody(fs, {"Bucket": bucket, "Key": key, "Range": f"bytes={a}-{b - 1}", **extra})
 
     return open_body
 
 
-def fs_fetcher(fs: Any, path: str) -> Fetch:
-    """``fetch(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
+def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
+    """``open(a, b, timeout)`` through an fsspec filesystem other than S3's: one ranged
     ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
-    and the retry asks for the same block again). On an async filesystem (HTTP) the try is
-    cancelled, its connection closed, when ``timeout`` runs out (fsspec's ``sync`` with a
-    timeout); elsewhere the filesystem's own timeouts apply."""
+    and the retry asks for the same block again), its bytes the body (``_Fetched``). On an async
+    filesystem (HTTP) the try is cancelled, its connection closed, when ``timeout`` runs out
+    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
     extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
     bounded = getattr(fs, "async_impl", False)
 
-    def fetch(a: int, b: int, timeout: float | None = None) -> bytes:
+    def open_body(a: int, b: int, timeout: float | None = None) -> Body:
         if bounded and timeout is not None:
             try:
                 data = fsspec.asyn.sync(fs.loop, fs._cat_file, path, start=a, end=b, timeout=timeout)
@@ -232,9 +215,31 @@ def fs_fetcher(fs: Any, path: str) -> Fetch:
                 "support HTTP Range requests (206 Partial Content), which shardstream needs",
                 url=url,
             )
+        return _Fetched(data)
+
+    return open_body
+
+
+class _Fetched:
+    """A request's bytes fetched whole (``fs_opener``), handed over by the one read that asked for
+    them: copied into its view (``readinto``) or as they came (``take``: no copy)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def readinto(self, view: memoryview, timeout: float | None = None) -> int:
+        data, self._data = self._data, b""
+        view[: len(data)] = data
+        return len(data)
+
+    def take(self, n: int, timeout: float | None = None) -> bytes:
+        data, self._data = self._data, b""
         return data
 
-    return fetch
+    def close(self) -> None:
+        self._data = b""
 
 
 class _Attempts:
@@ -254,7 +259,6 @@ class _Attempts:
         self,
         url: str,
         config: StorageConfig,
-        rng: random.Random,
         counters: Any,
         sleep,
         hint: str,
@@ -262,7 +266,7 @@ class _Attempts:
         path: str | None = None,
         began: float | None = None,
     ):
-        self.url, self.config, self.rng, self.counters, self.sleep, self.hint = url, config, rng, counters, sleep, hint
+        self.url, self.config, self.counters, self.sleep, self.hint = url, config, counters, sleep, hint
         self.fs, self.path = fs, path
         self.began = time.monotonic() if began is None else began
         self.attempt = 0
@@ -282,7 +286,7 @@ class _Attempts:
             raise storage_error(
                 self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint, fs=self.fs, path=self.path
             ) from exc
-        delay = backoff(self.attempt, self.rng, self.config)
+        delay = backoff(self.attempt, self.config)
         cap = self.config.max_attempts
         if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline - LAST_TRY:
             raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
@@ -301,7 +305,6 @@ def call(
     *,
     config: StorageConfig = DEFAULT_STORAGE,
     counters: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
     hint: str = "",
     fs: Any = None,
     path: str | None = None,
@@ -317,7 +320,7 @@ def call(
     timeout there (its thread ends at those timeouts; a try started late once ran that long past
     the deadline, about twice the deadline in all). Not for a whole file's read, which may take
     longer than the deadline while its bytes keep coming."""
-    attempts = _Attempts(url, config, JITTER, counters or NullCounters(), sleep, hint, fs, path, began)
+    attempts = _Attempts(url, config, counters or NullCounters(), time.sleep, hint, fs, path, began)
     while True:
         try:
             return _within(fn, attempts.remaining()) if bounded else fn()
@@ -346,63 +349,25 @@ def _within(fn: Callable[[], T], timeout: float) -> T:
     raise value
 
 
-def fetch_resumed(
-    url: str,
-    fetch: Fetch,
-    a: int,
-    b: int,
-    *,
-    config: StorageConfig = DEFAULT_STORAGE,
-    counters: Any = None,
-    sleep: Callable[[float], None] = time.sleep,
-    hint: str = "",
-) -> bytes:
-    """Bytes [a, b) of a small object, or fewer when it ends first, read whole by a ``RangeReader``
-    (one request; a try that breaks keeps what arrived and the next asks from the byte reached).
-    Only its retries are counted, not as a stream's requests and bytes. For the manifest's first
-    read and offset sidecars."""
-    reader = RangeReader(
-        fetch, url=url, start=a, end=b, counters=_RetriesOnly(counters), config=config, sleep=sleep, hint=hint, short_object_ends=True
-    )
-    parts = []
-    try:
-        while chunk := reader(b - a):
-            parts.append(chunk)
-    finally:
-        reader.close()
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-class _RetriesOnly:
-    """Counters that pass on retries, resumes and throttles only."""
-
-    def __init__(self, counters: Any):
-        self._counters = counters or NullCounters()
-
-    def add(self, name: str, n: int = 1) -> None:
-        if name in ("retries", "resumes", "throttles"):
-            self._counters.add(name, n)
-
-
 class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
     the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
 
-    Where ``fetch`` has ``open`` (S3), the range is one GET: the first read sends a request for
-    all of [start, end) and every read takes its next bytes from that body, straight into the
-    block it returns (no copy but the kernel's). A body that breaks keeps what arrived (returned
-    short; the next read sends a new request from the byte reached), and a failure before any byte
-    is retried under the policy; ``start()`` sends the request before the first read (read-ahead
-    does, for the next range, while this one's last blocks arrive). Elsewhere each read is one
-    ``fetch``. A read that makes progress starts the deadline afresh.
+    Where ``fetch`` streams (S3), the range is one GET: the first read sends a request for all of
+    [start, end) and every read takes its next bytes from that body, straight into the block it
+    returns (no copy but the kernel's). A body that breaks keeps what arrived (returned short; the
+    next read sends a new request from the byte reached), and a failure before any byte is retried
+    under the policy; ``start()`` sends the request before the first read (read-ahead does, for the
+    next range, while this one's last blocks arrive). Elsewhere each read is one request, its bytes
+    returned as they came. A read that makes progress starts the deadline afresh.
 
-    ``short_object_ends``: the range was promised (by a manifest, or a HEAD's size), so an HTTP 416
-    (the read starts at or past the object's end) ends the stream, as a short local file does: the
-    caller reports a truncated object, not an invalid request."""
+    The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
+    at or past the object's end) ends the stream, as a short local file does: the caller reports a
+    truncated object, not an invalid request."""
 
     def __init__(
         self,
-        fetch: Fetch,
+        fetch: Fetcher,
         *,
         url: str,
         start: int,
@@ -411,15 +376,14 @@ class RangeReader:
         config: StorageConfig = DEFAULT_STORAGE,
         sleep: Callable[[float], None] = time.sleep,
         hint: str = "",
-        short_object_ends: bool = False,
     ):
-        self._fetch = fetch
-        self._open: OpenBody | None = getattr(fetch, "open", None)
+        self._open, self._streams = fetch.open, fetch.streams
         self._body: Body | None = None
+        self._asked = end  # the end of the last request's bytes
         self.url, self.start_at, self.end, self.pos = url, start, end, start
         self._counters = counters or NullCounters()
-        self._config, self._sleep, self._hint, self._short_ends = config, sleep, hint, short_object_ends
-        self._takes = self._open is not None and getattr(fetch, "kind", None) == "obstore"  # its bodies have ``take``
+        self._config, self._sleep, self._hint = config, sleep, hint
+        self._takes = fetch.kind == "obstore"  # its bodies have ``take``
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -428,8 +392,8 @@ class RangeReader:
     def start(self) -> None:
         """Send the request for the rest of the range now (streamed stores only); its answer is
         read, and any failure handled, by the next read."""
-        if self._open is not None and self._body is None and self.pos < self.end:
-            self._send(self._config.deadline)
+        if self._streams and self._body is None and self.pos < self.end:
+            self._send(self._config.deadline, self.end)
 
     def close(self) -> None:
         """End the range's request (a body not read to its end closes its connection)."""
@@ -437,12 +401,12 @@ class RangeReader:
         if body is not None:
             body.close()
 
-    def _send(self, timeout: float) -> Body:
-        """Send the request for the rest of the range; ``timeout``: what the try may take (its
-        connect is cut to it)."""
-        assert self._open is not None
+    def _send(self, timeout: float, stop: int) -> Body:
+        """Send the request for bytes [pos, stop) (streamed: the rest of the range); ``timeout``:
+        what the try may take (its connect is cut to it)."""
         self._counters.add("requests")
-        self._body = self._open(self.pos, self.end, timeout)
+        self._asked = stop
+        self._body = self._open(self.pos, stop, timeout)
         return self._body
 
     def __call__(self, n: int) -> bytes:
@@ -450,8 +414,9 @@ class RangeReader:
         if stop <= self.pos:
             self.close()
             return b""
-        if self._open is None:
-            return self._fetch_block(stop)
+        if not self._streams:  # one request per read: its bytes as they came
+            block = self._taken(stop - self.pos)
+            return block[0] if block else b""
         out = uninitialized_bytearray(stop - self.pos)
         view = memoryview(out)
         try:
@@ -471,10 +436,6 @@ class RangeReader:
         if stop <= self.pos:
             self.close()
             return 0
-        if self._open is None:
-            data = self._fetch_block(stop)
-            view[: len(data)] = data
-            return len(data)
         return self._fill(view[: stop - self.pos])
 
     def pieces(self, n: int) -> list:
@@ -488,6 +449,10 @@ class RangeReader:
         if not self._takes:
             block = self(n)
             return [block] if block else []
+        return self._taken(stop - self.pos)
+
+    def _taken(self, size: int) -> list:
+        """The next ``size`` bytes (or fewer) as the pieces the body hands over (``take``)."""
         out: list = []
 
         def take(body: Any, want: int, timeout: float | None) -> int:
@@ -496,14 +461,14 @@ class RangeReader:
                 out.append(piece)
             return len(piece)
 
-        self._fill(stop - self.pos, take)
+        self._fill(size, take)
         return out
 
     def _fill(self, want: int | memoryview, take: Callable[[Any, int, float | None], int] | None = None) -> int:
         """Fill the view ``want`` from the range's body (sending a request when none is open), or
         with ``take`` (body, bytes wanted, timeout) -> bytes taken, take up to ``want`` bytes: as
         many as arrive before the body ends or breaks; 0 only at the end of the stream."""
-        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
+        attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
         counters = self._counters
         view = want if isinstance(want, memoryview) else None
         size = len(want) if isinstance(want, memoryview) else want
@@ -514,7 +479,7 @@ class RangeReader:
             sent = body is None
             try:
                 if body is None:
-                    body = self._send(attempts.remaining())
+                    body = self._send(attempts.remaining(), self.end if self._streams else self.pos + size)
                 while got < size:
                     k = body.readinto(view[got:], attempts.remaining()) if view is not None else take(body, size - got, attempts.remaining())  # type: ignore[misc]
                     if not k:
@@ -532,51 +497,30 @@ class RangeReader:
                     # ``view`` alive, and the block could not be cut to size)
                     logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got, f"{type(exc).__name__}: {exc}")
                     break
-                if self._short_ends and is_past_end(exc):
-                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
+                if self._failed(attempts, exc):
                     return 0
-                attempts.failed(exc, resumed=self.pos > self.start_at)
                 continue
             counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
             if got < size:  # the body is complete: the object ended before the range did
                 self.close()
                 if not got:
                     if sent:  # a new request answered with nothing at all
-                        attempts.failed(EOFError(f"empty body for bytes {self.pos}-{self.end}"), resumed=self.pos > self.start_at)
+                        self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self._asked}"))
                     continue  # ask again from here: the answer says where the object ends (416)
                 self.end = self.pos + got  # (no request more to learn it)
             break
         counters.add("bytes_read", got)
         self.pos += got
-        if self.pos >= self.end:
+        if self.pos >= self.end or not self._streams:
             self.close()  # the whole body is in: its connection serves the next request
         return got
 
-    def _fetch_block(self, stop: int) -> bytes:
-        """One request per read (stores with no streamed body)."""
-        attempts = _Attempts(self.url, self._config, JITTER, self._counters, self._sleep, self._hint)
-        counters = self._counters
-        pos = self.pos
-        while True:
-            began = time.perf_counter()
-            try:
-                counters.add("requests")
-                data = self._fetch(pos, stop, attempts.remaining())
-                if not data:
-                    raise EOFError(f"empty body for bytes {pos}-{stop}")
-            except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
-                counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-                if self._short_ends and is_past_end(exc):
-                    logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, pos)
-                    return b""
-                attempts.failed(exc, resumed=pos > self.start_at)
-                continue
-            counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
-            counters.add("bytes_read", len(data))
-            self.pos = pos + len(data)
-            if self.pos < stop:  # a short body: the object ends here
-                self.end = self.pos
-            return data
-
-
-make_range_reader = RangeReader  # ``read(n)`` over bytes [start, end) of ``fetch``: the name the callers use
+    def _failed(self, attempts: _Attempts, exc: Exception) -> bool:
+        """A try that got no byte: True when it ends the stream (an HTTP 416: the object ends
+        before the byte reached), else the backoff is slept before the next try, or the error the
+        failure means raised."""
+        if is_past_end(exc):
+            logger.debug("%s: the object ends before byte %d (HTTP 416): end of stream", self.url, self.pos)
+            return True
+        attempts.failed(exc, resumed=self.pos > self.start_at)
+        return False
