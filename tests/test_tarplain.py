@@ -745,3 +745,45 @@ def test_the_short_records_check_accepts_only_what_the_loop_parses_as_harmless(p
                 pos += int(p[pos : p.index(b" ", pos)])
                 ends.append(pos - 1)
             assert pos == len(p) and ends == [i for i, c in enumerate(p) if c == 10]
+
+
+def test_a_threads_parses_take_turns_with_one_reused_block():
+    """A parse into a reused block (a local file) starts from the block the thread's last finished
+    parse grew (lent: no new memory for each range of a pass); parses that overlap in one thread
+    (two sources read in turn, one abandoned half-way) or run in other threads each have a block
+    of their own: every one gives the loop's samples."""
+    import threading
+
+    datas = [samples_tar(700, seed=seed) for seed in range(3)]
+    expected = [flat(parse(data, fast=False, dicts=True)[0]) for data in datas]
+
+    def reused(data):
+        return iter_sample_dicts(BlocksInto(data), url="mem://x.tar", end=len(data), read_size=65536, reuse_blocks=True)
+
+    assert flat(reused(datas[0])) == expected[0]
+    block = tar._ARENAS.block
+    assert isinstance(block, bytearray) and len(block) >= 65536 and len(block) % tar.ARENA_STEP == 0
+    assert flat(reused(datas[1])) == expected[1]
+    assert tar._ARENAS.block is block  # the next range's parse read into the same block
+    # Two parses in turn in one thread, and one abandoned after its first list.
+    a, b, c = reused(datas[0]), reused(datas[1]), reused(datas[2])
+    got_a, got_b = [], []
+    first_c = next(c)
+    for x, y in zip(a, b):
+        got_a += x
+        got_b += y
+    got_a += flat(a)
+    got_b += flat(b)
+    c.close()
+    assert got_a == expected[0] and got_b == expected[1] and first_c == expected[2][: len(first_c)]
+    results: dict[int, list] = {}
+
+    def work(i):
+        results[i] = flat(reused(datas[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert [results[i] for i in range(3)] == expected

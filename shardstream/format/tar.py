@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 import tarfile
+import threading
 from bisect import bisect_left
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
@@ -61,6 +62,11 @@ AFTER_LARGE_READ = 64 << 10
 # are read 1.8x larger, so that the fixed cost of a block (the run path's numpy calls, a list)
 # is spread over as many samples as in a plain tar.
 MAX_SPREAD = 2.0
+# The reused block grows in steps of this many bytes: a block read of read_size plus the unparsed
+# tail of the one before (a few KiB, different every time) then fits the block it grew to,
+# instead of allocating (and zeroing, and faulting in) a new one whenever a tail is longer than
+# every one before it.
+ARENA_STEP = 64 << 10
 MAX_OCTAL_SIZE = 0o77777777777
 
 # Fixed header fields: mode 0644, uid/gid 0, mtime 0, empty owner names (deterministic output).
@@ -849,7 +855,7 @@ def _plain_samples(
     if view is None:
         datas = [buf[a:b] for a, b in zip(run.starts, run.stops)]
     else:
-        datas = [bytes(view[a:b]) for a, b in zip(run.starts, run.stops)]
+        datas = [view[a:b].tobytes() for a, b in zip(run.starts, run.stops)]
     i = 0
     while i < n and keys[i] == key:  # more of the pending sample
         i += 1
@@ -982,10 +988,34 @@ def iter_sample_dicts(
 
     With ``reuse_blocks`` and a stream that has ``readinto`` (a local file), blocks are read into
     one buffer used again and again (the unparsed tail moved to its front): no new memory and no
-    join per read. Every field is copied out of it as ``bytes``, as always."""
-    yield from _parse(
-        read, url, start, end, read_size, require_end_marker, keep_buffers, large_member, buffers, dicts=True, reuse_blocks=reuse_blocks
-    )
+    join per read. Every field is copied out of it as ``bytes``, as always. The buffer is the one
+    this thread's last finished parse grew (``_ARENAS``), so a pass's ranges reuse one."""
+    lent = [_ARENAS.__dict__.pop("block", None) or bytearray()] if reuse_blocks else None
+    try:
+        yield from _parse(
+            read,
+            url,
+            start,
+            end,
+            read_size,
+            require_end_marker,
+            keep_buffers,
+            large_member,
+            buffers,
+            dicts=True,
+            reuse_blocks=reuse_blocks,
+            lent=lent,
+        )
+    finally:
+        if lent is not None:
+            _ARENAS.block = lent[0]
+
+
+# The reused block of the last parse a thread finished, lent to the next one it starts (one parse at
+# a time: a parse started while another holds it makes its own), so that a pass's ranges are read
+# into memory already mapped. Fields are copied out of it as ``bytes``, so nothing refers to it
+# once its parse is over.
+_ARENAS = threading.local()
 
 
 def iter_sample_batches(
@@ -1050,8 +1080,10 @@ def _parse(
     dicts: bool,
     fast: bool = True,
     reuse_blocks: bool = False,
+    lent: list[bytearray] | None = None,
 ) -> Iterator[list[Any]]:
-    """The parser behind ``iter_sample_batches`` (samples as tuples) and ``iter_sample_dicts``."""
+    """The parser behind ``iter_sample_batches`` (samples as tuples) and ``iter_sample_dicts``.
+    ``lent``: the reused block to start from (``lent[0]``), replaced there when it grows."""
     buf: bytes | bytearray = b""
     view: memoryview | None = None  # buf's view when it is a fetched block (a bytearray): fields are cut as bytes from it
     base = start  # absolute offset of buf[0]
@@ -1067,7 +1099,9 @@ def _parse(
     seen: set[str] = set()
     readinto = getattr(read, "readinto", None)
     read_next = read_size  # bytes asked for by the next refill (smaller right after a large member)
-    arena: bytearray | None = bytearray() if reuse_blocks and readinto is not None else None  # the reused block
+    arena: bytearray | None = None  # the reused block
+    if reuse_blocks and readinto is not None:
+        arena = lent[0] if lent is not None else bytearray()
     # Reads into the reused block (and its lists) are this much larger than read_size (and
     # PARSE_WINDOW): the spread of the block's run of members behind pax headers (``_Run``), so
     # that a block holds about as many samples as one of plain members (MAX_SPREAD).
@@ -1190,7 +1224,7 @@ def _parse(
                         here = base + pos
                         if name[:1] == "/" or ".." in name or "\0" in name:
                             _check_name(name, url, here)
-                        value = big if big is not None else buf[data_start:data_end] if view is None else bytes(view[data_start:data_end])
+                        value = big if big is not None else buf[data_start:data_end] if view is None else view[data_start:data_end].tobytes()
                         if kind == 83:
                             name, value = _old_gnu_sparse(buf[pos : pos + BLOCK], value, name, url, here)
                     else:
@@ -1198,7 +1232,7 @@ def _parse(
                         name = override or long_name or _header_name(buf, pos)
                         here = member_start if member_start is not None else base + pos
                         _check_name(name, url, base + pos)
-                        value = big if big is not None else buf[data_start:data_end] if view is None else bytes(view[data_start:data_end])
+                        value = big if big is not None else buf[data_start:data_end] if view is None else view[data_start:data_end].tobytes()
                         if pax is not None and _sparse_pax(pax):
                             name, value = _pax_sparse(pax, value, name, url, here)
                             _check_name(name, url, here)
@@ -1302,7 +1336,9 @@ def _parse(
             want = len(tail) + min(max(read_next if spread == 1.0 else int(read_next * spread), missing), end - fetched)
             read_next = min(2 * read_next, read_size)
             if len(arena) < want:
-                arena = bytearray(want)
+                arena = bytearray(-(-want // ARENA_STEP) * ARENA_STEP)
+                if lent is not None:
+                    lent[0] = arena
             arena[: len(tail)] = tail
             into = memoryview(arena)
             got = len(tail)
