@@ -39,6 +39,7 @@ import webdataset
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
+from shardstream.format.parquet import TableManifest
 from shardstream.loader.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
 from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -56,6 +57,7 @@ from shardstream.plan.cursor import Cursor, Origin
 from shardstream.plan.requests import is_remote
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
+from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
 
 logger = logging.getLogger(__name__)
 
@@ -478,6 +480,8 @@ class ShardLoader(webdataset.WebLoader):
         self._watch["method"] = method
         if method != "fork":
             check_main_guarded(method)  # a worker would run the script's unguarded loop again
+        else:
+            ready_for_fork(self.dataset)  # what each worker would make at its first read, made once here
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
@@ -541,6 +545,15 @@ class ShardLoader(webdataset.WebLoader):
         (``dataset.epoch`` once loaded) keeps the loaded state: that epoch's pass delivers the rest
         of it."""
         self.dataset.set_epoch(epoch)
+
+
+def ready_for_fork(dataset: ShardStream) -> None:
+    """Before ``fork`` starts workers: the storage clients they read remote sources with, made here
+    (``storage.ranges.ready_for_fork``), so every worker inherits them instead of making its own."""
+    for manifest, options in zip(dataset.sources.manifests, dataset.sources.storage_options):
+        if is_remote(manifest):
+            url = manifest.base_url or (manifest.file_url(0) if isinstance(manifest, TableManifest) else manifest.shard_url(0))
+            ready_storage_for_fork(url, options, dataset.storage)
 
 
 def make_loader(

@@ -81,6 +81,12 @@ def usable_here() -> bool:
     return _runtime_pid is None or _runtime_pid == os.getpid()
 
 
+def usable_after_fork() -> bool:
+    """Whether a process forked from this one now could use obstore: not once obstore ran here or
+    in a process this one was forked from."""
+    return _runtime_pid is None
+
+
 def options_for(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The storage options when obstore can honour all of them, else None (s3fs's path)."""
     options = dict(storage_options or {})
