@@ -160,3 +160,48 @@ def test_a_client_that_cannot_be_made_ahead_of_a_fork_is_left_to_the_workers(s3_
     monkeypatch.setattr(storage, "_sessions", {})
     ready_for_fork("s3://bucket/d", {"endpoint_url": s3_endpoint, "profile": "nobody"}, StorageConfig(s3_client="s3fs"))
     assert storage._sessions == {}  # (the unknown profile: the workers' first read says so)
+
+
+_forks: list[str] | None = None  # while a test sets it: a line per fork of this process
+
+
+def _note_fork() -> None:
+    if _forks is not None:
+        _forks.append("fork")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_note_fork)
+
+
+def test_make_loader_readies_fork_workers_storage_ahead_and_forks_only_after_it(s3, monkeypatch):
+    """make_loader starts making the fork workers' storage clients in a thread (the script's set-up
+    hides it); the first pass waits for that thread before it forks, whatever it takes."""
+    import threading
+    import time
+
+    import shardstream.loader as loader_module
+
+    global _forks
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/a", 20, max_count=5, storage_options=options)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options))
+    events: list[str] = []
+    ready = loader_module.ready_storage_for_fork
+
+    def slow(*args):
+        if threading.current_thread().name == "shardstream-fork-ready":
+            time.sleep(scaled(1.0))  # longer than the pass takes to reach its fork without waiting
+            events.append("readied ahead")
+        ready(*args)
+
+    monkeypatch.setattr(loader_module, "ready_storage_for_fork", slow)
+    loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False)
+    _forks = events
+    try:
+        keys = [k for b in loader for k in b["__key__"]]
+    finally:
+        _forks = None
+    assert len(keys) == len(set(keys)) == 20
+    assert events[0] == "readied ahead" and events.count("fork") >= 2, events
+    assert loader_module._readying == []
