@@ -28,7 +28,9 @@ Options obstore has no equivalent for (a custom session, ``s3_additional_kwargs`
 ``config_kwargs``) keep s3fs's path (``options_for`` returns None), and so does a process forked
 after obstore ran in its parent: obstore's runtime (tokio) has no threads in a forked child and
 its requests would hang there, so a DataLoader worker started by ``fork`` from a process that
-read S3 reads through s3fs (forkserver and spawn workers, the default, use obstore).
+read S3 reads through s3fs (forkserver and spawn workers, the default, use obstore), with the
+s3fs client the loader made before the fork (``ranges.ready_for_fork``: ``usable_after_fork``
+says whether the workers need one).
 """
 
 from __future__ import annotations
