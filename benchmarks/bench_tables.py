@@ -12,7 +12,8 @@ Contenders (a fresh process each pass, in the venv named by ``--NAME-python``):
 - ``shardstream`` / ``shardstream-shuffled``: ``ShardStream(Table(files, columns=...),
   batch_size, shuffle=False | Shuffle(10000))``, columnar batches, through ``make_loader``;
 - ``polars``: a DataModule's way, ``pl.scan_parquet(files).slice(offset, B).collect()`` per batch,
-  then ``torch.from_numpy`` per column (workers: batches dealt round-robin);
+  then ``torch.from_numpy`` per column (workers: batches dealt round-robin; spawned, as polars'
+  thread pool does not survive a fork);
 - ``litdata``: ``index_parquet_dataset`` once, then ``StreamingDataset(item_loader=ParquetLoader())``
   and ``StreamingDataLoader`` (spawned workers);
 - ``datasets``: ``load_dataset("parquet", data_files=..., streaming=True).with_format("torch")``
@@ -47,10 +48,13 @@ import subprocess
 import sys
 import time
 
+import torch.utils.data
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 COLUMNS = [f"f{i}" for i in range(7)] + ["label"]
 SHUFFLE = 10_000
+PASS_START_S = 300.0  # seconds a pass may take beyond --max-seconds to start (imports, workers, footers) on a loaded machine
 CONTENDERS = ("floor", "shardstream", "shardstream-shuffled", "polars", "litdata", "datasets")
 
 
@@ -148,24 +152,41 @@ def shardstream_batches(args, columns, shuffled: bool):
     return make_loader(ds, num_workers=args.workers, pin_memory=False, log_interval=None), ds
 
 
+class PolarsSlices(torch.utils.data.IterableDataset):
+    """polars' batches, ``lazy.slice(offset, B).collect()``, dealt round-robin to the workers (a
+    class of module scope: spawned workers receive it pickled)."""
+
+    def __init__(self, files: list[str], options: dict | None, columns: list[str], batch: int, total: int):
+        super().__init__()
+        self.files, self.options, self.columns, self.batch, self.total = files, options, columns, batch, total
+
+    def __iter__(self):
+        import polars as pl
+
+        info = torch.utils.data.get_worker_info()
+        k, n = (info.id, info.num_workers) if info else (0, 1)
+        lazy = pl.scan_parquet(self.files, storage_options=self.options).select(self.columns)
+        for offset in range(k * self.batch, self.total, n * self.batch):
+            frame = lazy.slice(offset, self.batch).collect()
+            yield {c: torch.from_numpy(frame[c].to_numpy()) for c in self.columns}
+
+
 def polars_batches(args, columns):
     import polars as pl
-    import torch
 
     options = {"aws_endpoint_url": args.endpoint, "aws_allow_http": "true", "aws_region": "us-east-1"} if args.endpoint else None
     files = urls(args)
     total = pl.scan_parquet(files, storage_options=options).select(pl.len()).collect().item()
-
-    class Slices(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            k, n = (info.id, info.num_workers) if info else (0, 1)
-            lazy = pl.scan_parquet(files, storage_options=options).select(columns)
-            for offset in range(k * args.batch, total, n * args.batch):
-                frame = lazy.slice(offset, args.batch).collect()
-                yield {c: torch.from_numpy(frame[c].to_numpy()) for c in columns}
-
-    return torch.utils.data.DataLoader(Slices(), batch_size=None, num_workers=args.workers)
+    slices = PolarsSlices(files, options, columns, args.batch, total)
+    if not args.workers:
+        return torch.utils.data.DataLoader(slices, batch_size=None)
+    # Spawned workers: this process has run polars' thread pool (the count above), which a forked
+    # child inherits without its threads; its collect() then hangs (a 2-worker pass under fork was
+    # killed by hand after 7 minutes). A worker that sends nothing for the pass's time and a start's
+    # fails the pass (DataLoader's timeout) instead of waiting for good.
+    return torch.utils.data.DataLoader(
+        slices, batch_size=None, num_workers=args.workers, multiprocessing_context="spawn", timeout=args.max_seconds + PASS_START_S
+    )
 
 
 def litdata_batches(args, columns):
@@ -449,7 +470,7 @@ def main() -> None:
                             extra += ["--endpoint", endpoint] if endpoint else []
                             try:
                                 flags = ["--urls", json.dumps(files), "--batch", batch, "--workers", workers, "--max-seconds", str(args.max_seconds)]
-                                got = json.loads(run(pythons[n], "--pass", n, *flags, *extra))
+                                got = json.loads(run(pythons[n], "--pass", n, *flags, *extra, timeout=args.max_seconds + PASS_START_S))
                             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                                 print(f"# {n} {where} batch {batch} workers {workers}: {str(exc).strip().splitlines()[-1]}", flush=True)
                                 continue

@@ -1,6 +1,9 @@
 """DataLoader workers are forked from a process that already talks to S3: they start from the
 parent's botocore session (service models loaded) and never run the finalizers of the parent's
-S3 filesystems (each waited 0.1 s for an event loop that has no thread in the child)."""
+S3 filesystems (each waited 0.1 s for an event loop that has no thread in the child). Workers
+forked from a process that has only read through obstore (their reads go through s3fs) start
+from an s3fs client the loader made in the parent just before the fork: no session, no parsed
+model file and no credential lookup of their own."""
 
 from __future__ import annotations
 
@@ -96,3 +99,109 @@ def test_workers_make_no_botocore_session_of_their_own(s3, tmp_path, monkeypatch
     keys = [k for b in make_loader(ds, num_workers=2, multiprocessing_context="fork") for k in b["__key__"]]
     assert len(keys) == len(set(keys)) == 40
     assert not log.exists(), f"workers made botocore sessions: {log.read_text()}"
+
+
+def test_fork_workers_of_an_obstore_reader_make_no_session_models_or_credentials(s3, tmp_path, monkeypatch):
+    import botocore.loaders
+    import botocore.session
+    from aiobotocore.credentials import AioCredentialResolver
+
+    from shardstream.storage import objects
+
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/o", 40, max_count=5, storage_options=options)
+    monkeypatch.setattr(storage, "_sessions", {})  # a job that only reads: no s3fs session in this process yet
+    log, parent = tmp_path / "made", os.getpid()
+
+    def counted(cls, name):
+        original = getattr(cls, name)
+
+        def call(self, *args, **kwargs):
+            if os.getpid() != parent:
+                with open(log, "a") as f:
+                    f.write(f"{os.getpid()} {cls.__name__}.{name}\n")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, call)
+
+    counted(botocore.session.Session, "__init__")  # aiobotocore's AioSession too (a subclass)
+    counted(botocore.loaders.JSONFileLoader, "load_file")  # a service model or endpoint file parsed
+    counted(AioCredentialResolver, "load_credentials")  # the credential chain walked
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options))
+    assert objects._runtime_pid == parent and storage._sessions == {}  # the manifest came through obstore
+    keys = [k for b in make_loader(ds, num_workers=2, start_method="fork", pin_memory=False) for k in b["__key__"]]
+    assert len(keys) == len(set(keys)) == 40
+    assert not log.exists(), f"forked workers made their own:\n{log.read_text()}"
+    assert len(storage._sessions) == 1  # the one the parent made for them
+
+
+def test_nothing_is_made_ahead_of_a_fork_whose_workers_use_obstore_or_read_local_files(s3, tmp_path, monkeypatch):
+    from shardstream.storage import objects
+    from shardstream.storage.config import StorageConfig
+    from shardstream.storage.ranges import ready_for_fork
+
+    bucket, options, _ = s3
+    monkeypatch.setattr(storage, "_sessions", {})
+    monkeypatch.setattr(objects, "_runtime_pid", None)  # obstore never ran here: forked workers start it afresh
+    ready_for_fork(f"s3://{bucket}/d", options, StorageConfig())
+    ready_for_fork(str(tmp_path), None, StorageConfig())
+    assert storage._sessions == {}
+    ready_for_fork(f"s3://{bucket}/d", options, StorageConfig(s3_client="s3fs"))  # workers on s3fs's path
+    assert len(storage._sessions) == 1
+
+
+def test_a_client_that_cannot_be_made_ahead_of_a_fork_is_left_to_the_workers(s3_endpoint, tmp_path, monkeypatch):
+    from conftest import forget_aws_credentials
+
+    from shardstream.storage.config import StorageConfig
+    from shardstream.storage.ranges import ready_for_fork
+
+    forget_aws_credentials(monkeypatch, tmp_path)
+    monkeypatch.setattr(storage, "_sessions", {})
+    ready_for_fork("s3://bucket/d", {"endpoint_url": s3_endpoint, "profile": "nobody"}, StorageConfig(s3_client="s3fs"))
+    assert storage._sessions == {}  # (the unknown profile: the workers' first read says so)
+
+
+_forks: list[str] | None = None  # while a test sets it: a line per fork of this process
+
+
+def _note_fork() -> None:
+    if _forks is not None:
+        _forks.append("fork")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_note_fork)
+
+
+def test_make_loader_readies_fork_workers_storage_ahead_and_forks_only_after_it(s3, monkeypatch):
+    """make_loader starts making the fork workers' storage clients in a thread (the script's set-up
+    hides it); the first pass waits for that thread before it forks, whatever it takes."""
+    import threading
+    import time
+
+    import shardstream.loader as loader_module
+
+    global _forks
+    bucket, options, _ = s3
+    url = write_dataset(f"s3://{bucket}/a", 20, max_count=5, storage_options=options)
+    ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options))
+    events: list[str] = []
+    ready = loader_module.ready_storage_for_fork
+
+    def slow(*args):
+        if threading.current_thread().name == "shardstream-fork-ready":
+            time.sleep(scaled(1.0))  # longer than the pass takes to reach its fork without waiting
+            events.append("readied ahead")
+        ready(*args)
+
+    monkeypatch.setattr(loader_module, "ready_storage_for_fork", slow)
+    loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False)
+    _forks = events
+    try:
+        keys = [k for b in loader for k in b["__key__"]]
+    finally:
+        _forks = None
+    assert len(keys) == len(set(keys)) == 20
+    assert events[0] == "readied ahead" and events.count("fork") >= 2, events
+    assert loader_module._readying == []

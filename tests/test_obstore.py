@@ -95,6 +95,46 @@ def test_wrong_credentials_are_refused_at_once_with_what_to_check(s3):
     assert read_object(f"s3://{bucket}/k", wrong) == b"x" * 10  # (the server checks no credentials again)
 
 
+def test_environment_credentials_reach_obstore_without_a_botocore_session(s3, monkeypatch):
+    """``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` (and a session token) go to obstore as they
+    are, with no botocore session or credential chain, where the chain would take exactly them; a
+    profile, credentials that expire, or a region only a profile could give keep the chain."""
+    import botocore.session
+
+    bucket, options, client = s3
+    client.put_object(Bucket=bucket, Key="k", Body=b"abc")
+    made: list[object] = []
+    original = botocore.session.Session.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(kwargs.get("profile"))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(botocore.session.Session, "__init__", init)
+    monkeypatch.setattr(objects, "_sessions", {})
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok")
+    assert read_object(f"s3://{bucket}/k", options) == b"abc"
+    assert made == []
+    args = objects._store_args(options, bucket)
+    assert (args["access_key_id"], args["secret_access_key"], args["session_token"], args["region"]) == ("testing", "testing", "tok", "us-east-1")
+    assert "credential_provider" not in args
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOBODY")  # the variables are what signs: an unknown key is refused
+    _moto_auth(options["endpoint_url"], "0")
+    try:
+        with pytest.raises(AccessDenied, match="the access key ID is not known to this endpoint"):
+            read_object(f"s3://{bucket}/k", options)
+    finally:
+        _moto_auth(options["endpoint_url"], "inf")
+    assert made == []
+    monkeypatch.setenv("AWS_CREDENTIAL_EXPIRATION", "2099-01-01T00:00:00Z")  # botocore reads them again as they expire
+    assert "credential_provider" in objects._store_args(options, bucket) and len(made) == 1
+    monkeypatch.delenv("AWS_CREDENTIAL_EXPIRATION")
+    monkeypatch.delenv("AWS_DEFAULT_REGION")  # the region could be a profile's: botocore's session says
+    assert "credential_provider" in objects._store_args(options, bucket) and len(made) == 2
+    assert "access_key_id" in objects._store_args({**options, "client_kwargs": {"region_name": "eu-west-1"}}, bucket)
+    assert len(made) == 2
+
+
 def test_no_credentials_and_an_unreadable_ca_bundle_say_so(s3_endpoint, monkeypatch, tmp_path):
     forget_aws_credentials(monkeypatch, tmp_path)
     options = {"endpoint_url": s3_endpoint}

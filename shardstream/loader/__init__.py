@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ import webdataset
 from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
+from shardstream.format.parquet import TableManifest
 from shardstream.loader.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
 from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -56,6 +58,7 @@ from shardstream.plan.cursor import Cursor, Origin
 from shardstream.plan.requests import is_remote
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
+from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
 
 logger = logging.getLogger(__name__)
 
@@ -478,6 +481,8 @@ class ShardLoader(webdataset.WebLoader):
         self._watch["method"] = method
         if method != "fork":
             check_main_guarded(method)  # a worker would run the script's unguarded loop again
+        else:
+            ready_for_fork(self.dataset)  # what each worker would make at its first read, made once here
         if self.worker_start is not None:
             self.worker_start.start(method)
             if method != "fork":  # its queues' semaphores are named: unlinked once every worker opened them
@@ -541,6 +546,46 @@ class ShardLoader(webdataset.WebLoader):
         (``dataset.epoch`` once loaded) keeps the loaded state: that epoch's pass delivers the rest
         of it."""
         self.dataset.set_epoch(epoch)
+
+
+_readying: list[threading.Thread] = []  # ready_for_fork(ahead=True) threads no fork has waited for yet
+_readying_lock = threading.Lock()
+
+
+def ready_for_fork(dataset: ShardStream, *, ahead: bool = False) -> None:
+    """Before ``fork`` starts workers: the storage clients they read remote sources with, made here
+    (``storage.ranges.ready_for_fork``), so every worker inherits them instead of making its own.
+
+    ``ahead``: in a background thread, which ``make_loader`` starts, so that the script's own set-up
+    before its first pass (the model, DDP) hides it (in a fresh process 0.6 s, most of it importing
+    s3fs). A loader's fork first waits for every such thread: none forks while one imports or holds
+    a lock."""
+    if ahead:
+        thread = threading.Thread(target=_ready_quietly, args=(dataset,), name="shardstream-fork-ready", daemon=True)
+        with _readying_lock:
+            _readying.append(thread)
+        thread.start()
+        return
+    with _readying_lock:
+        pending = _readying[:]
+        _readying.clear()
+    for thread in pending:
+        thread.join()
+    _ready(dataset)  # (after a thread did it: found made, at once)
+
+
+def _ready(dataset: ShardStream) -> None:
+    for manifest, options in zip(dataset.sources.manifests, dataset.sources.storage_options):
+        if is_remote(manifest):
+            url = manifest.base_url or (manifest.file_url(0) if isinstance(manifest, TableManifest) else manifest.shard_url(0))
+            ready_storage_for_fork(url, options, dataset.storage)
+
+
+def _ready_quietly(dataset: ShardStream) -> None:
+    try:
+        _ready(dataset)
+    except Exception:  # noqa: BLE001 - the fork readies again, and a failure there is the workers' to report
+        logger.debug("shardstream: storage not readied ahead of the fork", exc_info=True)
 
 
 def make_loader(
@@ -624,6 +669,8 @@ def make_loader(
             if any(is_remote(m) for m in dataset.sources.manifests):
                 preload_remote()
             warm_forkserver()  # its 1.4-2.1 s start overlaps the script's own set-up, not the first batch
+        if num_workers > 0 and start_method == "fork" and any(is_remote(m) for m in dataset.sources.manifests):
+            ready_for_fork(dataset, ahead=True)  # the workers' storage clients, made while the script sets up
     collate_fn = kwargs.pop("collate_fn", None)
     channels = None
     if num_workers > 0:

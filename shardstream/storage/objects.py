@@ -10,7 +10,10 @@ the words of an error (``classify.py``). Here an S3 URL and the user's storage o
   same credentials uploads through s3fs use, handed to obstore as a credential provider (taken
   again before they expire); ``key``/``secret``/``token`` in the options are used as given, and
   ``anon=True`` sends unsigned requests. No credentials at all is ``NoCredentials`` at once
-  (not a wait on instance metadata).
+  (not a wait on instance metadata). Where the chain would take ``AWS_ACCESS_KEY_ID`` and
+  ``AWS_SECRET_ACCESS_KEY`` as they are (no ``profile`` option, no ``AWS_CREDENTIAL_EXPIRATION``)
+  and the region is known without a profile (``client_kwargs``, ``AWS_DEFAULT_REGION``), they go
+  to obstore as given, with no botocore session (``_environment_credentials``).
 - **endpoint and region**: ``endpoint_url`` (or ``client_kwargs``'), else ``AWS_ENDPOINT_URL_S3``
   or ``AWS_ENDPOINT_URL``; the region from ``client_kwargs['region_name']``, the profile or
   ``AWS_DEFAULT_REGION``, else us-east-1. An ``http://`` endpoint is allowed (a local server).
@@ -25,7 +28,9 @@ Options obstore has no equivalent for (a custom session, ``s3_additional_kwargs`
 ``config_kwargs``) keep s3fs's path (``options_for`` returns None), and so does a process forked
 after obstore ran in its parent: obstore's runtime (tokio) has no threads in a forked child and
 its requests would hang there, so a DataLoader worker started by ``fork`` from a process that
-read S3 reads through s3fs (forkserver and spawn workers, the default, use obstore).
+read S3 reads through s3fs (forkserver and spawn workers, the default, use obstore), with the
+s3fs client the loader made before the fork (``ranges.ready_for_fork``: ``usable_after_fork``
+says whether the workers need one).
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ def usable_here() -> bool:
     return _runtime_pid is None or _runtime_pid == os.getpid()
 
 
+def usable_after_fork() -> bool:
+    """Whether a process forked from this one now could use obstore: not once obstore ran here or
+    in a process this one was forked from."""
+    return _runtime_pid is None
+
+
 def options_for(storage_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The storage options when obstore can honour all of them, else None (s3fs's path)."""
     options = dict(storage_options or {})
@@ -130,6 +141,24 @@ def _botocore(profile: str | None) -> tuple[Any, str | None]:
     return found
 
 
+def _environment_credentials() -> dict[str, str] | None:
+    """``S3Store``'s credentials from ``AWS_ACCESS_KEY_ID`` and ``AWS_SECRET_ACCESS_KEY`` (and
+    ``AWS_SECURITY_TOKEN`` or ``AWS_SESSION_TOKEN``), as botocore's environment provider reads
+    them, or None where it would not hand them over as they are: a variable missing (its error is
+    botocore's), or ``AWS_CREDENTIAL_EXPIRATION`` set (credentials it reads again as they expire).
+    The environment comes first in botocore's chain unless a ``profile`` is given, so for the
+    caller that gives none these are the credentials the chain would find, without the botocore
+    session and chain each new worker made for them (15-60 ms of its first read)."""
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID", ""), os.environ.get("AWS_SECRET_ACCESS_KEY", "")
+    if not key or not secret or os.environ.get("AWS_CREDENTIAL_EXPIRATION"):
+        return None
+    given = {"access_key_id": key, "secret_access_key": secret}
+    token = os.environ.get("AWS_SECURITY_TOKEN") or os.environ.get("AWS_SESSION_TOKEN")
+    if token:
+        given["session_token"] = token
+    return given
+
+
 def _store_args(options: Mapping[str, Any], bucket: str) -> dict[str, Any]:
     """``S3Store`` keyword arguments for ``options`` (see the module docstring), timeouts aside."""
     client_kwargs = options.get("client_kwargs") or {}
@@ -151,9 +180,14 @@ def _store_args(options: Mapping[str, Any], bucket: str) -> dict[str, Any]:
             args["session_token"] = options["token"]
     else:
         check_profile(options.get("profile"))
-        credentials, session_region = _botocore(options.get("profile"))
-        args["credential_provider"] = _Credentials(credentials)
-        region = region or session_region
+        given = _environment_credentials() if not options.get("profile") and (region or os.environ.get("AWS_DEFAULT_REGION")) else None
+        if given is not None:
+            args.update(given)
+            region = region or os.environ["AWS_DEFAULT_REGION"]  # (botocore's region: this variable before any profile's)
+        else:
+            credentials, session_region = _botocore(options.get("profile"))
+            args["credential_provider"] = _Credentials(credentials)
+            region = region or session_region
     args["region"] = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     if endpoint:
         if options.get("use_ssl") is False and endpoint.startswith("https://"):

@@ -69,6 +69,20 @@ def resolve(url: str, storage_options: Mapping[str, Any] | None, config: Storage
     return fs, path, Fetcher("fsspec", fs_opener(fs, path))
 
 
+def ready_for_fork(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> None:
+    """Before ``fork`` starts processes that read ``url`` (DataLoader workers): make here what they
+    would each make at their first read, so they inherit it. That is s3fs's client where they read
+    S3 through s3fs (``storage.ready_s3_client``): a child forked after obstore ran here cannot use
+    obstore (``objects.usable_here``), and ``s3_client="s3fs"`` or options obstore cannot serve
+    take that path too. Anything else: nothing."""
+    protocol = fsspec.utils.get_protocol(url)
+    if protocol not in ("s3", "s3a"):
+        return
+    if config.s3_client == "obstore" and objects.options_for(storage_options) is not None and objects.usable_after_fork():
+        return  # (they start obstore afresh)
+    storage.ready_s3_client(url, config.fs_options(storage_options, protocol))
+
+
 def _open_local(url: str, path: str, start: int, hint: str):
     try:
         f = open(path, "rb", buffering=0)
