@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import forget_aws_credentials, make_samples, write_dataset
+from conftest import forget_aws_credentials, make_samples, scaled, write_dataset
 
 from shardstream import Read, ShardStream, Store, World, make_loader
 from shardstream.errors import AccessDenied, ConfigError, NoCredentials, StorageNotFound
@@ -144,7 +144,9 @@ def test_packing_to_a_new_prefix_keeps_no_frame_of_the_caller(s3):
     try:
         gone, workers = pack_and_read()
         assert gone() is None
-        assert not any(w.is_alive() for w in workers)  # (the iterator's shutdown joined them)
+        for w in workers:  # stopped by the iterator's shutdown (joined there, or killed past its wait)
+            w.join(scaled(30))
+        assert not any(w.is_alive() for w in workers)
     finally:
         gc.enable()
 
