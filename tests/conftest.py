@@ -215,23 +215,32 @@ def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, sam
 # event-loop thread for async filesystems (s3fs), which lives as long as the interpreter, with
 # the default executor threads of that loop ("asyncio_N", not daemons, joined at exit).
 LEAK_GRACE_S = 10.0
+# Threads still ending get this long before the collector is asked to free what holds the rest: a
+# full collection took 1.7-4 s at load 10 on 2 cores, for queue feeder threads that end in
+# milliseconds once their loader has shut down.
+ENDING_S = 0.5
 ALLOWED_DAEMON_THREADS = ("fsspecIO", "(_server_entry)", "(process_request_thread)", "(serve_forever)")
 # Dask-Offload: distributed's process-wide offload executor, started on first use and kept by design;
 # shardstream-get: storage/objects.py's process-wide pool that waits for S3 answers (kept likewise).
 ALLOWED_THREAD_PREFIXES = ("asyncio_", "Dask-Offload", "shardstream-get")
 # multiprocessing's helper processes, started once on first use (spawn, shared memory) and kept for
 # the interpreter's lifetime by design.
-ALLOWED_CHILDREN = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+# A forkserver's own children are not: they are the workers and ranks it forked for the tests.
+FORKSERVER = b"multiprocessing.forkserver"
+ALLOWED_CHILDREN = (b"multiprocessing.resource_tracker", FORKSERVER)
 
 
 def _child_pids() -> set[int]:
-    """Live children of this process, from /proc (covers multiprocessing and subprocess alike)."""
+    """Live children of this process, from /proc (covers multiprocessing and subprocess alike), and
+    every live process under its forkserver: workers (and ranks) forked by the server are the
+    server's children, not ours, and a DataLoader worker left running by a test is one of them.
+    A zombie under the server is gone (the server reaps its own)."""
     me = os.getpid()
-    pids = set()
     try:
         entries = os.listdir("/proc")
     except OSError:  # not Linux: multiprocessing's own view is what there is
         return {p.pid for p in multiprocessing.active_children()}
+    children: dict[int, list[tuple[int, bytes]]] = {}  # parent -> [(pid, state)]
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -241,16 +250,40 @@ def _child_pids() -> set[int]:
         except OSError:
             continue  # exited meanwhile
         fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[1]) != me:
-            continue
+        children.setdefault(int(fields[1]), []).append((int(entry), fields[0]))
+    pids = set()
+    servers = []
+    for pid, _ in children.get(me, ()):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
         except OSError:
             continue
-        if not any(a in cmdline for a in ALLOWED_CHILDREN):
-            pids.add(int(entry))
+        if FORKSERVER in cmdline:
+            servers.append(pid)
+        elif not any(a in cmdline for a in ALLOWED_CHILDREN):
+            pids.add(pid)
+    while servers:  # the servers' descendants, at any depth (a rank's own workers too)
+        for pid, state in children.get(servers.pop(), ()):
+            if state != b"Z":
+                pids.add(pid)
+            servers.append(pid)
     return pids
+
+
+def _describe(pids: set[int]) -> list[str]:
+    """``pid (name, parent pid)`` for each of ``pids`` still there: which are a forkserver's."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            out.append(f"{pid} (exited)")
+            continue
+        name = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
+        out.append(f"{pid} ({name}, parent {int(stat[stat.rindex(b')') + 2 :].split()[1])})")
+    return out
 
 
 def _leaked_threads(before: set[threading.Thread]) -> list[threading.Thread]:
@@ -272,6 +305,10 @@ def no_leaks():
     multiprocessing.active_children()  # reaps finished multiprocessing children
     deadline = time.monotonic() + scaled(LEAK_GRACE_S)
     leaked = _leaked_threads(threads)
+    ending = time.monotonic() + scaled(ENDING_S)
+    for t in leaked:  # most are ending already (the queue feeder threads of a loader shut down)
+        t.join(max(0.0, ending - time.monotonic()))
+    leaked = [t for t in leaked if t.is_alive()]
     if leaked:
         gc.collect()  # a dropped DataLoader iterator stops its workers when collected
     for t in leaked:
@@ -283,7 +320,7 @@ def no_leaks():
         procs = _child_pids() - children
     leaked = _leaked_threads(threads)
     if leaked or procs:
-        pytest.fail(f"test left running: threads {[t.name for t in leaked]}, child processes {sorted(procs)}")
+        pytest.fail(f"test left running: threads {[t.name for t in leaked]}, child processes {_describe(procs)}")
 
 
 # -- real multi-process runs (gloo DDP tests) -----------------------------------------------------

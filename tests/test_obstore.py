@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import forget_aws_credentials, make_samples, write_dataset
+from conftest import forget_aws_credentials, make_samples, scaled, write_dataset
 
 from shardstream import Read, ShardStream, Store, World, make_loader
 from shardstream.errors import AccessDenied, ConfigError, NoCredentials, StorageNotFound
@@ -154,6 +154,70 @@ def test_fork_started_workers_after_obstore_read_through_s3fs(s3):
     loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False)
     got = {k: bytes(b) for batch in loader for k, b in zip(batch["__key__"], batch["bin"])}
     assert got == {s["__key__"]: s["bin"] for s in samples}
+
+
+def test_packing_to_a_new_prefix_keeps_no_frame_of_the_caller(s3):
+    """A new destination's listing answers FileNotFoundError through fsspec's ``sync``, whose frame
+    holds the error its traceback holds: a reference cycle that held every caller's frame, so the
+    locals of a function that packed a new prefix outlived its return until the garbage collector's
+    next full pass. A loader made there kept its fork workers alive after the test ended (the
+    matrix's teardown error: 2 workers past the leak check's grace). Now the loader goes with its
+    last reference and stops its workers, with the collector off."""
+    import gc
+    import weakref
+
+    from shardstream.private import iterator_workers, loader_iterator
+
+    bucket, options, _ = s3
+
+    def pack_and_read() -> tuple[weakref.ref, list]:
+        url = write_dataset(f"s3://{bucket}/fresh", n=20, max_count=10, storage_options=options)
+        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, read=Read(readahead_bytes=0)))
+        loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False, log_interval=None)
+        assert sum(len(batch["__key__"]) for batch in loader) == 20
+        workers = iterator_workers(loader_iterator(loader.pipeline[0]))  # persistent: alive after the pass
+        assert workers and all(w.is_alive() for w in workers)
+        return weakref.ref(loader), workers
+
+    gc.collect()
+    gc.disable()  # the collector's own passes (any allocation may start one) would hide a cycle
+    try:
+        gone, workers = pack_and_read()
+        assert gone() is None
+        for w in workers:  # stopped by the iterator's shutdown (joined there, or killed past its wait)
+            w.join(scaled(30))
+        assert not any(w.is_alive() for w in workers)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
+def test_a_handled_missing_object_keeps_no_frame_of_the_caller(s3, s3_client):
+    """A read of a missing object, its StorageNotFound handled by the caller: the failed try
+    (through s3fs, an error of fsspec's ``sync``, in a cycle with that frame) lets the caller's
+    frames go, so the caller's locals go when it returns, with the garbage collector off."""
+    import gc
+    import weakref
+
+    bucket, options, _ = s3
+
+    class Held:
+        pass
+
+    def read_missing() -> weakref.ref:
+        held = Held()
+        with pytest.raises(StorageNotFound):
+            read_object(f"s3://{bucket}/missing", options, config=StorageConfig(s3_client=s3_client))
+        return weakref.ref(held)
+
+    read_missing()  # (the clients made and cached first, outside the check)
+    gc.collect()
+    gc.disable()
+    try:
+        gone = read_missing()
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("cut", [None, "rst"])

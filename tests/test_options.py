@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import threading
 
 import pytest
-from conftest import _child_pids, _leaked_threads, write_dataset
+from conftest import _child_pids, _leaked_threads, rank_context, scaled, write_dataset
 
 import shardstream
 from shardstream import Cache, ConfigError, Decode, OnError, Read, Schedule, ShardStream, Shuffle, StorageConfig, Store, World
@@ -123,3 +124,21 @@ def test_the_leak_check_sees_threads_and_processes():
         proc.kill()
         proc.wait()
     assert _leaked_threads(before) == [] and proc.pid not in _child_pids()
+
+
+def test_the_leak_check_sees_what_the_forkserver_started():
+    """A process forked by multiprocessing's forkserver (a DataLoader worker, a rank) is the
+    server's child, not this process's: the leak check sees it all the same, until it exits."""
+    import time
+
+    proc = rank_context().Process(target=time.sleep, args=(60,))
+    proc.start()
+    try:
+        with open(f"/proc/{proc.pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        assert parent != os.getpid()  # the server's
+        assert proc.pid in _child_pids()
+    finally:
+        proc.kill()
+        proc.join(scaled(30))
+    assert proc.pid not in _child_pids()

@@ -12,6 +12,10 @@ Decisions are made from codes and types only: the S3 error code carried by botoc
 ``objects.ObjectStoreError`` (obstore's errors, translated where they are raised), the HTTP status,
 and the exception classes of botocore, aiohttp and the standard library (matched by class in
 the exception's MRO, so botocore need not be imported to classify).
+
+A failure that is handled, not raised on (retried, or a missing path that means "empty"), lets its
+frames go (``release_frames``): one raised through fsspec's ``sync`` is in a reference cycle that
+holds every caller's frame and locals until the garbage collector's next full pass.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import enum
 import socket
 import ssl
+import traceback
 from collections.abc import Iterator
 
 from shardstream.errors import (
@@ -145,6 +150,22 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         for nxt in (getattr(cur, "cause", None), getattr(cur, "os_error", None), cur.__cause__, cur.__context__):
             if isinstance(nxt, BaseException):
                 todo.append(nxt)
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames ``exc`` (and its causes and contexts) went through,
+    where the failure is handled, not raised on: the traceback keeps its lines, the frame that
+    caught it runs on.
+
+    An error of an async fsspec filesystem (s3fs, HTTP, gcsfs: every call through fsspec's
+    ``sync``) is in a reference cycle: ``sync``'s frame holds the exception (its ``result`` list)
+    and the exception's traceback holds that frame, whose callers' frames (``f_back``) it holds in
+    turn. Dropped as it is, the error kept every frame up to the caller's caller alive, with their
+    locals, until the garbage collector's next pass over its generation: a function that packed to
+    a new S3 prefix (the listing's FileNotFoundError) and made a loader kept the loader and its
+    workers after it returned (tests/test_obstore.py)."""
+    for cur in _chain(exc):
+        traceback.clear_frames(cur.__traceback__)
 
 
 def _response(exc: BaseException) -> tuple[str | None, int | None]:

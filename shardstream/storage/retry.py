@@ -44,7 +44,7 @@ from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
 from shardstream.private import s3_call
 from shardstream.stats import NullCounters
-from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, storage_error
+from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, release_frames, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,9 @@ class _S3fsBody:
         with self._cond:
             self._pieces.clear()
             self._held = 0
+            # the error raised from here holds, in its traceback, the frame that caught it, which
+            # holds this body: kept here, the pair is a cycle holding every caller's frame
+            self._error = None
 
 
 def s3_opener(fs: Any, path: str) -> Callable[..., Body]:
@@ -281,6 +284,7 @@ class _Attempts:
         kind = classify(exc)
         if kind is None:
             raise exc  # not a storage failure: a bug, shown with its own traceback
+        release_frames(exc)  # (raised through fsspec's sync, it holds the callers' frames in a cycle)
         self.attempt += 1
         if kind not in TRANSIENT:
             raise storage_error(

@@ -36,6 +36,7 @@ from shardstream.format.offsets import SUFFIX
 from shardstream.format.parquet import TableManifest, index_table, is_table_url, list_table_files, rebased
 from shardstream.format.scan import scan_shards
 from shardstream.storage import fs as storage
+from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.urls import PATTERN_CHARS, canonical_url
@@ -48,7 +49,8 @@ def _look(fs, path: str) -> tuple[str, Any]:
         return "dir", sorted(fs.find(path))
     try:
         return "file", fs.cat_file(path)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        release_frames(exc)  # (s3fs's error holds the callers' frames in a cycle)
         return "none", None
 
 

@@ -37,6 +37,7 @@ from shardstream.format.manifest import load_manifest
 from shardstream.format.scan import scan_shard
 from shardstream.format.tar import iter_samples, split_name
 from shardstream.storage import fs as storage
+from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.ranges import open_object, open_range
@@ -52,7 +53,8 @@ def _is_file(fs, path: str) -> bool:
         return fs.isfile(path)
     try:  # not fs.isfile, which answers False for any failure (an unreachable endpoint too)
         return fs.info(path)["type"] == "file"
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        release_frames(exc)  # (s3fs's error holds the callers' frames in a cycle)
         return False
 
 

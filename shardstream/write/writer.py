@@ -36,6 +36,7 @@ from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
 from shardstream.storage import fs as storage
+from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
 
@@ -205,7 +206,8 @@ class ShardWriter:
         storage.check_destination_writable(self.fs, self.root, storage_options=self.storage_options, config=self.config)
         try:
             entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            release_frames(exc)  # (s3fs's error holds this pack's callers' frames in a cycle: see there)
             entries = []
             self._created = self._created or not self._local
         url = storage.full_url(self.fs, self.root)
@@ -251,7 +253,8 @@ class ShardWriter:
         """Paths under the root (and its prefix folders) that a pack writes: shards, sidecars, leftovers."""
         try:
             entries = [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False, refresh=True)]
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            release_frames(exc)
             return []
         ours = [e for e in entries if self._shard_re.fullmatch(e) or _is_leftover(e)]
         for folder in [e for e in entries if e.isdigit()]:
@@ -270,8 +273,8 @@ class ShardWriter:
         for path in ours:
             try:
                 self.fs.rm_file(path)
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError as exc:
+                release_frames(exc)
         if self._local and self._created:
             folders = {os.path.dirname(p) for p in ours} - {self.root}
             for folder in sorted(folders, reverse=True) + [self.root]:
@@ -341,20 +344,21 @@ class ShardWriter:
         """Delete temporary files of shards that were never published (a killed task's)."""
         try:
             entries = self.fs.ls(self.root, detail=False, refresh=True)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            release_frames(exc)
             return
         for folder in {shard_name(self.prefix, i, self.prefixes).rpartition("/")[0] for i in range(min(self.prefixes, len(self.shards)))}:
             if folder:  # the prefix directories written to (a local task's partials are made beside its shard)
                 try:
                     entries += self.fs.ls(storage.join(self.root, folder), detail=False, refresh=True)
-                except FileNotFoundError:
-                    pass
+                except FileNotFoundError as exc:
+                    release_frames(exc)
         for entry in entries:
             if _is_leftover(entry.rsplit("/", 1)[-1]):
                 try:
                     self.fs.rm_file(entry)
-                except FileNotFoundError:
-                    pass
+                except FileNotFoundError as exc:
+                    release_frames(exc)
 
     def skip(self, where: str, error: str) -> None:
         """Record a sample left out under the skip policy (counted and listed in the manifest)."""
@@ -433,8 +437,8 @@ class ShardWriter:
         write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), storage.bound_options(self.dest, self.storage_options, self.config))
         try:
             self.fs.rm_file(storage.join(self.root, PACK_MARKER))  # the pack is complete
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError as exc:
+            release_frames(exc)
         manifest.base_url = self.dest
         manifest.storage_options = dict(self.storage_options)
         self.manifest = manifest
