@@ -20,7 +20,8 @@ from shardstream import Cache, Read, ShardStream, ShardWriter, Store, World, mak
 from shardstream.errors import ManifestError, ShardFormatError, StorageTimeout
 from shardstream.storage.config import StorageConfig
 
-FAST = StorageConfig(connect_timeout=1, read_timeout=1, deadline=4, max_attempts=8, backoff_cap=0.2)
+# a try's timeouts of 1 s, tries until a deadline of 3 s: a stalled store is tried at least twice
+FAST = StorageConfig(connect_timeout=1, read_timeout=1, deadline=3, max_attempts=8, backoff_cap=0.2)
 
 
 def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
