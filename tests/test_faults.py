@@ -322,5 +322,8 @@ def test_a_late_try_of_a_head_or_a_listing_ends_at_the_deadline(s3, what):
                 fs, path = get_fs(url, config.fs_options(proxied, "s3"), config)
                 call(url, lambda: fs.ls(path, refresh=True), config=config, began=began - 5, bounded=True)
         elapsed = time.monotonic() - began
-    assert proxy.counts["stalls"] == 1 and elapsed < 4, (elapsed, str(info.value))
+    # one try (the message says so): the proxy saw at most that one; on a loaded machine its
+    # handler thread may not read the request before the try's last second is out (0 seen once,
+    # load 10 on 2 cores)
+    assert proxy.counts["stalls"] <= 1 and elapsed < 4, (elapsed, str(info.value))
     assert 6 <= info.value.waited < 9
