@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,14 +13,15 @@ import threading
 import time
 
 import pytest
-from conftest import make_samples, scaled
+from conftest import make_samples, rank_context, scaled, spawned_ranks
 from faultproxy import FaultProxy
 
 from shardstream import Cache, Read, ShardStream, ShardWriter, Store, World, make_loader
 from shardstream.errors import ManifestError, ShardFormatError, StorageTimeout
 from shardstream.storage.config import StorageConfig
 
-FAST = StorageConfig(connect_timeout=1, read_timeout=1, deadline=4, max_attempts=8, backoff_cap=0.2)
+# a try's timeouts of 1 s, tries until a deadline of 3 s: a stalled store is tried at least twice
+FAST = StorageConfig(connect_timeout=1, read_timeout=1, deadline=3, max_attempts=8, backoff_cap=0.2)
 
 
 def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
@@ -144,13 +144,13 @@ def _du(path):
     return total
 
 
-def _read_rank(url, options, cache_dir, limit, rank, out):
+def _read_rank(rank, url, options, cache_dir, limit, out):
     ds = ShardStream(url, batch_size=4, shuffle=False, world=World(rank, 2), store=Store(options=options, cache=Cache(cache_dir, limit)))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((rank, keys))
 
 
-def _slow_fill(url, endpoint, cache_dir, limit):
+def _slow_fill(rank, url, endpoint, cache_dir, limit):
     store = Store(options={"endpoint_url": endpoint}, cache=Cache(cache_dir, limit), read=Read(readahead_bytes=0))
     ds = ShardStream(url, batch_size=4, world=World(0, 1), store=store)
     for _ in ds:
@@ -163,16 +163,16 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
     cache_dir = str(tmp_path / "cache")
     manifest = ShardStream(url, batch_size=4, world=World(0, 1), store=Store(options=options)).manifest
     limit = int(max(s.bytes for s in manifest.shards) * 3.5)
-    ctx = multiprocessing.get_context("spawn")
+    # processes of their own, from the suite's forkserver (torch and shardstream imported once
+    # there, as the DDP tests' ranks are; spawn imported them in each of the 3)
     with FaultProxy(options["endpoint_url"], bandwidth=20_000) as proxy:  # slow: the kill lands mid-download
-        victim = ctx.Process(target=_slow_fill, args=(url, proxy.url, cache_dir, limit))
-        victim.start()
-        deadline = time.monotonic() + scaled(60)
-        while not (os.path.isdir(cache_dir) and any(".partial-" in n for n in os.listdir(cache_dir))):
-            assert time.monotonic() < deadline and victim.is_alive()
-            time.sleep(0.05)
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join()
+        with spawned_ranks(_slow_fill, 1, (url, proxy.url, cache_dir, limit)) as (victim,):
+            deadline = time.monotonic() + scaled(60)
+            while not (os.path.isdir(cache_dir) and any(".partial-" in n for n in os.listdir(cache_dir))):
+                assert time.monotonic() < deadline and victim.is_alive()
+                time.sleep(0.05)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join()
     assert any(".partial-" in n for n in os.listdir(cache_dir))  # the leftover a dead process leaves
     peak = [0]
     stop = threading.Event()
@@ -184,15 +184,13 @@ def test_killed_fill_is_reclaimed_and_the_limit_holds_across_processes(s3, tmp_p
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_read_rank, args=(url, options, cache_dir, limit, r, out)) for r in (0, 1)]
+    out = rank_context().Queue()
     try:
-        for p in procs:
-            p.start()
-        results = dict(out.get(timeout=scaled(180)) for _ in procs)
-        for p in procs:
-            p.join(timeout=scaled(60))
-            assert p.exitcode == 0
+        with spawned_ranks(_read_rank, 2, (url, options, cache_dir, limit, out)) as procs:
+            results = dict(out.get(timeout=scaled(180)) for _ in procs)
+            for p in procs:
+                p.join(timeout=scaled(60))
+                assert p.exitcode == 0
     finally:
         stop.set()
         watcher.join()

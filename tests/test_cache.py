@@ -5,11 +5,10 @@ reuse in the next epoch, and a limit that cannot work failing at construction.""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 
 import pytest
-from conftest import make_samples, scaled, write_dataset
+from conftest import make_samples, rank_context, scaled, spawned_ranks, write_dataset
 
 from shardstream import Cache, Read, ShardStream, Store, World, make_loader
 from shardstream.errors import ConfigError, StorageError
@@ -22,7 +21,7 @@ def cache_files(cache_dir):
     return sorted(n for n in names if n.endswith(".tar")), [n for n in names if ".partial-" in n]
 
 
-def _read_all(url, options, cache_dir, limit, out):
+def _read_all(rank, url, options, cache_dir, limit, out):
     ds = ShardStream(url, batch_size=4, shuffle=False, world=World(0, 1), store=Store(options=options, cache=Cache(cache_dir, limit)))
     keys = [k for b in make_loader(ds, num_workers=2, pin_memory=False) for k in b["__key__"]]
     out.put((keys, ds.stats()))
@@ -32,15 +31,14 @@ def test_concurrent_processes_download_each_shard_once(s3, tmp_path):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/c", 100, size=2000, storage_options=options)
     cache_dir = str(tmp_path / "cache")
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_read_all, args=(url, options, cache_dir, 10**9, out)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=scaled(120)) for _ in procs]
-    for p in procs:
-        p.join(timeout=scaled(60))
-        assert p.exitcode == 0
+    # three processes of their own (from the suite's forkserver, which imported torch and
+    # shardstream once, as the DDP tests' ranks do; spawn imported them in each: 3 interpreters)
+    out = rank_context().Queue()
+    with spawned_ranks(_read_all, 3, (url, options, cache_dir, 10**9, out)) as procs:
+        results = [out.get(timeout=scaled(120)) for _ in procs]
+        for p in procs:
+            p.join(timeout=scaled(60))
+            assert p.exitcode == 0
     expected = sorted(s["__key__"] for s in make_samples(100))
     assert all(sorted(keys) == expected for keys, _ in results)
     assert sum(stats["cache_misses"] for _, stats in results) == 5  # 5 shards, 3 processes x 2 workers

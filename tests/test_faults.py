@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import make_samples, write_dataset
+from conftest import make_samples, scaled, write_dataset
 from faultproxy import FaultProxy
 
 from shardstream import Read, ShardStream, Shuffle, Store, World, make_loader
@@ -243,16 +243,17 @@ def test_a_small_object_cut_midway_resumes_at_the_byte_reached(s3, s3_client):
 @pytest.mark.parametrize("stall", ["headers", "accept"])
 @pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
 def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, s3_client, stall):
-    """With read and connect timeouts of 30 s, a deadline of 3 s ends a stalled request (no answer,
-    or headers and then no body) after about 3 s: the manifest's read, a shard's range and an
-    offset sidecar's. The bound asserted is generous (deadline * 1.5 + 2 s) for a loaded machine;
-    a try that ran to its own read timeout would take 30 s."""
+    """With read and connect timeouts of 30 s, a deadline of 1.5 s ends a stalled request (no
+    answer, or headers and then no body) after about 1.5 s: the manifest's read, a shard's range
+    and an offset sidecar's. The bound asserted is generous (deadline * 1.5 + 2 s, the 2 s
+    stretched by the load) for a loaded machine; a try that ran to its own read timeout would take
+    30 s. (The deadline was 3 s: three stalls of 3 s, 9 s of each case's 10-13, were waits.)"""
     from shardstream.format.manifest import load_manifest
     from shardstream.format.offsets import OFFSET_CACHE
     from shardstream.storage.config import StorageConfig
 
-    deadline = 3
-    bound = deadline * 1.5 + 2
+    deadline = 1.5
+    bound = deadline * 1.5 + scaled(2)  # at most 14.25 s: still well short of the 30 s read timeout
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/stall", 40, max_count=20, size=500, storage_options=options)
     config = StorageConfig(s3_client=s3_client, deadline=deadline, connect_timeout=30, read_timeout=30)
@@ -277,19 +278,20 @@ def test_a_stalled_store_fails_within_the_deadline_not_the_read_timeout(s3, s3_c
 def test_a_stalled_head_fails_within_the_deadline(s3):
     """A HEAD (an object's size, before a whole-object read) cannot be handed the time left like a
     GET: its filesystem's connect and read timeouts are cut to the deadline instead, so a store
-    that accepts it and never answers fails after about the deadline, not the 30 s read timeout."""
+    that accepts it and never answers fails after about the deadline (1.5 s), not the 30 s read
+    timeout."""
     from shardstream.storage.config import StorageConfig
     from shardstream.storage.ranges import object_size
 
     bucket, options, client = s3
     client.put_object(Bucket=bucket, Key="head/obj", Body=b"x" * 100)
-    config = StorageConfig(deadline=3, connect_timeout=30, read_timeout=30)
+    config = StorageConfig(deadline=1.5, connect_timeout=30, read_timeout=30)
     with FaultProxy(options["endpoint_url"], faulty_methods=("HEAD",), stall="accept") as proxy:
         began = time.monotonic()
         with pytest.raises(StorageTimeout, match=r"s3://.*/head/obj: .*timeout.* after \d+ tr") as info:
             object_size(f"s3://{bucket}/head/obj", {"endpoint_url": proxy.url}, config=config)
         elapsed = time.monotonic() - began
-    assert proxy.counts["stalls"] >= 1 and elapsed < 3 * 1.5 + 2, (elapsed, str(info.value))  # (generous: a loaded machine)
+    assert proxy.counts["stalls"] >= 1 and elapsed < 1.5 * 1.5 + scaled(2), (elapsed, str(info.value))  # (generous: a loaded machine)
 
 
 @pytest.mark.parametrize("what", ["head obstore", "head s3fs", "listing"])
@@ -320,5 +322,8 @@ def test_a_late_try_of_a_head_or_a_listing_ends_at_the_deadline(s3, what):
                 fs, path = get_fs(url, config.fs_options(proxied, "s3"), config)
                 call(url, lambda: fs.ls(path, refresh=True), config=config, began=began - 5, bounded=True)
         elapsed = time.monotonic() - began
-    assert proxy.counts["stalls"] == 1 and elapsed < 4, (elapsed, str(info.value))
+    # one try (the message says so): the proxy saw at most that one; on a loaded machine its
+    # handler thread may not read the request before the try's last second is out (0 seen once,
+    # load 10 on 2 cores)
+    assert proxy.counts["stalls"] <= 1 and elapsed < 4, (elapsed, str(info.value))
     assert 6 <= info.value.waited < 9

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import scaled
+from conftest import rank_context, scaled
 
 from shardstream import private
 from shardstream.private import PrivateNameGone
@@ -47,13 +47,15 @@ def test_pin_memory_walks_a_nested_batch():
     assert batch["x"].is_pinned() and batch["y"][0].is_pinned()
 
 
+# DataLoader workers below start from the suite's forkserver (torch imported once there; spawn
+# imported it in each worker): what is checked is the iterator's private names, whatever started them
 class _Four(torch.utils.data.IterableDataset):
     def __iter__(self):
         yield from range(4)
 
 
 def test_a_dataloader_iterator_with_workers_shows_them_times_out_and_shuts_down():
-    loader = torch.utils.data.DataLoader(_Four(), num_workers=1, persistent_workers=True, multiprocessing_context="spawn")
+    loader = torch.utils.data.DataLoader(_Four(), num_workers=1, persistent_workers=True, multiprocessing_context=rank_context())
     assert private.loader_iterator(loader) is None
     it = iter(loader)
     workers = private.iterator_workers(it)
@@ -72,7 +74,7 @@ def test_a_dataloader_iterator_with_workers_shows_them_times_out_and_shuts_down(
 
 
 def test_the_iterator_timeout_is_recognised_by_its_message():
-    loader = torch.utils.data.DataLoader(_Slow(), num_workers=1, timeout=0.01, multiprocessing_context="spawn")
+    loader = torch.utils.data.DataLoader(_Slow(), num_workers=1, timeout=0.01, multiprocessing_context=rank_context())
     it = iter(loader)
     with pytest.raises(RuntimeError) as raised:
         next(it)

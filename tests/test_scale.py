@@ -16,6 +16,7 @@ import distributed
 import numpy as np
 import pytest
 from conftest import make_samples, write_image_folder
+from packfns import make_pair  # importable by pack's spawned workers without this module's imports
 
 from shardstream import ShardStream, ShardWriter, Shuffle, World
 from shardstream.cli.main import main
@@ -337,14 +338,6 @@ def test_index_writes_sidecars_for_shards_outside_the_manifest_dir(tmp_path):
 
 
 # -- packing as shard tasks ------------------------------------------------------------------------
-def make_pair(i):
-    """A module-level fn for pack(fn, inputs): one sample per input, two for multiples of 7."""
-    out = [{"__key__": f"in{i:04d}", "txt": f"input {i}", "cls": i % 5}]
-    if i % 7 == 0:
-        out.append({"__key__": f"in{i:04d}b", "txt": f"extra {i}", "cls": 9})
-    return iter(out)
-
-
 def fail_on_13(i):
     if i == 13:
         raise RuntimeError("thirteen is unlucky")
