@@ -147,6 +147,8 @@ def main() -> None:
         last = [r[-1] for r in got]
         cells = [statistics.median(x[k] for x in part) for part in (first, last) for k in (0, 1)]
         print(f"| {name} | {method} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+    for (name, method), got in runs.items():
+        print(f"# {name} {method}, last loader wall s by round: " + " ".join(f"{r[-1][0]:.3f}" for r in got))
 
 
 if __name__ == "__main__":
