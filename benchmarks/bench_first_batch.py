@@ -58,13 +58,25 @@ def descendants_cpu() -> dict[str, float]:
     return {pid: cpu[pid] for pid in mine}
 
 
+def _tree_of(module) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+
+
+def check_tree(worker_id: int) -> None:
+    """The loaders' worker_init_fn: a worker runs the tree measured, as the main process does."""
+    import shardstream
+
+    if _tree_of(shardstream) != os.path.abspath(os.environ["FIRST_BATCH_TREE"]):
+        raise RuntimeError(f"worker {worker_id} imported shardstream from {_tree_of(shardstream)}, not the tree measured")
+
+
 def one_process(method: str, workers: int, endpoint: str, loaders: int) -> None:
     """``--one``: the loaders of one process; prints one JSON line, [wall, CPU] per loader."""
     sys.path.insert(0, os.environ["FIRST_BATCH_TREE"])  # the tree measured, before this checkout (common put it first)
     import shardstream
     from shardstream import ShardStream, Store, World, make_loader
 
-    assert os.path.dirname(os.path.dirname(os.path.abspath(shardstream.__file__))) == os.path.abspath(os.environ["FIRST_BATCH_TREE"])
+    assert _tree_of(shardstream) == os.path.abspath(os.environ["FIRST_BATCH_TREE"])
 
     out = []
     for _ in range(loaders):
@@ -72,7 +84,7 @@ def one_process(method: str, workers: int, endpoint: str, loaders: int) -> None:
         stream = ShardStream(
             "s3://bench/first", batch_size=4, shuffle=False, decode=False, world=World(0, 1), store=Store(options={"endpoint_url": endpoint})
         )
-        loader = make_loader(stream, num_workers=workers, pin_memory=False, log_interval=None, start_method=method)
+        loader = make_loader(stream, num_workers=workers, pin_memory=False, log_interval=None, start_method=method, worker_init_fn=check_tree)
         it = iter(loader)
         next(it)
         wall, own = time.perf_counter() - t, time.process_time() - c
@@ -111,10 +123,16 @@ def main() -> None:
             for name, path in trees.items():
                 for method in args.methods.split(","):
                     tree = os.path.abspath(path)
-                    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, common.HERE]), FIRST_BATCH_TREE=tree, OMP_NUM_THREADS="1")
-                    command = [sys.executable, os.path.abspath(__file__), "--one", method, str(args.workers), endpoint]
+                    # Run in the tree, with the tree's own copy of this script where it has one: a
+                    # forkserver's workers imported shardstream from the driver's working directory
+                    # (or the checkout of the script the server preloads), not from the tree measured.
+                    script = os.path.join(tree, "benchmarks", os.path.basename(__file__))
+                    script = script if os.path.exists(script) else os.path.abspath(__file__)
+                    here = os.path.dirname(script)
+                    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, here]), FIRST_BATCH_TREE=tree, OMP_NUM_THREADS="1")
+                    command = [sys.executable, script, "--one", method, str(args.workers), endpoint]
                     command += ["--loaders", str(args.loaders)]
-                    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+                    done = subprocess.run(command, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
                     if done.returncode != 0:
                         print(f"# {name} {method}: failed\n{done.stderr[-2000:]}", flush=True)
                         continue
@@ -129,6 +147,8 @@ def main() -> None:
         last = [r[-1] for r in got]
         cells = [statistics.median(x[k] for x in part) for part in (first, last) for k in (0, 1)]
         print(f"| {name} | {method} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+    for (name, method), got in runs.items():
+        print(f"# {name} {method}, last loader wall s by round: " + " ".join(f"{r[-1][0]:.3f}" for r in got))
 
 
 if __name__ == "__main__":

@@ -224,6 +224,42 @@ def test_sizes_share_segments_within_a_size_class_and_the_pool_is_bounded():
     assert pool.reused == 1
 
 
+def test_a_segment_made_ahead_serves_the_first_batch_that_fits_it():
+    channels = Channels(1)
+    pool = WorkerPool(channels.pipes[0][0], 0, ahead=MB)  # made in a thread from now on
+    assert pool.ahead_capacity >= MB
+    first, got = _send(pool, channels, 1.0)  # a batch of 1 MiB: the segment made ahead
+    assert pool.made_ahead == 1 and pool.made == 0 and pool.reused == 0
+    assert [storage is not None for _, storage in first.segments] == [True]  # sent as any new one is
+    assert bool((got == 1.0).all())
+    del got
+    again, got = _send(pool, channels, 2.0)  # released: it is reused like any other
+    assert again.segments == [(first.segments[0][0], None)] and pool.reused == 1 and bool((got == 2.0).all())
+
+
+def test_a_segment_made_ahead_that_does_not_fit_stays_free_in_the_pool():
+    channels = Channels(1)
+    pool = WorkerPool(channels.pipes[0][0], 0, ahead=MB)
+    _, big = _send(pool, channels, 1.0, n=MB)  # 4 MiB: more than twice its size
+    assert pool.made_ahead == 1 and pool.made == 1 and len(pool.segments) == 2
+    ahead = next(seg.number for seg in pool.segments if seg.capacity < 4 * MB)
+    handoff, small = _send(pool, channels, 2.0)  # 1 MiB: the one made ahead, untouched until now
+    assert handoff.segments[0][0] == ahead and pool.made == 1 and len(pool.segments) == 2
+    assert bool((big == 1.0).all()) and bool((small == 2.0).all())
+
+
+def test_no_segment_is_made_ahead_for_a_worker_that_inherited_some():
+    channels, pool = _pool()
+    _send(pool, channels, 1.0)
+    channels.forget({pool.token}, retire=True)
+    channels.prepare_workers()
+    token, inherited = channels.inherit[0]
+    heir = WorkerPool(channels.pipes[0][0], 0, token=token, inherited=inherited, ahead=MB)
+    assert heir.ahead_capacity == 0 and heir.inherited == 1
+    heir.take(MB)
+    assert heir.made_ahead == 0 and len(heir.segments) == 2  # (in one process the inherited one is still in use)
+
+
 def test_the_handoff_record_pickles():
     import pickle
 
@@ -426,3 +462,59 @@ def test_a_dropped_loader_closes_its_pipes(tmp_path):
     del batches
     gc.collect()
     assert not ours & open_pipes()
+
+
+class RecordAhead:
+    """A worker_init_fn (after the loader's own start): what this worker's pool is making ahead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, worker_id):
+        pool = worker_pool()
+        with open(os.path.join(self.path, f"ahead-{worker_id}"), "w") as f:
+            f.write(str(-1 if pool is None else pool.ahead_capacity))
+
+
+@pytest.mark.parametrize("method", ["forkserver", "fork"])
+def test_workers_make_their_first_segment_ahead_sized_from_the_manifest(tmp_path, method):
+    rng = np.random.default_rng(2)
+    blobs = [rng.bytes(MB + int(rng.integers(0, 50_000))) for _ in range(16)]
+    with ShardWriter(str(tmp_path / "b"), max_count=4) as w:
+        for i, b in enumerate(blobs):
+            w.write_encoded(f"{i:04d}", {"bin": b})
+    ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
+    record = RecordAhead(str(tmp_path))
+    loader = make_loader(ds, num_workers=2, worker_init_fn=record, log_interval=None, start_method=method)
+    # the manifest's mean sample (its tar headers included) times the batch, a quarter more
+    assert loader.channels is not None
+    assert 2 * (MB + 50_000) <= loader.channels.first_batch_bytes <= 2 * (MB + 60_000) * 5 // 4
+    got = {}
+    for batch in loader:
+        assert [type(b) for b in batch["bin"]] == [bytes, bytes]
+        got.update(zip(batch["__key__"], batch["bin"]))
+    assert got == {f"{i:04d}": b for i, b in enumerate(blobs)}
+    for worker in range(2):
+        with open(tmp_path / f"ahead-{worker}") as f:
+            assert int(f.read()) >= loader.channels.first_batch_bytes
+
+
+def test_no_segment_is_sized_ahead_where_the_manifest_cannot_tell_a_batch_size(tmp_path):
+    root, _ = _npy_dataset(tmp_path / "d", n=16)  # small samples: their fields travel inline
+    small = ShardStream(root, batch_size=4, shuffle=False, decode=False, world=World(0, 1))
+    assert make_loader(small, num_workers=2, log_interval=None).channels.first_batch_bytes == 0
+    rng = np.random.default_rng(3)
+    with ShardWriter(str(tmp_path / "b"), max_count=4) as w:
+        for i in range(8):
+            w.write_encoded(f"{i:04d}", {"bin": rng.bytes(2 * MB)})
+    big = str(tmp_path / "b")
+    for kwargs in ({"decode": True}, {"decode": False, "transform": _identity}, {"decode": {"bin": bytes}}):
+        ds = ShardStream(big, batch_size=2, shuffle=False, world=World(0, 1), **kwargs)
+        assert make_loader(ds, num_workers=2, log_interval=None).channels.first_batch_bytes == 0, kwargs
+    ds = ShardStream(big, batch_size=2, shuffle=False, decode=False, world=World(0, 1))
+    assert make_loader(ds, num_workers=2, log_interval=None, collate_fn=ReportReuse2()).channels.first_batch_bytes == 0
+    assert make_loader(ds, num_workers=2, log_interval=None).channels.first_batch_bytes >= 4 * MB
+
+
+def _identity(sample):
+    return sample

@@ -54,6 +54,7 @@ from shardstream.loader.workers import (
     warm_forkserver,
     watched,
 )
+from shardstream.pipeline.batch import default_collate
 from shardstream.plan.cursor import Cursor, Origin
 from shardstream.plan.requests import is_remote
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
@@ -588,6 +589,24 @@ def _ready_quietly(dataset: ShardStream) -> None:
         logger.debug("shardstream: storage not readied ahead of the fork", exc_info=True)
 
 
+def _stored_batch_bytes(dataset: ShardStream) -> int:
+    """Shared-memory bytes for a batch of samples handed over as they are stored (no decoding, no
+    transform, the default collate), from the manifests' mean sample size, with a quarter more
+    room (a segment serves batches of half its size and up); 0 where a batch's size is not known
+    from the manifests, or its fields travel inline."""
+    manifests = dataset.sources.manifests
+    decode = dataset.decode
+    if decode.defaults or decode.decoders or decode.required or decode.alias or dataset._transform is not None:
+        return 0
+    if not dataset.batch_size or dataset.tables or dataset.collate is not default_collate:
+        return 0
+    samples = sum(m.total_samples for m in manifests)
+    mean = sum(m.total_bytes for m in manifests) // max(samples, 1)
+    if mean < SHARED_FIELD_MIN_BYTES:
+        return 0
+    return mean * dataset.batch_size * 5 // 4
+
+
 def make_loader(
     dataset: ShardStream,
     *,
@@ -676,7 +695,7 @@ def make_loader(
     if num_workers > 0:
         collate_fn = PackInWorker(collate_fn)
         if reuse_shared_memory:
-            channels = Channels(num_workers)
+            channels = Channels(num_workers, first_batch_bytes=_stored_batch_bytes(dataset) if collate_fn.fn is None else 0)
         kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
     return ShardLoader(
         dataset,

@@ -47,6 +47,13 @@ batch view holds any more, under a token it chose for that worker and registered
 mappings, so the worker sends them by number from its first batch. A pass cut short (``break``)
 unmaps its segments as before: its workers may still be running when that is noticed.
 
+A new worker's first batch would wait for its first segment: made, its pages zeroed and mapped
+(16 MiB: 11-40 ms here with two workers starting at once). Where the manifests tell a batch's size
+(samples handed over as stored: ``make_loader``'s ``_stored_batch_bytes``), each worker that
+inherited no segment makes one of that size in a thread as it starts, while its plan, its storage
+client and its first GET go on; the first ``take`` that fits it gets it (waiting for the thread if
+it is not done). One that does not fit stays in the pool like any other.
+
 Workers that are not forked (forkserver, spawn: see workers.py) receive the read end of their
 release pipe as a passed descriptor and the segments set aside for them as shared storages, with
 the loader's channels pickled into their ``worker_init_fn``: the same protocol, from the same
@@ -158,7 +165,7 @@ def _arrive(token: int, worker: int, segments: list[tuple[int, Any]], dropped: l
 
 
 class _Segment:
-    __slots__ = ("number", "storage", "capacity", "taken", "pending", "known", "inherited")
+    __slots__ = ("number", "storage", "capacity", "taken", "pending", "known", "inherited", "ahead")
 
     def __init__(self, number: int, storage: Any, capacity: int):
         self.number, self.storage, self.capacity = number, storage, capacity
@@ -166,6 +173,7 @@ class _Segment:
         self.pending = 0  # sendings the main process has not released yet
         self.known = False  # the main process has it mapped (it released it once)
         self.inherited = False  # made before this worker was forked: its pages are not mapped here yet
+        self.ahead = False  # made ahead of the first batch and not handed out yet
 
 
 class WorkerPool:
@@ -180,6 +188,7 @@ class WorkerPool:
         channels_id: int = 0,
         token: int | None = None,
         inherited: Sequence[tuple[int, Any, int]] = (),
+        ahead: int = 0,
     ):
         self.fd, self.worker, self.max_segments, self.channels_id = release_fd, worker, max_segments, channels_id
         self.token = int.from_bytes(os.urandom(8), "little") if token is None else token
@@ -191,8 +200,41 @@ class WorkerPool:
         self._numbers = max((n for n, _, _ in inherited), default=-1) + 1
         self._dropped: list[int] = []
         self._rest = b""
-        self.reused = self.made = 0
+        self.reused = self.made = self.made_ahead = 0
         self.inherited = len(self.segments)
+        self._ahead: tuple[threading.Thread, list[Any], int] | None = None
+        self.ahead_capacity = 0  # the size of the segment made ahead (0: none)
+        if ahead > 0 and not self.segments:
+            self._make_ahead(_capacity(ahead))
+
+    def _make_ahead(self, capacity: int) -> None:
+        """Make a segment of ``capacity`` in a thread: the worker's first batch finds it ready."""
+        made: list[Any] = []
+
+        def make() -> None:
+            try:
+                made.append(new_shared(capacity))
+            except Exception:  # noqa: BLE001 - (out of shared memory, say): the first batch makes its own, as before
+                pass
+
+        thread = threading.Thread(target=make, name="shardstream-segment", daemon=True)
+        thread.start()
+        self._ahead = (thread, made, capacity)
+        self.ahead_capacity = capacity
+
+    def _join_ahead(self) -> None:
+        """The segment made ahead joins the pool (waiting for it if it is still being made)."""
+        if self._ahead is None:
+            return
+        thread, made, capacity = self._ahead
+        self._ahead = None
+        thread.join()
+        if made:
+            seg = _Segment(self._numbers, made[0], capacity)
+            seg.ahead = True
+            self.segments.append(seg)
+            self._numbers += 1
+            self.made_ahead += 1
 
     def _drain(self) -> None:
         data = self._rest
@@ -222,6 +264,7 @@ class WorkerPool:
 
     def take(self, nbytes: int) -> Any:
         """A shared ``UntypedStorage`` of at least ``nbytes``, maybe written before."""
+        self._join_ahead()
         self._drain()
         best = None
         for seg in self.segments:
@@ -229,7 +272,8 @@ class WorkerPool:
                 best = seg
         if best is not None:
             best.taken = True
-            self.reused += 1
+            self.reused += not best.ahead  # (made ahead: its first use is no reuse)
+            best.ahead = False
             if best.inherited:  # first use in this worker: map its pages in one call
                 best.inherited = False
                 populate(best.storage)
@@ -292,8 +336,11 @@ class Channels:
     """One loader's release pipes (one per worker) and, in the main process, the segments it has
     mapped. Made by make_loader; forked workers inherit it with the loader."""
 
-    def __init__(self, num_workers: int):
+    def __init__(self, num_workers: int, first_batch_bytes: int = 0):
         self.owner = os.getpid()
+        # A batch's bytes in shared memory as the manifest foretells them (0: unknown): each new
+        # worker with no inherited segment makes one that size ahead, in a thread (WorkerPool).
+        self.first_batch_bytes = first_batch_bytes
         self.id = int.from_bytes(os.urandom(8), "little")
         _live[self.id] = self
         self.pipes: list[tuple[int, int]] = []
@@ -312,10 +359,11 @@ class Channels:
 
     def __getstate__(self) -> dict[str, Any]:
         if not spawning() or not self.pipes:  # a plain copy: no pipes, no pool
-            return {"owner": -1, "pipes": [], "id": 0, "inherit": {}}
+            return {"owner": -1, "pipes": [], "id": 0, "inherit": {}, "first_batch_bytes": 0}
         # A worker started by a forkserver or spawn: the read ends of the release pipes go as passed
         # descriptors, the segments set aside for it as shared storages (torch's reduction: their fds).
-        return {"owner": _PASSED, "pipes": [(dup_fd(r), -1) for r, _ in self.pipes], "id": self.id, "inherit": self.inherit}
+        pipes = [(dup_fd(r), -1) for r, _ in self.pipes]
+        return {"owner": _PASSED, "pipes": pipes, "id": self.id, "inherit": self.inherit, "first_batch_bytes": self.first_batch_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["pipes"] = [(r.detach() if hasattr(r, "detach") else r, w) for r, w in state["pipes"]]
@@ -361,7 +409,8 @@ class Channels:
             self.mapped.pop(token, None)
         _parents.append((self.mapped, self.retired))
         self.mapped, self.views, self.retired, self.inherit = {}, {}, {}, {}
-        _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited)
+        ahead = self.first_batch_bytes
+        _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited, ahead=ahead)
         set_shared_allocator(_pool.take)  # the pipeline's batch buffers come from this pool
 
     def workers_tokens(self) -> set[int]:
