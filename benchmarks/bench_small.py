@@ -225,7 +225,17 @@ def run(python: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if OMP_UNSET:  # --omp-unset: torch's own default thread count (one per core)
         env.pop("OMP_NUM_THREADS")
-    done = subprocess.run([python, os.path.abspath(__file__), *args], capture_output=True, text=True, env=env)
+    # Another checkout (--repo) runs in that checkout, from its own copy of this script where it has
+    # one: a forkserver's server (Python 3.11) ignores the sys.path it is handed and preloads
+    # shardstream from its working directory, so, run from here, a baseline's workers would use
+    # this checkout's shardstream, not the baseline's.
+    repo = os.path.abspath(args[args.index("--repo") + 1]) if "--repo" in args else None
+    script = os.path.abspath(__file__)
+    if repo is not None:
+        env["PYTHONPATH"] = repo
+        own = os.path.join(repo, "benchmarks", os.path.basename(script))
+        script = own if os.path.exists(own) else script
+    done = subprocess.run([python, script, *args], capture_output=True, text=True, env=env, cwd=repo)
     if done.returncode != 0:
         raise SystemExit(f"{python} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
     lines = done.stdout.strip().splitlines()
