@@ -377,12 +377,18 @@ def test_batches_dropped_unseen_when_a_pass_is_cut_short_release_their_segments(
     assert seen[-2][0] > seen[0][0] and seen[-1][0] > seen[1][0] and max(p for _, p in seen) <= 4, seen
 
 
-def test_large_undecoded_fields_reuse_segments_and_arrive_whole(tmp_path):
-    rng = np.random.default_rng(1)
-    blobs = [rng.bytes(MB + int(rng.integers(0, 50_000))) for _ in range(12)]
-    with ShardWriter(str(tmp_path / "b"), max_count=4) as w:
+def _write_blobs(root, n: int, seed: int) -> list[bytes]:
+    """n undecoded samples of 1 MB and up to 50 KB more, 4 to a shard, in root; their bytes."""
+    rng = np.random.default_rng(seed)
+    blobs = [rng.bytes(MB + int(rng.integers(0, 50_000))) for _ in range(n)]
+    with ShardWriter(str(root), max_count=4) as w:
         for i, b in enumerate(blobs):
             w.write_encoded(f"{i:04d}", {"bin": b})
+    return blobs
+
+
+def test_large_undecoded_fields_reuse_segments_and_arrive_whole(tmp_path):
+    blobs = _write_blobs(tmp_path / "b", 12, seed=1)
     ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
     loader = make_loader(ds, num_workers=2, persistent_workers=True, collate_fn=ReportReuse2(), log_interval=None)
     reused = 0
@@ -478,11 +484,7 @@ class RecordAhead:
 
 @pytest.mark.parametrize("method", ["forkserver", "fork"])
 def test_workers_make_their_first_segment_ahead_sized_from_the_manifest(tmp_path, method):
-    rng = np.random.default_rng(2)
-    blobs = [rng.bytes(MB + int(rng.integers(0, 50_000))) for _ in range(16)]
-    with ShardWriter(str(tmp_path / "b"), max_count=4) as w:
-        for i, b in enumerate(blobs):
-            w.write_encoded(f"{i:04d}", {"bin": b})
+    blobs = _write_blobs(tmp_path / "b", 16, seed=2)
     ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
     record = RecordAhead(str(tmp_path))
     loader = make_loader(ds, num_workers=2, worker_init_fn=record, log_interval=None, start_method=method)
