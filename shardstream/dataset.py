@@ -156,8 +156,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.decoder = Decoder(decoders, self.decode.required, self.decode.alias)
         # Columnar batches (pipeline/table.py): every source a table of one schema, no per-sample transform.
         schemas = {tuple(m.columns if m.projection is None else [c for c in m.columns if c[0] in m.projection]) for m in self.tables}
-        per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
-        self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not per_sample
+        # Work done on each sample between the read and the batch: a transform, or decoders of the user's.
+        self.per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
+        self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not self.per_sample
         if self.batch_transform is not None and not self.columnar:
             raise ConfigError(
                 "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "

@@ -594,12 +594,9 @@ def _stored_batch_bytes(dataset: ShardStream) -> int:
     transform, the default collate), from the manifests' mean sample size, with a quarter more
     room (a segment serves batches of half its size and up); 0 where a batch's size is not known
     from the manifests, or its fields travel inline."""
+    if dataset.per_sample or dataset.decode.defaults or not dataset.batch_size or dataset.tables or dataset.collate is not default_collate:
+        return 0
     manifests = dataset.sources.manifests
-    decode = dataset.decode
-    if decode.defaults or decode.decoders or decode.required or decode.alias or dataset._transform is not None:
-        return 0
-    if not dataset.batch_size or dataset.tables or dataset.collate is not default_collate:
-        return 0
     samples = sum(m.total_samples for m in manifests)
     mean = sum(m.total_bytes for m in manifests) // max(samples, 1)
     if mean < SHARED_FIELD_MIN_BYTES:

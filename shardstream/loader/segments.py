@@ -409,8 +409,7 @@ class Channels:
             self.mapped.pop(token, None)
         _parents.append((self.mapped, self.retired))
         self.mapped, self.views, self.retired, self.inherit = {}, {}, {}, {}
-        ahead = self.first_batch_bytes
-        _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited, ahead=ahead)
+        _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited, ahead=self.first_batch_bytes)
         set_shared_allocator(_pool.take)  # the pipeline's batch buffers come from this pool
 
     def workers_tokens(self) -> set[int]:

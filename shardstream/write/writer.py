@@ -271,10 +271,7 @@ class ShardWriter:
         if not self._created and any(p != marker for p in ours):
             return
         for path in ours:
-            try:
-                self.fs.rm_file(path)
-            except FileNotFoundError as exc:
-                release_frames(exc)
+            self._remove_if_there(path)
         if self._local and self._created:
             folders = {os.path.dirname(p) for p in ours} - {self.root}
             for folder in sorted(folders, reverse=True) + [self.root]:
@@ -355,10 +352,14 @@ class ShardWriter:
                     release_frames(exc)
         for entry in entries:
             if _is_leftover(entry.rsplit("/", 1)[-1]):
-                try:
-                    self.fs.rm_file(entry)
-                except FileNotFoundError as exc:
-                    release_frames(exc)
+                self._remove_if_there(entry)
+
+    def _remove_if_there(self, path: str) -> None:
+        """Remove ``path``; one already gone is fine (its error's frames let go: ``release_frames``)."""
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError as exc:
+            release_frames(exc)
 
     def skip(self, where: str, error: str) -> None:
         """Record a sample left out under the skip policy (counted and listed in the manifest)."""
@@ -435,10 +436,7 @@ class ShardWriter:
         )
         # (options carrying the config: the manifest goes through this writer's own filesystem)
         write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), storage.bound_options(self.dest, self.storage_options, self.config))
-        try:
-            self.fs.rm_file(storage.join(self.root, PACK_MARKER))  # the pack is complete
-        except FileNotFoundError as exc:
-            release_frames(exc)
+        self._remove_if_there(storage.join(self.root, PACK_MARKER))  # the pack is complete
         manifest.base_url = self.dest
         manifest.storage_options = dict(self.storage_options)
         self.manifest = manifest
