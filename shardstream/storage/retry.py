@@ -366,8 +366,9 @@ class RangeReader:
     returned as they came. A read that makes progress starts the deadline afresh.
 
     The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
-    at or past the object's end) ends the stream, as a short local file does: the caller reports a
-    truncated object, not an invalid request."""
+    at or past the object's end) ends the stream, as a short local file does, and so does an fsspec
+    store's empty answer to a read (its ``cat_file`` past the end): the caller reports a truncated
+    object, not an invalid request."""
 
     def __init__(
         self,
@@ -508,6 +509,13 @@ class RangeReader:
             if got < size:  # the body is complete: the object ended before the range did
                 self.close()
                 if not got:
+                    if not self._streams:
+                        # fsspec's cat_file answers a range that starts at or past the object's end
+                        # with no bytes (as a slice would: memory://, zip://, any store without HTTP),
+                        # where S3 and HTTP answer 416: the same end of the stream, not a failed try
+                        # (it was retried as one, an EOFError, until the deadline: 60 s by default)
+                        logger.debug("%s: the object ends before byte %d (an empty answer): end of stream", self.url, self.pos)
+                        return 0
                     if sent:  # a new request answered with nothing at all
                         self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self._asked}"))
                     continue  # ask again from here: the answer says where the object ends (416)
