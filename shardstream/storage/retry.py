@@ -347,10 +347,13 @@ def _within(fn: Callable[[], T], timeout: float) -> T:
     thread.join(timeout)
     if not done:
         raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)")
-    ok, value = done[0]
+    ok, value = done.pop()  # (kept in ``done``, the error would hold itself: its traceback holds run's frame, run its closure)
     if ok:
         return value
-    raise value
+    try:
+        raise value
+    finally:
+        del value  # (a frame that holds the error it raises is a cycle with it)
 
 
 class RangeReader:
