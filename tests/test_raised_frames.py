@@ -13,6 +13,7 @@ import gc
 import traceback
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import make_samples, write_dataset
@@ -33,15 +34,22 @@ class Held:
     """A local of the caller's frame: it goes when that frame does."""
 
 
-Run = Callable[[], tuple[weakref.ref, str, str]]
+def _dropped_error_frees(make: Callable[[], Any], call: Callable[[Any], object], error: type[BaseException]) -> tuple[bool, str, str]:
+    """``make()`` something (a dataset, a loader, or a ``Held`` a caller's frame keeps), then
+    ``call(it)``, which raises ``error``, caught as a user would (``except ... as``: dropped at the
+    end of the block): is what was made gone once that frame returns, with the garbage collector
+    off? Also the error's message and what a traceback shows of it (the cause's last line, type
+    and text, before the error's). Not pytest.raises: its ExceptionInfo, a local of a frame the
+    error's traceback holds, would be a cycle of the test's own."""
 
+    def run() -> tuple[weakref.ref, str, str]:
+        made = make()
+        try:
+            call(made)
+        except error as caught:
+            return weakref.ref(made), str(caught), "".join(traceback.format_exception(caught))
+        raise AssertionError(f"no {error.__name__} was raised")
 
-def _dropped_error_frees(run: Run) -> tuple[bool, str, str]:
-    """``run()`` makes something, reads until it raises, catches the error as a user would
-    (``except ... as error``: dropped at the end of the block) and returns a weak reference to what
-    it made, the error's message and its traceback's text (``_words``): is it gone once ``run``
-    returns, with the garbage collector off? (Not pytest.raises: its ExceptionInfo, a local of the
-    frame the error's traceback holds, would be a cycle of the test's own.)"""
     run()  # (clients and caches made and kept by the first run, outside the check)
     gc.collect()
     gc.disable()  # the collector's own passes (any allocation may start one) would hide a cycle
@@ -50,12 +58,6 @@ def _dropped_error_frees(run: Run) -> tuple[bool, str, str]:
         return gone() is None, message, text
     finally:
         gc.enable()
-
-
-def _words(error: BaseException) -> tuple[str, str]:
-    """The error's message, and what a traceback shows of it: its cause's last line (type and
-    text) first, then the error's."""
-    return str(error), "".join(traceback.format_exception(error))
 
 
 def _missing_shard(s3) -> str:
@@ -84,16 +86,9 @@ def test_a_dataset_whose_read_raised_goes_once_the_error_is_dropped(s3, tmp_path
         read=Read(readahead_bytes=0) if read == "no-readahead" else Read(),
         cache=Cache(str(tmp_path / "cache"), 10**8) if read == "cache" else None,
     )
-
-    def run() -> tuple[weakref.ref, str, str]:
-        ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=store)
-        try:
-            list(ds)
-        except StorageNotFound as error:
-            return weakref.ref(ds), *_words(error)
-        raise AssertionError("the missing shard was read")
-
-    freed, message, text = _dropped_error_frees(run)
+    freed, message, text = _dropped_error_frees(
+        lambda: ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=store), list, StorageNotFound
+    )
     assert freed
     assert message == f"{url}/{MISSING}"
     _cause_shown(text, CAUSE[s3_client])
@@ -106,16 +101,11 @@ def test_a_loader_whose_read_raised_goes_once_the_error_is_dropped(s3, workers):
     url = _missing_shard(s3)
     store = Store(options=s3[1])
 
-    def run() -> tuple[weakref.ref, str, str]:
+    def loader():
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=store)
-        loader = make_loader(ds, num_workers=workers, start_method="fork", pin_memory=False, log_interval=None)
-        try:
-            list(loader)
-        except StorageNotFound as error:
-            return weakref.ref(loader), *_words(error)
-        raise AssertionError("the missing shard was read")
+        return make_loader(ds, num_workers=workers, start_method="fork", pin_memory=False, log_interval=None)
 
-    freed, message, text = _dropped_error_frees(run)
+    freed, message, text = _dropped_error_frees(loader, list, StorageNotFound)
     assert freed
     if workers:  # DataLoader's words, then the worker's traceback (its cause's lines in it)
         assert message.startswith("Caught StorageNotFound in DataLoader worker process ") and f"{url}/{MISSING}" in message
@@ -125,20 +115,14 @@ def test_a_loader_whose_read_raised_goes_once_the_error_is_dropped(s3, workers):
         _cause_shown(text, CAUSE["obstore"])
 
 
+def _pack_one(dest: str, options: dict) -> None:
+    with ShardWriter(dest, max_count=10, storage_options=options) as w:
+        w.write(make_samples(1)[0])
+
+
 def test_a_pack_whose_bucket_is_missing_keeps_no_frame_of_the_caller(s3):
     """The destination check's listing (a bounded try on a thread of its own, ``retry.call``)."""
-    options = s3[1]
-
-    def run() -> tuple[weakref.ref, str, str]:
-        held = Held()
-        try:
-            with ShardWriter("s3://no-such-bucket-frames/x", max_count=10, storage_options=options) as w:
-                w.write(make_samples(1)[0])
-        except DestinationError as error:
-            return weakref.ref(held), *_words(error)
-        raise AssertionError("packed into a missing bucket")
-
-    freed, message, _ = _dropped_error_frees(run)
+    freed, message, _ = _dropped_error_frees(Held, lambda _: _pack_one("s3://no-such-bucket-frames/x", s3[1]), DestinationError)
     assert freed
     assert message == "cannot write s3://no-such-bucket-frames: the bucket does not exist (check the URL and --endpoint-url)"
 
@@ -148,17 +132,7 @@ def test_a_pack_the_credentials_may_not_write_keeps_no_frame_of_the_caller(auth)
     DestinationError whose cause's cycle held every caller's frame."""
     url, endpoint, users = auth
     dest = url.rsplit("/", 1)[0] + "/new"
-
-    def run() -> tuple[weakref.ref, str, str]:
-        held = Held()
-        try:
-            with ShardWriter(dest, max_count=10, storage_options=_options(endpoint, users["reader"])) as w:
-                w.write(make_samples(1)[0])
-        except DestinationError as error:
-            return weakref.ref(held), *_words(error)
-        raise AssertionError("a read-only user packed")
-
-    freed, message, text = _dropped_error_frees(run)
+    freed, message, text = _dropped_error_frees(Held, lambda _: _pack_one(dest, _options(endpoint, users["reader"])), DestinationError)
     assert freed
     assert message.startswith(f"cannot write {dest}/") and message.endswith(
         ": access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
@@ -173,15 +147,7 @@ def test_a_refused_head_asked_again_for_its_reason_keeps_no_frame_of_the_caller(
     the frame that held it and every caller's."""
     url, endpoint, users = auth
     shard = f"{url}/shard-000000.tar"
-
-    def run() -> tuple[weakref.ref, str, str]:
-        held = Held()
-        try:
-            object_size(shard, _options(endpoint, users["manifest-only"]), config=StorageConfig(s3_client=s3_client))
-        except AccessDenied as error:
-            return weakref.ref(held), *_words(error)
-        raise AssertionError("a HEAD the credentials may not make was answered")
-
-    freed, message, _ = _dropped_error_frees(run)
+    options, config = _options(endpoint, users["manifest-only"]), StorageConfig(s3_client=s3_client)
+    freed, message, _ = _dropped_error_frees(Held, lambda _: object_size(shard, options, config=config), AccessDenied)
     assert freed
     assert message == f"{shard}: access denied: these credentials may not do this (check the IAM or bucket policy, --profile and --endpoint-url)"
