@@ -196,12 +196,20 @@ def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
     ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
     and the retry asks for the same block again), its bytes the body (``_Fetched``). On an async
     filesystem (HTTP) the try is cancelled, its connection closed, when ``timeout`` runs out
-    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply."""
+    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply.
+
+    An HTTP server that ignores Range (``python -m http.server``) answers 200 with the whole
+    object, which fsspec hands over as the range's bytes: more bytes than asked fail at once; fewer
+    from an offset (an object that ends before the range does, or the whole of a short object) are
+    told apart by the object's size (a HEAD, only then): the whole object taken for bytes from the
+    offset was a parse of wrong bytes, and a truncated shard's error named a byte it never had."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
-    extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
+    protocol = getattr(fs, "protocol", None)
+    extra = {"cache_type": "none"} if protocol == "hf" else {}
     bounded = getattr(fs, "async_impl", False)
+    http = "http" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
     def open_body(a: int, b: int, timeout: float | None = None) -> Body:
         if bounded and timeout is not None:
@@ -211,11 +219,12 @@ def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
                 raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
         else:
             data = fs.cat_file(path, start=a, end=b, **extra)
-        if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
+        n = len(data)
+        if n > b - a or (http and 0 < a and n < b - a and n != max(0, fs.size(path) - a)):
             url = fs.unstrip_protocol(path)
             raise StorageError(
-                f"{url}: asked for bytes {a}-{b - 1}, the server sent {len(data)} bytes: it does not "
-                "support HTTP Range requests (206 Partial Content), which shardstream needs",
+                f"{url}: asked for bytes {a}-{b - 1}, the server sent {n} bytes{'' if n > b - a else ', the whole object'}: "
+                "it does not support HTTP Range requests (206 Partial Content), which shardstream needs",
                 url=url,
             )
         return _Fetched(data)
