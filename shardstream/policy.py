@@ -41,7 +41,10 @@ class ErrorPolicy:
         the run of failures to hold against the tolerance, for a later stage of the pipeline that
         counts its own (the transform: the decoding of the next samples is no success of it)."""
         if self.on_error == "raise":
-            raise exc
+            try:
+                raise exc
+            finally:
+                del exc  # (a frame that holds the error it raises is a cycle with it, and with every caller's frame)
         self.skipped += lost
         if self._counters is not None:
             self._counters.add("samples_skipped", lost)

@@ -227,6 +227,16 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     assert err.startswith("shardstream pack: error: ") and "Traceback" not in err
 
 
+def test_a_missing_source_is_said_to_be_missing(tmp_path):
+    """A mistyped source path is missing, not "not a directory" (a file that is none of the kinds still is)."""
+    with pytest.raises(SourceError, match=r"trian: source does not exist \(a directory, a \.jsonl file or tar shards\)"):
+        pack(str(tmp_path / "trian"), str(tmp_path / "o"), label_from_dir=True)
+    (tmp_path / "notes.txt").write_text("not a source")
+    with pytest.raises(SourceError, match=r"notes\.txt: source is not a directory, a \.jsonl file or tar shards"):
+        pack(str(tmp_path / "notes.txt"), str(tmp_path / "o"))
+    assert not (tmp_path / "o" / "index.json").exists()
+
+
 def test_unreadable_file_named(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

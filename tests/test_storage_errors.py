@@ -15,7 +15,7 @@ import time
 
 import pytest
 import s3fs
-from conftest import forget_aws_credentials, make_samples, scaled
+from conftest import forget_aws_credentials, make_samples, scaled, write_image_folder
 from faultproxy import FaultProxy
 
 from shardstream import Decode, ShardStream, ShardWriter, World, make_loader
@@ -177,6 +177,15 @@ def test_folder_of_tars_without_manifest_says_run_index(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "shardstream index" in err and "glob" in err
     with pytest.raises(E.ManifestError, match=r"run `shardstream index .*\*\.tar"):
+        ShardStream(root, batch_size=4, world=World(0, 1))
+
+
+def test_a_folder_of_files_to_pack_says_run_pack(tmp_path):
+    """A first user's mistake: the ImageFolder tree itself handed to ShardStream (or ``ls``) before
+    packing it. The error names ``shardstream pack`` for it, beside ``index`` for tar shards."""
+    write_image_folder(tmp_path / "train", classes=2, per_class=2)
+    root = str(tmp_path / "train")
+    with pytest.raises(E.ManifestError, match=rf"run `shardstream pack {re.escape(root)} DEST` and read DEST; for tar shards"):
         ShardStream(root, batch_size=4, world=World(0, 1))
 
 

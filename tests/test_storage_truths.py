@@ -12,13 +12,15 @@ import socket
 import struct
 import time
 
+import fsspec
 import pytest
 from conftest import make_samples, write_dataset
 from faultproxy import FaultProxy
+from test_http import RangeServer
 
 from shardstream import Cache, ShardStream, Store, World
 from shardstream.cli.main import main
-from shardstream.errors import BucketNotFound, ManifestError, ShardFormatError, StorageNotFound, StorageUnavailable
+from shardstream.errors import BucketNotFound, ManifestError, ShardFormatError, StorageError, StorageNotFound, StorageUnavailable
 from shardstream.format.manifest import load_manifest
 from shardstream.format.offsets import decode_offsets, encode_offsets
 from shardstream.storage.config import StorageConfig
@@ -103,6 +105,50 @@ def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_on_s3_as_on_loca
     else:  # the cache fetches the whole shard: it names the manifest's size
         size = int(ShardStream(url, batch_size=5, store=Store(options=options)).manifest.sizes[1])
         assert str(on_s3).endswith(f"stream ended at byte 15000, expected {size} (truncated shard)")
+
+
+@pytest.mark.parametrize("world", [World(0, 1), World(1, 2)], ids=["whole", "from-the-sidecar"])
+@pytest.mark.parametrize("where", ["memory", "file", "http", "http-no-range"])
+def test_a_shard_shorter_than_its_manifest_is_a_truncated_shard_at_once_on_fsspec_stores(tmp_path, where, world):
+    """fsspec's stores answer a read that starts past an object's end with no bytes (memory://, as
+    a slice would) or a 416 (HTTP): either ends the stream at once, a truncated shard in the words
+    local disk uses. (memory:// took the empty answer for a failed try and retried it until the
+    deadline, then said it could not reach storage.)"""
+    samples = make_samples(30, size=3000)
+    local = write_dataset(tmp_path / "local", samples=samples, max_count=10)
+    shard = tmp_path / "local" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:15_000])  # both halves of the shard start past 15000 for World(1, 2)
+    on_disk = _truncation_error(local, world=world)
+    server, memory = None, fsspec.filesystem("memory")
+    if where == "memory":
+        url = f"memory://{tmp_path.name}/d"
+        for f in sorted((tmp_path / "local").iterdir()):
+            memory.pipe(f"{url}/{f.name}", f.read_bytes())
+    elif where == "file":
+        url = f"file://{local}"
+    else:
+        server = RangeServer(str(tmp_path))
+        server.ranges = where == "http"
+        url = f"{server.url}/local"
+    try:
+        if where == "http-no-range":  # (python -m http.server) said at the first read that shows it: rank
+            # 1's from an offset of the cut shard gets all its 15000 bytes (once taken for bytes from there)
+            shown = r"shard-000000\.tar: asked for bytes 0-"
+            if world.rank:
+                shown = r"shard-000001\.tar: asked for bytes \d+-\d+, the server sent 15000 bytes, the whole object"
+            with pytest.raises(StorageError, match=rf"{shown}.*: it does not support HTTP Range requests"):
+                list(ShardStream(url, batch_size=5, shuffle=False, world=world))
+            return
+        # a deadline the test can wait out: before the fix memory:// ended in StorageUnavailable at it
+        on_store = _truncation_error(url, world=world, store=Store(config=StorageConfig(deadline=5)))
+    finally:
+        if server is not None:
+            server.stop()
+        if where == "memory":
+            memory.rm(url, recursive=True)
+    assert str(on_store).replace(url, local) == str(on_disk)
+    if server is not None:  # rank 1's read starts past the end: one 416, not retried
+        assert [r[3] for r in server.gets("/local/shard-000001.tar")].count(416) == world.rank
 
 
 # -- 3. a retry message's time is the wall time -------------------------------------------------------

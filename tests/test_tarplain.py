@@ -278,6 +278,25 @@ def test_fuzz_regular_samples_agree(n, m, sizes, read_size):
 # -- around the parser ------------------------------------------------------------------------------
 
 
+class RecordingReader(FileReader):
+    """A local file's reader (``FileReader``, as ``open_range`` makes one) that records the size of
+    every read asked of it, ``read(n)`` and ``readinto(view)`` alike, in ``asked``."""
+
+    __slots__ = ("asked",)
+
+    def __init__(self, file):
+        super().__init__(file, None, None)
+        self.asked: list[int] = []
+
+    def __call__(self, n):
+        self.asked.append(n)
+        return super().__call__(n)
+
+    def readinto(self, view):
+        self.asked.append(len(view))
+        return super().readinto(view)
+
+
 def test_local_reads_stay_small(tmp_path):
     from shardstream.format.manifest import Manifest
     from shardstream.pipeline.read import LOCAL_READ, read_range
@@ -286,23 +305,11 @@ def test_local_reads_stay_small(tmp_path):
     path = tmp_path / "s.tar"
     path.write_bytes(samples_tar(2000))
     manifest: Manifest = scan_shards([str(path)])
-    asked = []
-
-    class Recording(FileReader):
-        __slots__ = ()
-
-        def __call__(self, n):
-            asked.append(n)
-            return super().__call__(n)
-
-        def readinto(self, view):
-            asked.append(len(view))
-            return super().readinto(view)
-
     with open(path, "rb") as f:
-        got = flat(read_range(manifest, Range(0, 0, 2000), read=Recording(f, None, None), read_size=4 << 20))
+        got = flat(read_range(manifest, Range(0, 0, 2000), read=(recording := RecordingReader(f)), read_size=4 << 20))
     with open(path, "rb") as f:
         expected = flat(iter_sample_dicts(f.read, url=manifest.shard_url(0), end=manifest.shards[0].span[1]))
+    asked = recording.asked
     assert got == expected and len(got) == 2000 and asked and max(asked) <= LOCAL_READ + 2560
 
 
@@ -322,23 +329,14 @@ def test_local_reads_of_members_behind_pax_headers_are_larger_by_their_share(tmp
     path = tmp_path / "w.tar"
     path.write_bytes(out.getvalue())
     manifest = scan_shards([str(path)])
-    asked = []
-
-    class Recording(FileReader):
-        __slots__ = ()
-
-        def readinto(self, view):
-            asked.append(len(view))
-            return super().readinto(view)
-
     with open(path, "rb") as f:
-        lists = list(read_range(manifest, Range(0, 0, 3000), read=Recording(f, None, None), read_size=4 << 20))
+        lists = list(read_range(manifest, Range(0, 0, 3000), read=(recording := RecordingReader(f)), read_size=4 << 20))
     with open(path, "rb") as f:
         span_end = manifest.shards[0].span[1]
         expected = flat(tar._parse(f.read, manifest.shard_url(0), 0, span_end, 1 << 16, False, (), tar.LARGE_MEMBER, None, dicts=True, fast=False))
     assert flat(lists) == expected and len(expected) == 3000
     # 9 blocks a sample, 4 of them pax headers and payloads: reads and lists 9/5 of a plain tar's.
-    assert LOCAL_READ < max(asked) <= LOCAL_READ * tar.MAX_SPREAD + 4608
+    assert LOCAL_READ < max(recording.asked) <= LOCAL_READ * tar.MAX_SPREAD + 4608
     assert max(len(chunk) for chunk in lists) <= PARSE_WINDOW * 9 // 5 // (9 * 512) + 2
     assert max(len(chunk) for chunk in lists) > PARSE_WINDOW // (9 * 512) + 2
 

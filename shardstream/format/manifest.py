@@ -535,7 +535,8 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
         root = url.rsplit("/", 1)[0] if "/" in url else "."
         raise restated(
             exc,
-            f"{url}: cannot read the manifest (not found). Is this a packed dataset root? For tar shards written by other "
+            f"{url}: cannot read the manifest (not found). Is this a packed dataset root? For a folder of files (an "
+            f"ImageFolder tree), run `shardstream pack {root} DEST` and read DEST; for tar shards written by other "
             f"tools, run `shardstream index '{root}/*.tar' {root}` once, or pass the shards themselves as a glob "
             f"('{root}/*.tar')",
             ManifestError,

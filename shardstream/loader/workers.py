@@ -44,6 +44,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing import synchronize
 from typing import Any
@@ -509,6 +510,7 @@ def watched(
                 if not is_iterator_timeout(exc):
                     died = _died(batches, stats, rank, str(exc), method)  # a worker gone: a bare RuntimeError
                     _shut_down(batches)
+                    traceback.clear_frames(exc.__traceback__)  # (a worker's own RuntimeError: as below)
                     if died is not None:
                         raise died from exc
                     raise
@@ -516,8 +518,12 @@ def watched(
                     message = _late_worker(batches, stats, rank, bound or 0, time.monotonic() - started)
                     _shut_down(batches)
                     raise WorkerTimeout(message) from None
-            except BaseException:  # a worker's exception, re-raised here; Ctrl-C
+            except BaseException as exc:  # a worker's exception, re-raised here; Ctrl-C
                 _shut_down(batches)
+                # DataLoader's reraise() holds the worker's error it raises: a cycle with every frame up
+                # to the user's (this loader with them) until a full garbage collection. The frames
+                # below this one are done: their locals go, their lines stay in the traceback.
+                traceback.clear_frames(exc.__traceback__)
                 raise
         bound = timeout
         if semaphores and all(_has_started(stats, i, w) for i, w in enumerate(workers)):

@@ -15,7 +15,10 @@ the exception's MRO, so botocore need not be imported to classify).
 
 A failure that is handled, not raised on (retried, or a missing path that means "empty"), lets its
 frames go (``release_frames``): one raised through fsspec's ``sync`` is in a reference cycle that
-holds every caller's frame and locals until the garbage collector's next full pass.
+holds every caller's frame and locals until the garbage collector's next full pass. So does the
+cause of every error ``storage_error`` makes: the typed error raised to the user keeps its cause's
+type, words and traceback lines, and no longer the cycle that kept the user's loader, dataset and
+buffers alive after the error was dropped.
 """
 
 from __future__ import annotations
@@ -154,8 +157,9 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def release_frames(exc: BaseException) -> None:
     """Clear the locals of the finished frames ``exc`` (and its causes and contexts) went through,
-    where the failure is handled, not raised on: the traceback keeps its lines, the frame that
-    caught it runs on.
+    where the failure is handled, or raised on as the cause of a typed error (``storage_error``):
+    the traceback keeps its lines, the frame that caught it runs on (a frame still running is
+    left as it is).
 
     An error of an async fsspec filesystem (s3fs, HTTP, gcsfs: every call through fsspec's
     ``sync``) is in a reference cycle: ``sync``'s frame holds the exception (its ``result`` list)
@@ -263,10 +267,10 @@ def explain_denied(fs, path: str, exc: BaseException) -> str:
     if error_code(exc) in (None, "403", "Forbidden") and fs is not None and "Local" not in type(fs).__name__:
         try:
             fs.cat_file(path, start=0, end=1)
-        except PermissionError as detailed:
-            exc = detailed
-        except Exception:  # noqa: BLE001 - the first answer stands
-            pass
+        except Exception as again:  # noqa: BLE001 - the first answer stands unless this one is a refusal too
+            release_frames(again)  # (through fsspec's sync: the cycle that holds this frame's callers)
+            if isinstance(again, PermissionError):
+                return denied_message(again)  # (its words, not the error: kept in a local, it held this frame)
     return denied_message(exc)
 
 
@@ -299,9 +303,15 @@ def storage_error(
     """The one translation of a storage failure into the error tree, naming ``url`` and the cause.
 
     ``attempts``/``waited`` say how long a transient cause lasted; ``fs``/``path`` let a bare 403
-    be asked again for its reason; ``hint`` is added to a not-found message (what the object is)."""
+    be asked again for its reason; ``hint`` is added to a not-found message (what the object is).
+
+    ``exc`` becomes the typed error's cause, its frames let go (``release_frames``): an error of
+    s3fs (fsspec's ``sync``, s3fs's own wrapper) held in its traceback the frame that held it, and
+    with it every caller's frame up to the user's: a loader whose read raised, its workers' handles
+    and its buffers lived on after the user dropped the error, until a full garbage collection."""
     if isinstance(exc, StorageError):
         return exc
+    release_frames(exc)
     kind = classify(exc)
     if kind is Kind.NOT_FOUND:
         code = error_code(exc)

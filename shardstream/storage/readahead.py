@@ -194,6 +194,7 @@ class Prefetcher:
                     read, close, _ = self._open(index)
                 if close is None:  # opening it failed
                     self._put(index, read)
+                    read = None  # (its traceback holds _open's frame, whose caller is this frame: kept, a cycle)
                     continue
                 wanted = index >= self._front  # (a range the consumer passed is not read at all)
                 take = getattr(read, "pieces", None)  # the body's own pieces, not copied into a block
@@ -296,7 +297,10 @@ class _RangeReader:
         value = self._owner._take(self._index)
         if isinstance(value, BaseException):
             self._ended = True
-            raise value
+            try:
+                raise value
+            finally:
+                del value  # (a frame that holds the error it raises is a cycle with it, and with every caller's frame)
         if value is None:
             self._ended = True
             return False

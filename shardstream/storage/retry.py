@@ -196,12 +196,20 @@ def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
     ``cat_file`` per call (over HTTP one GET, its body read whole: a break loses that try's bytes,
     and the retry asks for the same block again), its bytes the body (``_Fetched``). On an async
     filesystem (HTTP) the try is cancelled, its connection closed, when ``timeout`` runs out
-    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply."""
+    (fsspec's ``sync`` with a timeout); elsewhere the filesystem's own timeouts apply.
+
+    An HTTP server that ignores Range (``python -m http.server``) answers 200 with the whole
+    object, which fsspec hands over as the range's bytes: more bytes than asked fail at once; fewer
+    from an offset (an object that ends before the range does, or the whole of a short object) are
+    told apart by the object's size (a HEAD, only then): the whole object taken for bytes from the
+    offset was a parse of wrong bytes, and a truncated shard's error named a byte it never had."""
 
     # HfFileSystem reads through a file object: without a cache it asks for exactly [a, b) (its
     # default read-ahead cache would add a 5 MiB block to every read, fetched and dropped)
-    extra = {"cache_type": "none"} if getattr(fs, "protocol", None) == "hf" else {}
+    protocol = getattr(fs, "protocol", None)
+    extra = {"cache_type": "none"} if protocol == "hf" else {}
     bounded = getattr(fs, "async_impl", False)
+    http = "http" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
     def open_body(a: int, b: int, timeout: float | None = None) -> Body:
         if bounded and timeout is not None:
@@ -211,11 +219,12 @@ def fs_opener(fs: Any, path: str) -> Callable[..., Body]:
                 raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)") from None
         else:
             data = fs.cat_file(path, start=a, end=b, **extra)
-        if len(data) > b - a:  # an HTTP server that ignores Range answers 200 with the whole object
+        n = len(data)
+        if n > b - a or (http and 0 < a and n < b - a and n != max(0, fs.size(path) - a)):
             url = fs.unstrip_protocol(path)
             raise StorageError(
-                f"{url}: asked for bytes {a}-{b - 1}, the server sent {len(data)} bytes: it does not "
-                "support HTTP Range requests (206 Partial Content), which shardstream needs",
+                f"{url}: asked for bytes {a}-{b - 1}, the server sent {n} bytes{'' if n > b - a else ', the whole object'}: "
+                "it does not support HTTP Range requests (206 Partial Content), which shardstream needs",
                 url=url,
             )
         return _Fetched(data)
@@ -347,10 +356,13 @@ def _within(fn: Callable[[], T], timeout: float) -> T:
     thread.join(timeout)
     if not done:
         raise TimeoutError(f"the request's deadline ran out ({timeout:.1f} s left for this try)")
-    ok, value = done[0]
+    ok, value = done.pop()  # (kept in ``done``, the error would hold itself: its traceback holds run's frame, run its closure)
     if ok:
         return value
-    raise value
+    try:
+        raise value
+    finally:
+        del value  # (a frame that holds the error it raises is a cycle with it)
 
 
 class RangeReader:
@@ -366,8 +378,9 @@ class RangeReader:
     returned as they came. A read that makes progress starts the deadline afresh.
 
     The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
-    at or past the object's end) ends the stream, as a short local file does: the caller reports a
-    truncated object, not an invalid request."""
+    at or past the object's end) ends the stream, as a short local file does, and so does an fsspec
+    store's empty answer to a read (its ``cat_file`` past the end): the caller reports a truncated
+    object, not an invalid request."""
 
     def __init__(
         self,
@@ -508,6 +521,13 @@ class RangeReader:
             if got < size:  # the body is complete: the object ended before the range did
                 self.close()
                 if not got:
+                    if not self._streams:
+                        # fsspec's cat_file answers a range that starts at or past the object's end
+                        # with no bytes (as a slice would: memory://, zip://, any store without HTTP),
+                        # where S3 and HTTP answer 416: the same end of the stream, not a failed try
+                        # (it was retried as one, an EOFError, until the deadline: 60 s by default)
+                        logger.debug("%s: the object ends before byte %d (an empty answer): end of stream", self.url, self.pos)
+                        return 0
                     if sent:  # a new request answered with nothing at all
                         self._failed(attempts, EOFError(f"empty body for bytes {self.pos}-{self._asked}"))
                     continue  # ask again from here: the answer says where the object ends (416)

@@ -121,13 +121,23 @@ def list_source(
 
 
 # -- directory trees ---------------------------------------------------------------------------
+def _tree(fs, path: str) -> list[str] | str:
+    """Every file below the directory ``path``, sorted; else what is wrong with ``path`` as a
+    source (a mistyped path is said to be missing, not "not a directory")."""
+    if fs.isdir(path):
+        return sorted(fs.find(path.rstrip("/")))
+    if fs.exists(path):
+        return "source is not a directory, a .jsonl file or tar shards"
+    return "source does not exist (a directory, a .jsonl file or tar shards)"
+
+
 def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageConfig, parquet_ok: bool = False) -> Listing | None:
     """A directory tree's items; None when ``parquet_ok`` and every file in it is a .parquet file
     (a Parquet source, listed as one)."""
     fs, root = storage.get_fs(src, storage_options, config)  # (names the files: no request)
-    found = storage_call(src, lambda fs, path: sorted(fs.find(path.rstrip("/"))) if fs.isdir(path) else None, storage_options, config)
-    if found is None:
-        raise SourceError(src, "source is not a directory, a .jsonl file or tar shards")
+    found = storage_call(src, _tree, storage_options, config)
+    if isinstance(found, str):
+        raise SourceError(src, found)
     root = root.rstrip("/")
     files: list[str] = found
     visible = [p for p in files if not any(part.startswith(".") for part in p[len(root) + 1 :].split("/"))]
