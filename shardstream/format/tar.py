@@ -1151,6 +1151,10 @@ def _parse(
                     else:
                         out = complete
                     pos = run.ends[-1]
+        # The samples the loop adds to ``out`` from here, each with the header that showed it complete
+        # (the next key's): the headers' checksums are checked when the loop stops, and a bad one
+        # keeps the samples shown complete before it (the bad header may be the last one's member).
+        verified, ends = len(out), []
         try:
             while True:
                 if pos >= limit:
@@ -1263,6 +1267,7 @@ def _parse(
                                     out.append(fields)
                                 else:
                                     out.append((key, key_offset, key_end, fields))
+                                ends.append(here)  # (complete: a member of another key starts here)
                             if k in seen:
                                 raise ShardFormatError(url, here, f"duplicate key {k!r} (not adjacent to its first occurrence)")
                             seen.add(k)
@@ -1292,7 +1297,13 @@ def _parse(
             # is reported as such rather than as whatever its garbage looked like.
             if headers and headers[-1] == pos:
                 headers.pop()  # the header being parsed when it broke: checked on its own below
-            _verify_checksums(buf, headers, url, base)
+            try:
+                _verify_checksums(buf, headers, url, base)
+            except ShardFormatError as bad:
+                out = out[: verified + bisect_left(ends, bad.offset)]
+                if out:
+                    yield out
+                raise bad from None
             error = exc if isinstance(exc, ShardFormatError) else ShardFormatError(url, base + pos, "member name is not UTF-8")
             if buflen - pos >= BLOCK:
                 try:
@@ -1302,7 +1313,15 @@ def _parse(
             if out:
                 yield out
             raise error from None
-        _verify_checksums(buf, headers, url, base)
+        try:
+            _verify_checksums(buf, headers, url, base)
+        except ShardFormatError as bad:
+            # The samples complete before the corrupt header are delivered first, as where the
+            # loop itself breaks (and wherever a list or a read happened to end).
+            out = out[: verified + bisect_left(ends, bad.offset)]
+            if out:
+                yield out
+            raise
         if resume:
             resumed = (out, window_end)
             continue
