@@ -406,8 +406,9 @@ class Unjoined:
 
     Only where nothing between the read and the batch's hand-off sees a field (no decoding, no
     transform, no collate of the user's: ``iter_sample_dicts``'s ``join_later``). Every piece is
-    immutable (``bytes``, or a read-only view of an immutable buffer such as obstore's): a piece
-    that is not is copied when the member is read, so the value cannot change after the parse."""
+    immutable (``bytes``, or a view of ``bytes``, as obstore's pieces are): a piece of anything
+    else (a block the stream or the parser fills again) is copied when the member is read, so the
+    value cannot change after the parse."""
 
     __slots__ = ("parts", "nbytes")
 
