@@ -334,14 +334,23 @@ def _identity(x):
     return x
 
 
+def corrupt_third_shard(root) -> str:
+    """Flip a byte of the header right after the first large member of the third shard: its name
+    changes, its checksum no longer matches. The shard's name."""
+    shard = sorted(p for p in os.listdir(root) if p.endswith(".tar"))[2]
+    path = os.path.join(root, shard)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    at = data.index(b".cls", data.index(b".bin")) - 4
+    data[at] ^= 0x20
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    return shard
+
+
 def test_a_corrupt_shard_fails_the_same_way_after_the_same_batches(tmp_path):
     write_blobs(str(tmp_path / "b"), 12, seed=3)
-    shard = sorted(p for p in os.listdir(tmp_path / "b") if p.endswith(".tar"))[2]
-    path = tmp_path / "b" / shard
-    data = bytearray(path.read_bytes())
-    at = data.index(b".cls", data.index(b".bin")) - 4  # the header right after the shard's first large member
-    data[at] ^= 0x20  # its name changes, its checksum no longer matches
-    path.write_bytes(bytes(data))
+    shard = corrupt_third_shard(str(tmp_path / "b"))
     outcomes = []
     for kwargs in ({}, {"reuse_shared_memory": False}):
         ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
@@ -353,6 +362,40 @@ def test_a_corrupt_shard_fails_the_same_way_after_the_same_batches(tmp_path):
         outcomes.append((got, lines[0], lines[-1]))
     assert outcomes[0] == outcomes[1]
     assert "checksum" in outcomes[0][2] and shard in outcomes[0][2]
+
+
+def test_skipped_samples_and_the_repeats_that_fill_their_batches_are_the_same(tmp_path):
+    """Under on_error="skip" a corrupt range's samples are dropped and the last batches filled by
+    repeating recent samples (the same member object twice in a batch): both paths alike."""
+    blobs = write_blobs(str(tmp_path / "b"), 12, seed=6)
+    corrupt_third_shard(str(tmp_path / "b"))
+    runs = []
+    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path))}, {"reuse_shared_memory": False}):
+        ds = ShardStream(str(tmp_path / "b"), batch_size=2, seed=2, decode=False, on_error="skip", world=World(0, 1))
+        loader = make_loader(ds, num_workers=2, log_interval=None, pin_memory=False, **kwargs)
+        runs.append(batches_of(loader)[0])
+    assert runs[0] == runs[1] and joined_in_place(tmp_path) > 0
+    keys = [k for keys, _, _ in runs[0] for k in keys]
+    assert len(keys) == 12 and len(set(keys)) < 12  # some skipped, some repeated
+    assert all(b == blobs[k] for keys, bins, _ in runs[0] for k, b in zip(keys, bins))
+
+
+def test_a_mix_of_two_sources_hands_over_the_same_batches(tmp_path):
+    from shardstream import Source
+
+    a = write_blobs(str(tmp_path / "a"), 9, seed=7)
+    b = write_blobs(str(tmp_path / "b"), 6, seed=8)
+    runs = []
+    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path))}, {"reuse_shared_memory": False}):
+        sources = [Source(str(tmp_path / "a"), weight=0.6, name="a"), Source(str(tmp_path / "b"), weight=0.4, name="b")]
+        ds = ShardStream(sources, batch_size=2, seed=3, decode=False, world=World(0, 1))
+        loader = make_loader(ds, num_workers=2, log_interval=None, pin_memory=False, **kwargs)
+        runs.append(batches_of(loader, stop=4))
+    assert runs[0] == runs[1] and joined_in_place(tmp_path) > 0
+    assert recorded(tmp_path) == ["True", "True"]
+    for keys, bins, cls in runs[0][0]:
+        for k, blob, c in zip(keys, bins, cls):
+            assert blob in (a.get(k), b.get(k)) and int(c) == len(blob)
 
 
 @pytest.mark.parametrize("cut", [None, "rst"])
