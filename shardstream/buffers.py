@@ -176,3 +176,20 @@ def take_shared(nbytes: int) -> Any:
     """A shared storage for a batch buffer made in a worker: from the worker's segment pool where
     there is one, else a fresh one (``new_shared``)."""
     return _shared_allocator(nbytes) if _shared_allocator is not None else new_shared(nbytes)
+
+
+# In a DataLoader worker under make_loader whose batches are its samples as stored (no decoding,
+# no transform, no collate of the user's: nothing between the read and the hand-off sees a field),
+# a large member's pieces are joined straight into the batch's shared segment by the hand-off
+# (format.tar's ``Unjoined``), not into ``bytes`` first. The worker's start says so here.
+_as_stored = False
+
+
+def set_handed_as_stored(flag: bool) -> None:
+    """Whether this process's samples go from the read to the hand-off untouched (see above)."""
+    global _as_stored
+    _as_stored = flag
+
+
+def handed_as_stored() -> bool:
+    return _as_stored

@@ -398,6 +398,59 @@ def _read_joined(head: bytes | memoryview, left: int, read: Callable[[int], byte
     return b"".join(pieces)
 
 
+class Unjoined:
+    """A large member's bytes as the pieces the stream handed over, not yet joined: the parser's
+    value for such a member where whoever takes it copies the bytes into their place anyway (a
+    DataLoader worker's batch segment, ``loader.SharedFields``), so that each byte is copied once
+    there instead of joined into ``bytes`` first and copied again. ``bytes(value)`` joins it.
+
+    Only where nothing between the read and the batch's hand-off sees a field (no decoding, no
+    transform, no collate of the user's: ``iter_sample_dicts``'s ``join_later``). Every piece is
+    immutable (``bytes``, or a view of ``bytes``, as obstore's pieces are): a piece of anything
+    else (a block the stream or the parser fills again) is copied when the member is read, so the
+    value cannot change after the parse."""
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: list[Any], nbytes: int):
+        self.parts, self.nbytes = parts, nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __repr__(self) -> str:
+        return f"Unjoined({self.nbytes} bytes in {len(self.parts)} pieces)"
+
+    def copy_into(self, view: memoryview) -> None:
+        """Write the bytes to ``view`` (a writable byte view of exactly ``len(self)`` bytes)."""
+        at = 0
+        for part in self.parts:
+            n = len(part)
+            view[at : at + n] = part
+            at += n
+
+
+def _immutable(piece: Any) -> Any:
+    """``piece`` if nothing can change its bytes later (``bytes``, or a view of ``bytes``: what
+    obstore's pieces and blocks joined by the parser are), else a copy as ``bytes`` (a view of a
+    block the stream or the parser may fill again)."""
+    if type(piece) is bytes or (type(piece) is memoryview and type(piece.obj) is bytes):
+        return piece
+    return bytes(piece)
+
+
+def _read_unjoined(head: memoryview, left: int, read: Callable[[int], bytes], url: str, at: int, end: int) -> Unjoined:
+    """``head`` and the next ``left`` bytes of the stream as an ``Unjoined``: the pieces as they
+    come, each made immutable (``_immutable``); the same reads and errors as ``_read_joined``."""
+    pieces: list[Any] = [_immutable(head)] if len(head) else []
+    for piece in _pieces(read, left, url, at, end):
+        pieces.append(_immutable(piece))
+    return Unjoined(pieces, len(head) + left)
+
+
 # -- The common case, a run at a time ------------------------------------------------------------
 # Shards as writers make them are runs of plain members: a ustar header (octal size, regular-file
 # type, no prefix field), data, padding. ``_plain_run`` finds such a run in a read block with a
@@ -591,6 +644,18 @@ def _plain_run(buf: bytes | bytearray, pos: int, stop: int, large_member: int) -
         span = int(ends[-1]) - pos - int(first_headers[0]) * BLOCK
         spread = span / (span - int((at - first_headers).sum()) * BLOCK)
     return _Run((first_headers * BLOCK + pos).tolist(), starts.tolist(), (starts + member_sizes).tolist(), ends.tolist(), keys, exts, spread)
+
+
+def _overruns(buf: bytes | bytearray, pos: int, stop: int) -> bool:
+    """Whether the header at ``pos`` (relative to ``buf``) has a size field, read as octal, whose
+    member ends past ``stop``: no run starts there (``_plain_run`` would walk no member and
+    return None), so its numpy calls are skipped. What follows a large member read on its own: a
+    small block whose first header is the next large member (29 us a block otherwise)."""
+    try:
+        size = int(buf[pos + 124 : pos + 135], 8)
+    except ValueError:  # (not octal: ``_plain_run`` decides, as ever)
+        return False
+    return size >= 0 and pos + BLOCK + size > stop
 
 
 # Pax records that change nothing the parser reads (a member's name, size, type or contents):
@@ -982,6 +1047,7 @@ def iter_sample_dicts(
     large_member: int = LARGE_MEMBER,
     buffers: BufferPool | None = None,
     reuse_blocks: bool = False,
+    join_later: bool = False,
 ) -> Iterator[list[dict[str, Any]]]:
     """``iter_sample_batches``, each sample as the dict the pipeline passes on: its fields, then
     ``"__key__"`` and ``"__url__"`` (``url``), built once. Same checks, same errors.
@@ -989,7 +1055,13 @@ def iter_sample_dicts(
     With ``reuse_blocks`` and a stream that has ``readinto`` (a local file), blocks are read into
     one buffer used again and again (the unparsed tail moved to its front): no new memory and no
     join per read. Every field is copied out of it as ``bytes``, as always. The buffer is the one
-    this thread's last finished parse grew (``_ARENAS``), so a pass's ranges reuse one."""
+    this thread's last finished parse grew (``_ARENAS``), so a pass's ranges reuse one.
+
+    With ``join_later``, a member of ``large_member`` bytes or more that is read on its own (not
+    all in the current block) and whose extension is not in ``keep_buffers`` is an ``Unjoined``
+    (its pieces, not yet joined; ``bytes(value)`` joins them), for a caller that copies each such
+    field into its place anyway (a DataLoader worker's hand-off of batches as stored: one copy
+    per byte instead of two). Same samples, same reads, same errors; only that field's type."""
     lent = [_ARENAS.__dict__.pop("block", None) or bytearray()] if reuse_blocks else None
     try:
         yield from _parse(
@@ -1005,6 +1077,7 @@ def iter_sample_dicts(
             dicts=True,
             reuse_blocks=reuse_blocks,
             lent=lent,
+            join_later=join_later,
         )
     finally:
         if lent is not None:
@@ -1081,6 +1154,7 @@ def _parse(
     fast: bool = True,
     reuse_blocks: bool = False,
     lent: list[bytearray] | None = None,
+    join_later: bool = False,
 ) -> Iterator[list[Any]]:
     """The parser behind ``iter_sample_batches`` (samples as tuples) and ``iter_sample_dicts``.
     ``lent``: the reused block to start from (``lent[0]``), replaced there when it grows."""
@@ -1107,7 +1181,7 @@ def _parse(
     # that a block holds about as many samples as one of plain members (MAX_SPREAD).
     spread = 1.0
     filled = 0  # bytes of buf that hold the stream (the reused block may be longer)
-    big: memoryview | bytes | None = None  # the current member's data, when it was read on its own
+    big: Any = None  # the current member's data, when it was read on its own: memoryview, bytes or Unjoined
     plain: _Run | None = None  # the run of plain members found in plain_buf
     plain_buf: bytes | bytearray | None = None
     # The list being filled and its window, kept when the fast path resumes within a window.
@@ -1137,7 +1211,9 @@ def _parse(
                 if first == len(plain.positions) or plain.positions[first] != pos:
                     first = -1
             if first < 0:
-                plain, plain_buf, first = _plain_run(buf, pos, min(buflen, limit), large_member), buf, 0
+                stop = min(buflen, limit)
+                plain = None if _overruns(buf, pos, stop) else _plain_run(buf, pos, stop, large_member)
+                plain_buf, first = buf, 0
                 if plain is not None and arena is not None:
                     spread = min(plain.spread, MAX_SPREAD)
             if plain is not None:
@@ -1210,6 +1286,11 @@ def _parse(
                         big = _own_buffer(size, buffers)
                         big[:have] = memoryview(buf)[data_start : data_start + have]
                         _fill(big[have:], read, readinto, url, fetched, end)
+                    elif join_later:  # the pieces as they come, joined where they land (``Unjoined``)
+                        head = memoryview(buf)[data_start : data_start + have]
+                        if 2 * have < buflen:  # a view would keep the rest of the block alive with it
+                            head = memoryview(head.tobytes())
+                        big = _read_unjoined(head, size - have, read, url, fetched, end)
                     else:  # bytes: the pieces as they come (one request for the rest), joined once
                         big = _read_joined(memoryview(buf)[data_start : data_start + have], size - have, read, url, fetched, end)
                     fetched += size - have

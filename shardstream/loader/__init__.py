@@ -12,6 +12,13 @@ tensors therefore travel inline as numpy arrays, anywhere in the batch (dict, tu
 namedtuple, nested, or a bare tensor), and become tensors again on arrival (``torch.from_numpy``,
 no copy); large ones (images) keep the shared-memory path. Large undecoded ``bytes`` fields
 (``SHARED_FIELD_MIN_BYTES`` and up) cross in shared memory too, and are ``bytes`` again on arrival.
+Where a worker's batches are its samples as stored (no decoding, transform or collate of the
+user's: ``_as_stored``), such a member read on its own reaches the hand-off as the pieces the
+stream handed over (``format.tar.Unjoined``), which are joined straight into the batch's segment:
+each byte is copied once in the worker, not joined into ``bytes`` and copied again. The main
+process's copy out of the segment stays: the user gets ``bytes``, which own their memory (a
+``bytes`` cannot be made over the segment), so that a segment written again changes nothing the
+user holds.
 Under make_loader a worker writes its large batches into segments it used before, once the main
 process is done with them, and sends those by number (segments.py).
 
@@ -41,6 +48,7 @@ from shardstream.buffers import new_shared
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
 from shardstream.format.parquet import TableManifest
+from shardstream.format.tar import Unjoined
 from shardstream.loader.segments import Channels, Handoff, PooledTensor, WorkerPool, worker_pool
 from shardstream.loader.workers import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -87,14 +95,17 @@ class SharedFields:
     the batch structure itself, so the pin-memory thread leaves it alone: these fields become
     ``bytes`` again, never device tensors."""
 
-    def __init__(self, fields: list[bytes | bytearray], take: Callable[[int], Any] = new_shared):
+    def __init__(self, fields: list[bytes | bytearray | Unjoined], take: Callable[[int], Any] = new_shared):
         self.ends = np.cumsum([len(f) for f in fields]).tolist()
         storage = take(self.ends[-1])  # maybe larger: a pooled segment
         self.tensor: Any = torch.empty(0, dtype=torch.uint8).set_(storage)[: self.ends[-1]]
         arena = self.tensor.numpy()
         start = 0
         for data, end in zip(fields, self.ends):
-            arena[start:end] = np.frombuffer(data, np.uint8)
+            if isinstance(data, Unjoined):  # a member's pieces, joined here, in their place: copied once
+                data.copy_into(memoryview(arena[start:end]))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+            else:
+                arena[start:end] = np.frombuffer(data, np.uint8)
             start = end
 
     def view(self, index: int) -> np.ndarray:
@@ -109,7 +120,7 @@ class _Packing:
 
     def __init__(self, max_bytes: int, pool: WorkerPool | None):
         self.max_bytes, self.pool = max_bytes, pool
-        self.large: list[bytes | bytearray] = []
+        self.large: list[bytes | bytearray | Unjoined] = []
         self.markers: list[PooledTensor] = []
 
 
@@ -122,6 +133,9 @@ def _pack(obj: Any, ctx: _Packing) -> tuple[Any, Any]:
             ctx.large.append(obj)
             return None, ("bytes" if isinstance(obj, bytes) else "bytearray", len(ctx.large) - 1)
         return obj, None
+    if type(obj) is Unjoined:  # a large member's pieces (samples handed over as stored): bytes on arrival
+        ctx.large.append(obj)
+        return None, ("bytes", len(ctx.large) - 1)
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu" or obj.requires_grad:
             return obj, None
@@ -589,12 +603,18 @@ def _ready_quietly(dataset: ShardStream) -> None:
         logger.debug("shardstream: storage not readied ahead of the fork", exc_info=True)
 
 
+def _as_stored(dataset: ShardStream) -> bool:
+    """Whether ``dataset``'s batches are its samples as stored, batched by the default collate: no
+    decoding, no transform, nothing between the read and the batch that sees a field."""
+    return not (dataset.per_sample or dataset.decode.defaults or not dataset.batch_size or dataset.tables or dataset.collate is not default_collate)
+
+
 def _stored_batch_bytes(dataset: ShardStream) -> int:
     """Shared-memory bytes for a batch of samples handed over as they are stored (no decoding, no
     transform, the default collate), from the manifests' mean sample size, with a quarter more
     room (a segment serves batches of half its size and up); 0 where a batch's size is not known
     from the manifests, or its fields travel inline."""
-    if dataset.per_sample or dataset.decode.defaults or not dataset.batch_size or dataset.tables or dataset.collate is not default_collate:
+    if not _as_stored(dataset):
         return 0
     manifests = dataset.sources.manifests
     samples = sum(m.total_samples for m in manifests)
@@ -692,7 +712,8 @@ def make_loader(
     if num_workers > 0:
         collate_fn = PackInWorker(collate_fn)
         if reuse_shared_memory:
-            channels = Channels(num_workers, first_batch_bytes=_stored_batch_bytes(dataset) if collate_fn.fn is None else 0)
+            plain = collate_fn.fn is None  # (a collate_fn of the user's sees the batch before the hand-off)
+            channels = Channels(num_workers, first_batch_bytes=_stored_batch_bytes(dataset) if plain else 0, as_stored=plain and _as_stored(dataset))
         kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
     return ShardLoader(
         dataset,

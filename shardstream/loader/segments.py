@@ -69,7 +69,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from shardstream.buffers import PAGE, new_shared, populate, set_shared_allocator
+from shardstream.buffers import PAGE, new_shared, populate, set_handed_as_stored, set_shared_allocator
 from shardstream.private import dup_fd, spawning, storage_use_count
 
 _MESSAGE = struct.Struct("<QI")  # (worker token, segment number | _UNMAPPED): 12 bytes, written atomically
@@ -336,11 +336,15 @@ class Channels:
     """One loader's release pipes (one per worker) and, in the main process, the segments it has
     mapped. Made by make_loader; forked workers inherit it with the loader."""
 
-    def __init__(self, num_workers: int, first_batch_bytes: int = 0):
+    def __init__(self, num_workers: int, first_batch_bytes: int = 0, as_stored: bool = False):
         self.owner = os.getpid()
         # A batch's bytes in shared memory as the manifest foretells them (0: unknown): each new
         # worker with no inherited segment makes one that size ahead, in a thread (WorkerPool).
         self.first_batch_bytes = first_batch_bytes
+        # The workers' batches are their samples as stored (nothing between the read and the
+        # hand-off sees a field): a large member's pieces are joined into the batch's segment by
+        # the hand-off, not into bytes first (buffers.handed_as_stored).
+        self.as_stored = as_stored
         self.id = int.from_bytes(os.urandom(8), "little")
         _live[self.id] = self
         self.pipes: list[tuple[int, int]] = []
@@ -359,11 +363,18 @@ class Channels:
 
     def __getstate__(self) -> dict[str, Any]:
         if not spawning() or not self.pipes:  # a plain copy: no pipes, no pool
-            return {"owner": -1, "pipes": [], "id": 0, "inherit": {}, "first_batch_bytes": 0}
+            return {"owner": -1, "pipes": [], "id": 0, "inherit": {}, "first_batch_bytes": 0, "as_stored": False}
         # A worker started by a forkserver or spawn: the read ends of the release pipes go as passed
         # descriptors, the segments set aside for it as shared storages (torch's reduction: their fds).
         pipes = [(dup_fd(r), -1) for r, _ in self.pipes]
-        return {"owner": _PASSED, "pipes": pipes, "id": self.id, "inherit": self.inherit, "first_batch_bytes": self.first_batch_bytes}
+        return {
+            "owner": _PASSED,
+            "pipes": pipes,
+            "id": self.id,
+            "inherit": self.inherit,
+            "first_batch_bytes": self.first_batch_bytes,
+            "as_stored": self.as_stored,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state["pipes"] = [(r.detach() if hasattr(r, "detach") else r, w) for r, w in state["pipes"]]
@@ -399,6 +410,7 @@ class Channels:
         global _pool
         _pool = None
         set_shared_allocator(None)
+        set_handed_as_stored(False)
         if (self.owner != _PASSED and os.getppid() != self.owner) or worker >= len(self.pipes):  # a plain copy: no pool
             return
         token, inherited = self.inherit.get(worker, (None, []))
@@ -411,6 +423,7 @@ class Channels:
         self.mapped, self.views, self.retired, self.inherit = {}, {}, {}, {}
         _pool = WorkerPool(self.pipes[worker][0], worker, channels_id=self.id, token=token, inherited=inherited, ahead=self.first_batch_bytes)
         set_shared_allocator(_pool.take)  # the pipeline's batch buffers come from this pool
+        set_handed_as_stored(self.as_stored)
 
     def workers_tokens(self) -> set[int]:
         """The tokens chosen for the workers forked last (they may have sent no batch)."""

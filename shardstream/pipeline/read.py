@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
-from shardstream.buffers import BufferPool
+from shardstream.buffers import BufferPool, handed_as_stored
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
@@ -171,7 +171,9 @@ def read_range(
 
     Large members (``format.tar.LARGE_MEMBER``) are read into buffers of their own (from
     ``buffers``, a pass's pool, when given); those of the extensions in ``keep_buffers`` stay
-    writable memoryviews for decoders that view them in place, all others are ``bytes``. Storage
+    writable memoryviews for decoders that view them in place, all others are ``bytes`` (in a
+    DataLoader worker that hands its samples over as stored, ``buffers.handed_as_stored``, those
+    read on their own are ``format.tar.Unjoined``: joined by the hand-off into its segment). Storage
     (the offset sidecar a range inside a shard needs; the range, if ``read`` is not given) is read
     under ``config``."""
     shard = manifest.shards[rng.shard]
@@ -207,6 +209,7 @@ def read_range(
             keep_buffers=keep_buffers,
             buffers=buffers,
             reuse_blocks=local and not verify,
+            join_later=handed_as_stored(),
         ):
             got += len(samples)
             if got > expected:
