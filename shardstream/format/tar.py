@@ -1381,7 +1381,7 @@ def _parse(
             try:
                 _verify_checksums(buf, headers, url, base)
             except ShardFormatError as bad:
-                out = out[: verified + bisect_left(ends, bad.offset)]
+                out = out[: verified + bisect_left(ends, bad.offset or 0)]
                 if out:
                     yield out
                 raise bad from None
@@ -1399,7 +1399,7 @@ def _parse(
         except ShardFormatError as bad:
             # The samples complete before the corrupt header are delivered first, as where the
             # loop itself breaks (and wherever a list or a read happened to end).
-            out = out[: verified + bisect_left(ends, bad.offset)]
+            out = out[: verified + bisect_left(ends, bad.offset or 0)]
             if out:
                 yield out
             raise
