@@ -4,7 +4,11 @@ webdataset, each in a venv of its own, and against the floor, interleaved, media
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small.py [--repeats 5] [--samples 200000] [--workers 0,2]
         [--litdata-python /tmp/venv-litdata/bin/python] [--webdataset-python /tmp/venv-wds/bin/python]
         [--baseline OTHER_CHECKOUT] [--keep] [--only floor,shardstream,litdata,webdataset] [--omp-unset]
+        [--start-method fork|forkserver|spawn]
 
+``--start-method``: how shardstream's (and the baseline's) workers start, through
+``SHARDSTREAM_START_METHOD`` (so a baseline's own copy of this script needs no flag for it); by
+default make_loader's (forkserver). litData's workers fork, whatever is asked.
 ``--baseline``: another checkout of shardstream (main before a change, say) runs as one more
 contender in this venv; ``--keep`` keeps the data in ``--workdir`` for the next run.
 ``--writer shardstream,webdataset``: who writes the tar shards (default shardstream's
@@ -52,6 +56,7 @@ import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # the shardstream under test (--repo)
 OMP_UNSET = False
+START_METHOD: str | None = None  # --start-method: SHARDSTREAM_START_METHOD for the shardstream passes
 BATCH = 64
 SHARD_SAMPLES = 10_000
 
@@ -225,10 +230,13 @@ def run(python: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if OMP_UNSET:  # --omp-unset: torch's own default thread count (one per core)
         env.pop("OMP_NUM_THREADS")
+    if START_METHOD is not None:
+        env["SHARDSTREAM_START_METHOD"] = START_METHOD  # (read by shardstream's make_loader only)
     # Another checkout (--repo) runs in that checkout, from its own copy of this script where it has
     # one: a forkserver's server (Python 3.11) ignores the sys.path it is handed and preloads
     # shardstream from its working directory, so, run from here, a baseline's workers would use
-    # this checkout's shardstream, not the baseline's.
+    # this checkout's shardstream, not the baseline's (shardstream's own start of the server hands
+    # it the path since private.start_forkserver; a baseline from before that needs this).
     repo = os.path.abspath(args[args.index("--repo") + 1]) if "--repo" in args else None
     script = os.path.abspath(__file__)
     if repo is not None:
@@ -275,6 +283,9 @@ def main() -> None:
     parser.add_argument(
         "--omp-unset", action="store_true", help="run every pass without OMP_NUM_THREADS (else it is 1 unless set: idle torch threads cost CPU)"
     )
+    parser.add_argument(
+        "--start-method", choices=("fork", "forkserver", "spawn"), help="how shardstream's workers start (default: make_loader's, forkserver)"
+    )
     parser.add_argument("--writer", default="shardstream", help="who writes the tar shards: shardstream, webdataset, or both (comma-separated)")
     parser.add_argument(
         "--baseline", help="another checkout of shardstream (say, main before a change), run as one more contender, 'baseline', in this venv"
@@ -289,6 +300,9 @@ def main() -> None:
     if args.omp_unset:
         global OMP_UNSET
         OMP_UNSET = True
+    if args.start_method:
+        global START_METHOD
+        START_METHOD = args.start_method
     if args.repo:
         global REPO
         REPO = args.repo
@@ -389,7 +403,9 @@ def main() -> None:
             )
         print(
             f"(medians of {args.repeats} interleaved passes, each a fresh process, over {args.samples:,} samples of 1 KiB + "
-            f"a JSON label, batch {BATCH}; floor: the same function + collate over the samples in memory, one process)"
+            f"a JSON label, batch {BATCH}; floor: the same function + collate over the samples in memory, one process"
+            + (f"; shardstream's workers started by {START_METHOD}" if START_METHOD else "")
+            + "; CPU: the process and the children it waited for, which misses forkserver workers (the server's children))"
         )
     finally:
         if not args.keep:

@@ -475,7 +475,7 @@ class ShardLoader(webdataset.WebLoader):
             method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
         else:
             method = self.start_method  # chosen once, by make_loader: the same every pass
-            loader.multiprocessing_context = context(method)
+            loader.multiprocessing_context = context(method, start=True)  # (a forkserver's server from this sys.path)
             if method != "fork" and method not in self._checked:
                 check_picklable(method, self.start_why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)

@@ -60,6 +60,7 @@ from shardstream.private import (
     semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
+    start_forkserver,
     tracker_unregister,
 )
 
@@ -152,9 +153,11 @@ def _register_generator() -> None:
     ForkingPickler.register(torch.Generator, _reduce_generator)
 
 
-def context(method: str) -> Any:
+def context(method: str, start: bool = False) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
-    (and the main script, where it may: ``_main_to_preload``), so a worker starts without importing them."""
+    (and the main script, where it may: ``_main_to_preload``), so a worker starts without importing them.
+    ``start``: start the server now if it is not running (``private.start_forkserver``: from this
+    process's ``sys.path``, which multiprocessing's own start of it ignores on Python 3.11)."""
     if method != "fork":
         _register_generator()
     if method == "forkserver":
@@ -168,6 +171,8 @@ def context(method: str) -> Any:
             else:
                 os.environ.pop(MAIN_ENV, None)  # (one inherited from a parent names its script, not this one)
             multiprocessing.set_forkserver_preload([*preload, *(m for m in ours if m not in preload)])
+        if start:
+            start_forkserver()  # (a no-op if running; waits for a start under way in another thread)
     return multiprocessing.get_context(method)
 
 
@@ -202,15 +207,13 @@ def warm_forkserver() -> threading.Thread | None:
     DDP, loading a checkpoint) instead of adding it to the first batch. The first pass waits for
     it if it is not up yet; a failure here is left to that pass, which starts the server again and
     raises what it raises. Returns the thread (None: already running)."""
-    from multiprocessing import forkserver
-
     if forkserver_running():
         return None
     context("forkserver")  # its preload list, before the server starts
 
     def start() -> None:
         try:
-            forkserver.ensure_running()
+            start_forkserver()
         except Exception:  # noqa: BLE001 - the pass starts it again and reports
             logger.debug("shardstream: the forkserver did not start ahead of the first pass", exc_info=True)
 
