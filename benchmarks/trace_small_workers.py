@@ -86,10 +86,15 @@ def _process_start() -> float:
 def one_pass(data: str, method: str, workers: int) -> None:
     method, _, prefetch = method.partition(":")  # "forkserver:4": prefetch_factor 4
     prefetch, _, pipe = prefetch.partition(":")
-    if pipe:
+    if pipe.startswith("c"):
+        os.environ["TW_COLLATE"] = "shardstream"
+    elif pipe:
         os.environ["TW_PIPE"] = pipe
     _mark("process start", t=_process_start(), cpu=0.0)
-    from torch.utils.data import default_collate
+    if os.environ.get("TW_COLLATE") == "shardstream":
+        from shardstream.pipeline.batch import default_collate
+    else:
+        from torch.utils.data import default_collate
 
     import shardstream.loader  # noqa: F401
     from shardstream import ShardStream, World, make_loader
@@ -163,6 +168,12 @@ def report(rows: dict[str, list[list[dict]]]) -> None:
         per_batch = statistics.median(next(e["main_us_per_batch"] for e in run if e["name"] == "steady") for run in runs)
         server = [e["server_cpu"] for run in runs for e in run if e["name"] == "forkserver pid known"]
         wcpu = [sum(e["worker_cpu"] for e in run if e["name"] == "worker cpu at end") for run in runs]
+        per_sample = [
+            (w + next(e["cpu"] for e in run if e["name"] == "main pass end") - next(e["cpu"] for e in run if e["name"] == "make_loader returned"))
+            / next(e["samples"] for e in run if e["name"] == "main pass end")
+            * 1e6
+            for w, run in zip(wcpu, runs)
+        ]
         total = [_at(run, "main pass end") - _at(run, "process start") for run in runs]
         maincpu = [next(e["cpu"] for e in run if e["name"] == "main pass end") for run in runs]
         print(
@@ -170,6 +181,8 @@ def report(rows: dict[str, list[list[dict]]]) -> None:
             f"whole process {statistics.median(total):.2f} s; "
             f"main CPU {statistics.median(maincpu):.2f} s; workers' CPU (both) {statistics.median(wcpu):.2f} s"
             + (f"; forkserver server CPU {statistics.median(server):.2f} s" if server else "")
+            + f"; CPU per sample after make_loader (main + workers) {statistics.median(per_sample):.1f} us "
+            + f"({', '.join(f'{x:.1f}' for x in sorted(per_sample))})"
         )
 
 

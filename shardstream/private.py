@@ -179,11 +179,39 @@ def resolve(name: str) -> Any:
 
 # -- torch ------------------------------------------------------------------------------------------
 def new_shared_storage(nbytes: int) -> Any:
-    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory."""
+    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory (whatever
+    ``small_storages_unshared`` did to ``_new_shared`` in this process)."""
+    return resolve("torch.UntypedStorage._new_shared")(nbytes)
+
+
+_small_unshared = False
+
+
+def small_storages_unshared(limit: int) -> None:
+    """In a DataLoader worker whose batches shardstream's pack step hands over (``make_loader``'s):
+    a new CPU "shared" storage of at most ``limit`` bytes is made an ordinary one. torch's
+    ``default_collate`` makes each batch's stacked tensors in fresh shared memory when it runs in a
+    worker (``_new_shared``: a file created, sized, mapped and its pages zeroed on first touch, then
+    unmapped), to save a copy when torch pickles the tensor; the pack step sends every tensor of at
+    most its inline limit as bytes in the message instead, so that memory only cost: 1 KiB samples
+    with torch's default_collate, batch 64, spent a fifth of a worker's CPU there (py-spy). A tensor
+    of such a storage that torch pickles after all (a view larger than the limit, the user's own
+    queue) is moved to shared memory then, by torch's own reduction, as any tensor is; larger
+    storages stay shared from the start. The same bytes either way."""
+    global _small_unshared
     import torch
 
-    resolve("torch.UntypedStorage._new_shared")
-    return torch.UntypedStorage._new_shared(nbytes)
+    original = resolve("torch.UntypedStorage._new_shared")
+    if _small_unshared:
+        return
+
+    def _new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
+        if size <= limit and torch.device(device).type == "cpu":
+            return cls(size)
+        return original(size, device=device)
+
+    torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign,assignment]
+    _small_unshared = True
 
 
 def storage_use_count(storage: Any) -> int:

@@ -693,7 +693,7 @@ def make_loader(
         collate_fn = PackInWorker(collate_fn)
         if reuse_shared_memory:
             channels = Channels(num_workers, first_batch_bytes=_stored_batch_bytes(dataset) if collate_fn.fn is None else 0)
-        kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"), inline_bytes=collate_fn.max_bytes)
     return ShardLoader(
         dataset,
         batch_size=None,

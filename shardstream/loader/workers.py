@@ -60,6 +60,7 @@ from shardstream.private import (
     semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
+    small_storages_unshared,
     start_forkserver,
     tracker_unregister,
 )
@@ -391,8 +392,9 @@ class WorkerStart:
     """The loader's ``worker_init_fn``: die with the rank, keep freed memory (``keep_freed_memory``),
     the hand-off's segment pool (if any), then the user's function. A class, not a closure, so it pickles for workers that are not forked."""
 
-    def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None):
+    def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None, inline_bytes: int = 0):
         self.channels, self.fn = channels, fn
+        self.inline_bytes = inline_bytes  # tensors up to this size cross as bytes (PackInWorker): no shared memory for them
         self.main_pid = os.getpid()
         self.method = "fork"  # set by the loader before each set of workers starts
         self.environ: dict[str, str] | None = None  # the rank's environment, for workers a forkserver forks
@@ -413,6 +415,8 @@ class WorkerStart:
             os.environ.update(self.environ)
         if os.environ.get(KEEP_FREED_ENV, "1") != "0":
             keep_freed_memory()
+        if self.inline_bytes:
+            small_storages_unshared(self.inline_bytes)
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
