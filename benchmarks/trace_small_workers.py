@@ -13,7 +13,10 @@ then), each worker's ``worker_init_fn`` and its first sample and first 64 (the u
 worker), the main process's first batch, and each batch after. The report gives medians over the
 rounds, in seconds after the process started: when each stage was reached, the main process's CPU
 by then, the steady rate (batches 25%..75% of the pass) and the main process's CPU per batch there,
-the workers' CPU over the pass (from /proc before they stop), and the end.
+the workers' CPU over the pass (from /proc before they stop), the end, and the CPU per sample after
+``make_loader`` (the main process's and the workers', not the server's). ``--methods`` takes
+``fork``, ``forkserver`` or ``spawn``, each maybe with ``:PREFETCH_FACTOR`` (``fork:8``), and
+``none`` (no workers: the same pass in one process).
 """
 
 from __future__ import annotations
@@ -85,16 +88,8 @@ def _process_start() -> float:
 
 def one_pass(data: str, method: str, workers: int) -> None:
     method, _, prefetch = method.partition(":")  # "forkserver:4": prefetch_factor 4
-    prefetch, _, pipe = prefetch.partition(":")
-    if pipe.startswith("c"):
-        os.environ["TW_COLLATE"] = "shardstream"
-    elif pipe:
-        os.environ["TW_PIPE"] = pipe
     _mark("process start", t=_process_start(), cpu=0.0)
-    if os.environ.get("TW_COLLATE") == "shardstream":
-        from shardstream.pipeline.batch import default_collate
-    else:
-        from torch.utils.data import default_collate
+    from torch.utils.data import default_collate
 
     import shardstream.loader  # noqa: F401
     from shardstream import ShardStream, World, make_loader
