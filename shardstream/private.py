@@ -194,7 +194,7 @@ def small_storages_unshared(limit: int) -> None:
     worker (``_new_shared``: a file created, sized, mapped and its pages zeroed on first touch, then
     unmapped), to save a copy when torch pickles the tensor; the pack step sends every tensor of at
     most its inline limit as bytes in the message instead, so that memory only cost: 1 KiB samples
-    with torch's default_collate, batch 64, spent a fifth of a worker's CPU there (py-spy). A tensor
+    with torch's default_collate, batch 64, spent about an eighth of a worker's CPU there (py-spy). A tensor
     of such a storage that torch pickles after all (a view larger than the limit, the user's own
     queue) is moved to shared memory then, by torch's own reduction, as any tensor is; larger
     storages stay shared from the start. The same bytes either way."""
