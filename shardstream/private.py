@@ -395,13 +395,14 @@ def start_forkserver() -> None:
         return
     util: Any = importlib.import_module("multiprocessing.util")
     spawnv = resolve("multiprocessing.util.spawnv_passfds")
-    import os
-
-    given = resolve("multiprocessing.spawn.get_preparation_data")("ignore").get("sys_path", sys.path)
-    sys_path = [os.fspath(p) for p in given if isinstance(p, (str, os.PathLike))]  # (a repr in the command: strings only)
+    preparation = resolve("multiprocessing.spawn.get_preparation_data")
 
     def with_sys_path(path: str, args: list[str], passfds: Any) -> int:
         if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_FORKSERVER_CODE):
+            import os
+
+            given = preparation("ignore").get("sys_path", sys.path)
+            sys_path = [os.fspath(p) for p in given if isinstance(p, (str, os.PathLike))]  # (a repr in the command: strings only)
             args = [*args[:-1], f"import sys; sys.path[:] = {sys_path!r}; " + args[-1]]
         return spawnv(path, args, passfds)
 
