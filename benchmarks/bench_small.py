@@ -4,7 +4,11 @@ webdataset, each in a venv of its own, and against the floor, interleaved, media
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_small.py [--repeats 5] [--samples 200000] [--workers 0,2]
         [--litdata-python /tmp/venv-litdata/bin/python] [--webdataset-python /tmp/venv-wds/bin/python]
         [--baseline OTHER_CHECKOUT] [--keep] [--only floor,shardstream,litdata,webdataset] [--omp-unset]
+        [--start-method fork|forkserver|spawn]
 
+``--start-method``: how shardstream's (and the baseline's) workers start, through
+``SHARDSTREAM_START_METHOD`` (so a baseline's own copy of this script needs no flag for it); by
+default make_loader's (forkserver). litData's workers fork, whatever is asked.
 ``--baseline``: another checkout of shardstream (main before a change, say) runs as one more
 contender in this venv; ``--keep`` keeps the data in ``--workdir`` for the next run.
 ``--writer shardstream,webdataset``: who writes the tar shards (default shardstream's
@@ -33,8 +37,9 @@ function and collate over the same samples already in memory (a list of dicts), 
 
 Every run is a fresh process of its loader's venv, one pass over all samples, timed from the
 dataset's construction: samples/s over the whole pass, CPU per sample (the process and its
-workers), and the time to the first batch. Contenders are interleaved within each repeat; the
-table gives medians.
+workers, whether the process waited for them or not, and a forkserver's server and its workers:
+read from /proc before the loader goes), and the time to the first batch. Contenders are
+interleaved within each repeat; the table gives medians.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")  # the shardstream under test (--repo)
 OMP_UNSET = False
+START_METHOD: str | None = None  # --start-method: SHARDSTREAM_START_METHOD for the shardstream passes
 BATCH = 64
 SHARD_SAMPLES = 10_000
 
@@ -166,8 +172,46 @@ def floor_batches(n: int):
 
 
 def cpu_seconds() -> float:
+    """CPU seconds of this process and every process under it: the children it waited for
+    (getrusage), and from /proc the ones still running (persistent DataLoader workers, which are
+    not waited for until the loader goes) and theirs (a forkserver's workers are the server's
+    children, not this process's), with the children each of those waited for."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + sum(_proc_cpu(pid) for pid in _descendants(os.getpid()))
+
+
+def _proc_stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime + cutime + cstime of a live process, seconds (0 if it is gone)."""
+    try:
+        fields = _proc_stat(pid)
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _descendants(root: int) -> list[int]:
+    """The live processes under ``root`` (Linux /proc; none elsewhere)."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for pid in entries:
+        try:
+            parents.setdefault(int(_proc_stat(pid)[1]), []).append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def one_pass(name: str, data: str, workers: int, n: int) -> dict[str, float]:
@@ -225,10 +269,13 @@ def run(python: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if OMP_UNSET:  # --omp-unset: torch's own default thread count (one per core)
         env.pop("OMP_NUM_THREADS")
+    if START_METHOD is not None:
+        env["SHARDSTREAM_START_METHOD"] = START_METHOD  # (read by shardstream's make_loader only)
     # Another checkout (--repo) runs in that checkout, from its own copy of this script where it has
     # one: a forkserver's server (Python 3.11) ignores the sys.path it is handed and preloads
     # shardstream from its working directory, so, run from here, a baseline's workers would use
-    # this checkout's shardstream, not the baseline's.
+    # this checkout's shardstream, not the baseline's (shardstream's own start of the server hands
+    # it the path since private.start_forkserver; a baseline from before that needs this).
     repo = os.path.abspath(args[args.index("--repo") + 1]) if "--repo" in args else None
     script = os.path.abspath(__file__)
     if repo is not None:
@@ -275,6 +322,9 @@ def main() -> None:
     parser.add_argument(
         "--omp-unset", action="store_true", help="run every pass without OMP_NUM_THREADS (else it is 1 unless set: idle torch threads cost CPU)"
     )
+    parser.add_argument(
+        "--start-method", choices=("fork", "forkserver", "spawn"), help="how shardstream's workers start (default: make_loader's, forkserver)"
+    )
     parser.add_argument("--writer", default="shardstream", help="who writes the tar shards: shardstream, webdataset, or both (comma-separated)")
     parser.add_argument(
         "--baseline", help="another checkout of shardstream (say, main before a change), run as one more contender, 'baseline', in this venv"
@@ -289,6 +339,9 @@ def main() -> None:
     if args.omp_unset:
         global OMP_UNSET
         OMP_UNSET = True
+    if args.start_method:
+        global START_METHOD
+        START_METHOD = args.start_method
     if args.repo:
         global REPO
         REPO = args.repo
@@ -389,7 +442,9 @@ def main() -> None:
             )
         print(
             f"(medians of {args.repeats} interleaved passes, each a fresh process, over {args.samples:,} samples of 1 KiB + "
-            f"a JSON label, batch {BATCH}; floor: the same function + collate over the samples in memory, one process)"
+            f"a JSON label, batch {BATCH}; floor: the same function + collate over the samples in memory, one process"
+            + (f"; shardstream's workers started by {START_METHOD}" if START_METHOD else "")
+            + "; CPU: the process and every process under it, a forkserver's server and workers included)"
         )
     finally:
         if not args.keep:

@@ -99,7 +99,13 @@ NAMES: dict[str, tuple[str, str, str]] = {
     "multiprocessing.util.spawnv_passfds": (
         "multiprocessing.util",
         "spawnv_passfds",
-        "the call that starts the resource tracker, wrapped for that one start so the tracker runs in a session of its own",
+        "the call that starts the resource tracker and the forkserver's server, wrapped for that one start so the tracker "
+        "runs in a session of its own and the server imports from this process's sys.path",
+    ),
+    "multiprocessing.spawn.get_preparation_data": (
+        "multiprocessing.spawn",
+        "get_preparation_data",
+        "this process's sys.path as multiprocessing hands it to a new process ('' made the directory it started in)",
     ),
     "multiprocessing.context.get_spawning_popen": (
         "multiprocessing.context",
@@ -173,11 +179,39 @@ def resolve(name: str) -> Any:
 
 # -- torch ------------------------------------------------------------------------------------------
 def new_shared_storage(nbytes: int) -> Any:
-    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory."""
+    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory (whatever
+    ``small_storages_unshared`` did to ``_new_shared`` in this process)."""
+    return resolve("torch.UntypedStorage._new_shared")(nbytes)
+
+
+_small_unshared = False
+
+
+def small_storages_unshared(limit: int) -> None:
+    """In a DataLoader worker whose batches shardstream's pack step hands over (``make_loader``'s):
+    a new CPU "shared" storage of at most ``limit`` bytes is made an ordinary one. torch's
+    ``default_collate`` makes each batch's stacked tensors in fresh shared memory when it runs in a
+    worker (``_new_shared``: a file created, sized, mapped and its pages zeroed on first touch, then
+    unmapped), to save a copy when torch pickles the tensor; the pack step sends every tensor of at
+    most its inline limit as bytes in the message instead, so that memory only cost: 1 KiB samples
+    with torch's default_collate, batch 64, spent about an eighth of a worker's CPU there (py-spy). A tensor
+    of such a storage that torch pickles after all (a view larger than the limit, the user's own
+    queue) is moved to shared memory then, by torch's own reduction, as any tensor is; larger
+    storages stay shared from the start. The same bytes either way."""
+    global _small_unshared
     import torch
 
-    resolve("torch.UntypedStorage._new_shared")
-    return torch.UntypedStorage._new_shared(nbytes)
+    original = resolve("torch.UntypedStorage._new_shared")
+    if _small_unshared:
+        return
+
+    def _new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
+        if size <= limit and torch.device(device).type == "cpu":
+            return cls(size)
+        return original(size, device=device)
+
+    torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign,assignment]
+    _small_unshared = True
 
 
 def storage_use_count(storage: Any) -> int:
@@ -298,7 +332,9 @@ def tracker_unregister(name: str, rtype: str) -> None:
 
 # The command the resource tracker starts with (Python 3.11-3.14: "...import main;main(fd)").
 _TRACKER_CODE = "from multiprocessing.resource_tracker import main;"
-_tracker_lock = threading.Lock()
+# The forkserver's server's (Python 3.11-3.14: "from multiprocessing.forkserver import main; main(...)").
+_FORKSERVER_CODE = "from multiprocessing.forkserver import main;"
+_spawnv_lock = threading.Lock()  # one wrap of util.spawnv_passfds at a time (the tracker's, the server's)
 
 
 def resource_tracker_in_own_session() -> bool:
@@ -322,7 +358,7 @@ def resource_tracker_in_own_session() -> bool:
             args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
         return spawnv(path, args, passfds)
 
-    with _tracker_lock:
+    with _spawnv_lock:
         if tracker._fd is not None:
             return False
         util.spawnv_passfds = in_own_session  # the tracker's start calls it by this name
@@ -331,6 +367,51 @@ def resource_tracker_in_own_session() -> bool:
         finally:
             util.spawnv_passfds = spawnv
     return True
+
+
+def forkserver_ignores_sys_path() -> bool:
+    """Whether this Python's forkserver's server ignores the ``sys_path`` it is handed and preloads from
+    its own: the working directory (it runs ``python -c``) and PYTHONPATH first (gh-117378, fixed in
+    3.12.8 and 3.13.1; 3.11 and older were not fixed)."""
+    v = sys.version_info[:3]
+    return v < (3, 12, 8) or (3, 13, 0) <= v < (3, 13, 1)
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's forkserver's server now, if it is not running, importing its preload
+    list from this process's ``sys.path`` on every Python. Where the server ignores the path it is
+    handed (``forkserver_ignores_sys_path``), a process that imported shardstream from one tree (a
+    ``sys.path`` set at run time, an installed copy) with another tree's in the working directory or
+    on PYTHONPATH had the server preload the other tree's shardstream, and every worker forked from
+    it ran that code. The server's command (``python -c "from multiprocessing.forkserver import
+    main; main(...)"``), made inside ``ForkServer.ensure_running`` and started through
+    ``util.spawnv_passfds``, gets ``sys.path`` set first, as the fixed Pythons' ``main`` does: that
+    call is wrapped for this one start. Returns at once: the server imports on its own, and the
+    first worker's start waits for it."""
+    from multiprocessing import forkserver
+
+    if not forkserver_ignores_sys_path():
+        forkserver.ensure_running()
+        return
+    util: Any = importlib.import_module("multiprocessing.util")
+    spawnv = resolve("multiprocessing.util.spawnv_passfds")
+    preparation = resolve("multiprocessing.spawn.get_preparation_data")
+
+    def with_sys_path(path: str, args: list[str], passfds: Any) -> int:
+        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_FORKSERVER_CODE):
+            import os
+
+            given = preparation("ignore").get("sys_path", sys.path)
+            sys_path = [os.fspath(p) for p in given if isinstance(p, (str, os.PathLike))]  # (a repr in the command: strings only)
+            args = [*args[:-1], f"import sys; sys.path[:] = {sys_path!r}; " + args[-1]]
+        return spawnv(path, args, passfds)
+
+    with _spawnv_lock:
+        util.spawnv_passfds = with_sys_path  # ensure_running calls it by this name
+        try:
+            forkserver.ensure_running()
+        finally:
+            util.spawnv_passfds = spawnv
 
 
 def import_main_inherited(path: str) -> None:

@@ -108,3 +108,63 @@ def test_the_forkserver_imports_a_guarded_main_script_once_for_every_worker(tmp_
     else:
         assert done.returncode != 0 and "if __name__ == '__main__':" in done.stderr
         assert [name for name, _ in importers] == ["__main__"] and not workers
+
+
+TREES = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, os.environ["SHARDSTREAM_TREE"])  # this process's shardstream: not the working directory's
+    import shardstream
+
+    def started(worker_id):
+        import shardstream
+
+        with open(os.environ["TREES_OUT"], "a") as f:
+            f.write(f"worker {shardstream.__file__}\\n")
+
+    if __name__ == "__main__":
+        with open(os.environ["TREES_OUT"], "a") as f:
+            f.write(f"main {shardstream.__file__}\\n")
+        dataset = shardstream.ShardStream(sys.argv[1], batch_size=4, shuffle=False, world=shardstream.World(0, 1))
+        loader = shardstream.make_loader(dataset, num_workers=2, worker_init_fn=started, pin_memory=False, start_method="forkserver")
+        assert sum(len(b["__key__"]) for b in loader) == 20
+    """
+)
+
+
+@pytest.mark.parametrize("other", ["working directory", "PYTHONPATH"])
+def test_forkserver_workers_run_the_shardstream_the_process_imported_not_another_tree(tmp_path, other):
+    """A script that imported shardstream from one tree (sys.path set at run time, as an installed copy
+    or a benchmark's --baseline) while another tree's shardstream sits in the working directory, or
+    on PYTHONPATH: its forkserver workers run the script's shardstream. The server is handed the
+    script's sys.path, which Python < 3.12.8 / 3.13.1 ignores (gh-117378): its preload imported the
+    other tree's, and every worker forked from it ran that code (private.start_forkserver)."""
+    import shutil
+
+    import shardstream
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(shardstream.__file__)))  # the tree under test
+    tree = tmp_path / "tree"
+    shutil.copytree(os.path.join(here, "shardstream"), tree / "shardstream", ignore=shutil.ignore_patterns("__pycache__"))
+    other_tree = tmp_path / "other"
+    shutil.copytree(tree, other_tree)  # the same code, somewhere else
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "main.py"
+    script.write_text(TREES)
+    url = write_dataset(tmp_path / "d", n=20, max_count=5)
+    out = tmp_path / "trees.txt"
+    env = {**os.environ, "TREES_OUT": str(out), "SHARDSTREAM_TREE": str(tree)}
+    env.pop("SHARDSTREAM_START_METHOD", None)
+    if other == "PYTHONPATH":
+        env["PYTHONPATH"] = os.pathsep.join([str(other_tree), env.get("PYTHONPATH", "")])
+        cwd = str(tmp_path)
+    else:
+        env.pop("PYTHONPATH", None)  # (the suite's: the tree under test) shardstream comes from SHARDSTREAM_TREE
+        cwd = str(other_tree)
+    done = subprocess.run([sys.executable, str(script), url], env=env, cwd=cwd, timeout=scaled(180), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.split(" ", 1) for line in out.read_text().splitlines()]
+    main = [path for who, path in lines if who == "main"]
+    workers = [path for who, path in lines if who == "worker"]
+    assert main == [str(tree / "shardstream" / "__init__.py")]
+    assert workers == main * 2

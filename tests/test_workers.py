@@ -391,3 +391,46 @@ def test_workers_started_from_a_thread_outlive_that_thread(dataset, method):
     time.sleep(0.5)  # gives a wrongly sent parent-death signal time to land (not a wait for anything)
     rest = list(it)  # WorkerDied if the thread's end killed them
     assert sorted(k for b in first + rest for k in b["__key__"]) == sorted(f"s{i:06d}" for i in range(120))
+
+
+# -- life: a worker's small collated tensors ---------------------------------------------------------
+def stacked_with_sharing(samples):
+    """The dataset's collate (it runs in the worker): torch's default_collate of a 1 KiB and a 96 KiB
+    tensor per sample, and whether each stacked result is in shared memory."""
+    import torch
+    from torch.utils.data import default_collate
+
+    batch = default_collate(samples)
+    return {**batch, "shared": torch.tensor([batch["small"].is_shared(), batch["large"].is_shared()])}
+
+
+def small_and_large(sample):
+    import torch
+
+    i = int(sample["__key__"][-4:])
+    return {"small": torch.full((1024,), i % 251, dtype=torch.uint8), "large": torch.full((96 * 1024,), i % 13, dtype=torch.uint8), "i": i}
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_torch_default_collate_in_a_worker_makes_small_tensors_in_private_memory_with_the_same_bytes(dataset, method):
+    """torch's default_collate makes a worker's stacked tensors in fresh shared memory; the pack step
+    sends those of at most its inline limit (64 KiB) as bytes anyway, so a worker makes them in its
+    own memory (WorkerStart: private.small_storages_unshared), and larger ones stay shared. The
+    batches hold the same values as with no workers."""
+    ds = ShardStream(dataset, batch_size=8, shuffle=False, transform=small_and_large, collate=stacked_with_sharing)
+    got = list(make_loader(ds, num_workers=2, start_method=method, pin_memory=False))
+    inline = list(make_loader(ds, num_workers=0, pin_memory=False))
+    assert [b["shared"].tolist() for b in got] == [[False, True]] * 15
+    assert [b["shared"].tolist() for b in inline] == [[False, False]] * 15  # (no worker: torch makes no shared memory)
+    by_samples = {tuple(b["i"].tolist()): b for b in inline}  # (workers split the pass: another order of the same batches)
+    assert sorted(by_samples) == sorted(tuple(b["i"].tolist()) for b in got)
+    for a in got:
+        b = by_samples[tuple(a["i"].tolist())]
+        assert torch_equal(a["small"], b["small"]) and torch_equal(a["large"], b["large"])
+        assert a["small"].shape == (8, 1024) and a["large"].shape == (8, 96 * 1024)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))

@@ -489,7 +489,7 @@ class ShardLoader(webdataset.WebLoader):
             method = ctx.get_start_method() if ctx is not None else multiprocessing.get_start_method()
         else:
             method = self.start_method  # chosen once, by make_loader: the same every pass
-            loader.multiprocessing_context = context(method)
+            loader.multiprocessing_context = context(method, start=True)  # (a forkserver's server from this sys.path)
             if method != "fork" and method not in self._checked:
                 check_picklable(method, self.start_why, dataset=self.dataset, collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn)
                 self._checked.add(method)
@@ -714,7 +714,7 @@ def make_loader(
         if reuse_shared_memory:
             plain = collate_fn.fn is None  # (a collate_fn of the user's sees the batch before the hand-off)
             channels = Channels(num_workers, first_batch_bytes=_stored_batch_bytes(dataset) if plain else 0, as_stored=plain and _as_stored(dataset))
-        kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"))
+        kwargs["worker_init_fn"] = WorkerStart(channels, kwargs.get("worker_init_fn"), inline_bytes=collate_fn.max_bytes)
     return ShardLoader(
         dataset,
         batch_size=None,

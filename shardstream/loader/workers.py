@@ -61,6 +61,8 @@ from shardstream.private import (
     semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
+    small_storages_unshared,
+    start_forkserver,
     tracker_unregister,
 )
 
@@ -153,9 +155,11 @@ def _register_generator() -> None:
     ForkingPickler.register(torch.Generator, _reduce_generator)
 
 
-def context(method: str) -> Any:
+def context(method: str, start: bool = False) -> Any:
     """The multiprocessing context for ``method``; forkserver's server preloads torch and shardstream
-    (and the main script, where it may: ``_main_to_preload``), so a worker starts without importing them."""
+    (and the main script, where it may: ``_main_to_preload``), so a worker starts without importing them.
+    ``start``: start the server now if it is not running (``private.start_forkserver``: from this
+    process's ``sys.path``, which multiprocessing's own start of it ignores on Python 3.11)."""
     if method != "fork":
         _register_generator()
     if method == "forkserver":
@@ -169,6 +173,8 @@ def context(method: str) -> Any:
             else:
                 os.environ.pop(MAIN_ENV, None)  # (one inherited from a parent names its script, not this one)
             multiprocessing.set_forkserver_preload([*preload, *(m for m in ours if m not in preload)])
+        if start:
+            start_forkserver()  # (a no-op if running; waits for a start under way in another thread)
     return multiprocessing.get_context(method)
 
 
@@ -203,15 +209,13 @@ def warm_forkserver() -> threading.Thread | None:
     DDP, loading a checkpoint) instead of adding it to the first batch. The first pass waits for
     it if it is not up yet; a failure here is left to that pass, which starts the server again and
     raises what it raises. Returns the thread (None: already running)."""
-    from multiprocessing import forkserver
-
     if forkserver_running():
         return None
     context("forkserver")  # its preload list, before the server starts
 
     def start() -> None:
         try:
-            forkserver.ensure_running()
+            start_forkserver()
         except Exception:  # noqa: BLE001 - the pass starts it again and reports
             logger.debug("shardstream: the forkserver did not start ahead of the first pass", exc_info=True)
 
@@ -389,8 +393,9 @@ class WorkerStart:
     """The loader's ``worker_init_fn``: die with the rank, keep freed memory (``keep_freed_memory``),
     the hand-off's segment pool (if any), then the user's function. A class, not a closure, so it pickles for workers that are not forked."""
 
-    def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None):
+    def __init__(self, channels: Any = None, fn: Callable[[int], Any] | None = None, inline_bytes: int = 0):
         self.channels, self.fn = channels, fn
+        self.inline_bytes = inline_bytes  # tensors up to this size cross as bytes (PackInWorker): no shared memory for them
         self.main_pid = os.getpid()
         self.method = "fork"  # set by the loader before each set of workers starts
         self.environ: dict[str, str] | None = None  # the rank's environment, for workers a forkserver forks
@@ -411,6 +416,8 @@ class WorkerStart:
             os.environ.update(self.environ)
         if os.environ.get(KEEP_FREED_ENV, "1") != "0":
             keep_freed_memory()
+        if self.inline_bytes:
+            small_storages_unshared(self.inline_bytes)
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
