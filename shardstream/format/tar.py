@@ -336,6 +336,15 @@ def _verify_checksums(buf: bytes, positions: list[int], url: str, base: int) -> 
         _check_signed(buf, positions[int(i)], int(stored[i]), url, base)
 
 
+def _checksum_error(buf: bytes, positions: list[int], url: str, base: int) -> ShardFormatError | None:
+    """``_verify_checksums``' error for the first bad header, returned rather than raised."""
+    try:
+        _verify_checksums(buf, positions, url, base)
+    except ShardFormatError as exc:
+        return exc
+    return None
+
+
 _FEW_HEADERS = 6
 # The stored checksum is octal digits padded with NUL/space: every other byte is dropped.
 _NOT_OCTAL = bytes(c for c in range(256) if not 48 <= c <= 55)
@@ -1231,6 +1240,7 @@ def _parse(
         # (the next key's): the headers' checksums are checked when the loop stops, and a bad one
         # keeps the samples shown complete before it (the bad header may be the last one's member).
         verified, ends = len(out), []
+        error: ShardFormatError | None = None  # what ends the parse here, once the samples before it are out
         try:
             while True:
                 if pos >= limit:
@@ -1378,31 +1388,21 @@ def _parse(
             # is reported as such rather than as whatever its garbage looked like.
             if headers and headers[-1] == pos:
                 headers.pop()  # the header being parsed when it broke: checked on its own below
-            try:
-                _verify_checksums(buf, headers, url, base)
-            except ShardFormatError as bad:
-                out = out[: verified + bisect_left(ends, bad.offset or 0)]
-                if out:
-                    yield out
-                raise bad from None
-            error = exc if isinstance(exc, ShardFormatError) else ShardFormatError(url, base + pos, "member name is not UTF-8")
-            if buflen - pos >= BLOCK:
-                try:
-                    _verify_checksums(buf, [pos], url, base)
-                except ShardFormatError as checksum_error:
-                    error = checksum_error
+            bad = _checksum_error(buf, headers, url, base)
+            if bad is None:
+                error = exc if isinstance(exc, ShardFormatError) else ShardFormatError(url, base + pos, "member name is not UTF-8")
+                if buflen - pos >= BLOCK:
+                    error = _checksum_error(buf, [pos], url, base) or error
+        else:
+            bad = _checksum_error(buf, headers, url, base)
+        if bad is not None:
+            # The samples shown complete before the corrupt header are delivered first, as where
+            # the loop itself breaks (and wherever a list or a read happened to end).
+            out, error = out[: verified + bisect_left(ends, bad.offset or 0)], bad
+        if error is not None:
             if out:
                 yield out
             raise error from None
-        try:
-            _verify_checksums(buf, headers, url, base)
-        except ShardFormatError as bad:
-            # The samples complete before the corrupt header are delivered first, as where the
-            # loop itself breaks (and wherever a list or a read happened to end).
-            out = out[: verified + bisect_left(ends, bad.offset or 0)]
-            if out:
-                yield out
-            raise
         if resume:
             resumed = (out, window_end)
             continue
