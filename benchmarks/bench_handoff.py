@@ -20,7 +20,7 @@ of the 4 MiB float32 ones.
 ``--baseline OTHER_TREE`` (another checkout's ``shardstream/``, e.g. ``git archive main shardstream
 benchmarks | tar -x -C /tmp/base``): this tree and that one, persistent workers and new each pass,
 segments reused, each run a fresh process of this script importing its tree's shardstream
-(forked workers), interleaved; reported with the CPU seconds per GB of the process and its
+(``--start-method``, fork by default), interleaved; reported with the CPU seconds per GB of the process and its
 workers (getrusage and /proc, read before the loader goes, as bench_small's ``cpu_seconds``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_handoff.py --collate torch --baseline /tmp/base [--images]
@@ -129,6 +129,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/dev/shm/ssbench-large", help="shared with benchmarks/bench_large.py")
     parser.add_argument("--collate", choices=("shardstream", "torch"), default="shardstream", help="the dataset's collate")
     parser.add_argument("--images", action="store_true", help="224 x 224 x 3 uint8 samples, batches of 64")
+    parser.add_argument("--start-method", default="fork", choices=("fork", "forkserver", "spawn"), help="how the workers start")
     parser.add_argument("--baseline", help="another tree's shardstream (its parent directory) against this one's")
     parser.add_argument("--repo", help=argparse.SUPPRESS)  # (one run in a fresh process: that tree)
     parser.add_argument("--persistent", type=int, help=argparse.SUPPRESS)
@@ -136,7 +137,8 @@ def main() -> None:
     batch_size = 64 if args.images else 32
     root = os.path.join(args.workdir, "images" if args.images else "npy")
     if args.repo is not None:  # one run, reported as JSON
-        gbps, cpu = measure(root, True, bool(args.persistent), args.passes, collate=args.collate, batch_size=batch_size)
+        persistent = bool(args.persistent)
+        gbps, cpu = measure(root, True, persistent, args.passes, start_method=args.start_method, collate=args.collate, batch_size=batch_size)
         import shardstream
 
         print(json.dumps({"gbps": gbps, "cpu_per_gb": cpu, "shardstream": shardstream.__file__}))
@@ -177,7 +179,8 @@ def compare(args: argparse.Namespace, root: str, shape: str) -> None:
     loads = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for tree, persistent in results:  # interleaved: noise hits all alike
-            flags = ["--collate", args.collate, "--passes", str(args.passes), "--workdir", args.workdir, "--persistent", str(int(persistent))]
+            flags = ["--collate", args.collate, "--passes", str(args.passes), "--workdir", args.workdir, "--start-method", args.start_method]
+            flags += ["--persistent", str(int(persistent))]
             results[(tree, persistent)].append(one_run(sys.executable, os.path.abspath(trees[tree]), flags + (["--images"] if args.images else [])))
         loads.append(os.getloadavg()[0])
     print("| workers | tree | GB/s (median) | runs | CPU s/GB (median) | runs |")
@@ -190,7 +193,7 @@ def compare(args: argparse.Namespace, root: str, shape: str) -> None:
             f"{statistics.median(cpus):.3f} | {' '.join(f'{c:.3f}' for c in cpus)} |"
         )
     print(
-        f"({args.passes} passes over {shape} per run, 2 fork workers, segments reused, {args.collate}'s collate, "
+        f"({args.passes} passes over {shape} per run, 2 {args.start_method} workers, segments reused, {args.collate}'s collate, "
         f"medians of {args.repeats}; load average {min(loads):.1f}-{max(loads):.1f})"
     )
 
