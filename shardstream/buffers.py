@@ -178,6 +178,13 @@ def take_shared(nbytes: int) -> Any:
     return _shared_allocator(nbytes) if _shared_allocator is not None else new_shared(nbytes)
 
 
+def pooled_shared(nbytes: int) -> Any:
+    """A shared storage of at least ``nbytes`` from this worker's segment pool, None where there is
+    none (the main process, a worker with no pool): torch's own stacking in a worker asks here
+    (``private.worker_new_shared``)."""
+    return _shared_allocator(nbytes) if _shared_allocator is not None else None
+
+
 # In a DataLoader worker under make_loader whose batches are its samples as stored (no decoding,
 # no transform, no collate of the user's: nothing between the read and the hand-off sees a field),
 # a large member's pieces are joined straight into the batch's shared segment by the hand-off

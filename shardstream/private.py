@@ -21,7 +21,7 @@ import importlib
 import platform
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardstream.errors import ShardstreamError
@@ -179,39 +179,56 @@ def resolve(name: str) -> Any:
 
 # -- torch ------------------------------------------------------------------------------------------
 def new_shared_storage(nbytes: int) -> Any:
-    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory (whatever
-    ``small_storages_unshared`` did to ``_new_shared`` in this process)."""
+    """A new ``torch.UntypedStorage`` of ``nbytes`` in shared memory: torch's own ``_new_shared``,
+    whatever ``worker_new_shared`` did to it in this process (the segment pool makes its segments
+    here)."""
     return resolve("torch.UntypedStorage._new_shared")(nbytes)
 
 
-_small_unshared = False
+_worker_new_shared = False
 
 
-def small_storages_unshared(limit: int) -> None:
+def worker_new_shared(limit: int, pooled: Callable[[int], Any] | None = None) -> None:
     """In a DataLoader worker whose batches shardstream's pack step hands over (``make_loader``'s):
-    a new CPU "shared" storage of at most ``limit`` bytes is made an ordinary one. torch's
-    ``default_collate`` makes each batch's stacked tensors in fresh shared memory when it runs in a
-    worker (``_new_shared``: a file created, sized, mapped and its pages zeroed on first touch, then
-    unmapped), to save a copy when torch pickles the tensor; the pack step sends every tensor of at
-    most its inline limit as bytes in the message instead, so that memory only cost: 1 KiB samples
-    with torch's default_collate, batch 64, spent about an eighth of a worker's CPU there (py-spy). A tensor
-    of such a storage that torch pickles after all (a view larger than the limit, the user's own
-    queue) is moved to shared memory then, by torch's own reduction, as any tensor is; larger
-    storages stay shared from the start. The same bytes either way."""
-    global _small_unshared
+    where torch asks for a new CPU "shared" storage (``UntypedStorage._new_shared``; its
+    ``default_collate`` stacks each batch into one when it runs in a worker, to save a copy when
+    torch pickles the tensor), one of at most ``limit`` bytes is made an ordinary one, and a larger
+    one asked in the process's main thread comes from ``pooled(nbytes)`` (the worker's segment pool;
+    None: none here, torch's own then).
+
+    Small: torch's fresh shared memory is a file created, sized, mapped and its pages zeroed on first
+    touch, then unmapped; the pack step sends every tensor of at most its inline limit as bytes in
+    the message instead, so that memory only cost: 1 KiB samples with torch's default_collate, batch
+    64, spent about an eighth of a worker's CPU there (py-spy). A tensor of such a storage that torch
+    pickles after all (a view larger than the limit, the user's own queue) is moved to shared memory
+    then, by torch's own reduction, as any tensor is.
+
+    Large: the pool hands out a segment the main process let go of and no tensor of the worker still
+    uses (``loader/segments.py``), maybe larger than asked (torch's collate makes its tensor over
+    the storage's start: ``new(storage).resize_``), and the pack step sends it by number, as it does
+    shardstream's own collate's batches; a segment that leaves some other way is never reused. Only
+    the main thread: the pool is the worker's main thread's (a user's thread gets torch's own). The
+    same bytes either way."""
+    global _worker_new_shared
     import torch
 
     original = resolve("torch.UntypedStorage._new_shared")
-    if _small_unshared:
+    if _worker_new_shared:
         return
+    main = threading.main_thread()
 
     def _new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
-        if size <= limit and torch.device(device).type == "cpu":
-            return cls(size)
+        if torch.device(device).type == "cpu":
+            if size <= limit:
+                return cls(size)
+            if pooled is not None and cls is torch.UntypedStorage and threading.current_thread() is main:
+                storage = pooled(size)
+                if storage is not None:
+                    return storage
         return original(size, device=device)
 
     torch.UntypedStorage._new_shared = classmethod(_new_shared)  # type: ignore[method-assign,assignment]
-    _small_unshared = True
+    _worker_new_shared = True
 
 
 def storage_use_count(storage: Any) -> int:

@@ -520,3 +520,115 @@ def test_no_segment_is_sized_ahead_where_the_manifest_cannot_tell_a_batch_size(t
 
 def _identity(sample):
     return sample
+
+
+# --- torch's own default_collate in a worker -------------------------------------------------
+# torch's default_collate stacks a worker's batch into a storage it asks UntypedStorage._new_shared
+# for; in make_loader's workers that has a segment pool, a large one comes from the pool
+# (private.worker_new_shared), so the batch rides the reused segments as shardstream's own collate's do.
+IMAGE = (3, 64, 64)  # 12 KiB of uint8 per sample: a batch of 8 is 96 KiB, over the pack step's 64 KiB inline limit
+
+
+def _image_dataset(root, n: int = 48) -> tuple[str, list[np.ndarray]]:
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, IMAGE, dtype=np.uint8) for _ in range(n)]
+    with ShardWriter(str(root), max_count=12) as w:
+        for i, image in enumerate(images):
+            w.write({"__key__": f"{i:04d}", "npy": image})
+    return str(root), images
+
+
+def _torch_collated(root: str) -> ShardStream:
+    from torch.utils.data import default_collate
+
+    return ShardStream(root, batch_size=8, shuffle=False, collate=default_collate, world=World(0, 1))
+
+
+class ReportTorchStack:
+    """A loader collate_fn, after the dataset's collate (torch's default_collate), in the worker: the
+    pool's counters, the bytes of the storage torch stacked the batch into against the batch's own,
+    whose _new_shared this process has, and whether a stack made in another thread is pooled."""
+
+    def __call__(self, batch):
+        from torch.utils.data import default_collate
+
+        pool = worker_pool()
+        x = batch["npy"]
+        batch["pool"] = torch.tensor([-1, -1, -1] if pool is None else [pool.reused, pool.made, pool.made_ahead])
+        batch["storage"] = torch.tensor([x.untyped_storage().nbytes(), x.nbytes, int(x.is_shared())])
+        batch["new_shared"] = torch.UntypedStorage._new_shared.__func__.__qualname__
+        stacked: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: stacked.append(default_collate(list(x))))
+        thread.start()
+        thread.join()
+        batch["threaded_pooled"] = pool is not None and pool.find(stacked[0]) is not None
+        return batch
+
+
+def _want(images: list[np.ndarray], keys: list[str]) -> torch.Tensor:
+    return torch.stack([torch.from_numpy(images[int(k)]) for k in keys])
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_torch_default_collate_batches_ride_reused_segments_and_held_batches_keep_their_values(tmp_path, method):
+    root, images = _image_dataset(tmp_path / "d")
+    ds = _torch_collated(root)
+    alone = {tuple(b["__key__"]): b["npy"] for b in make_loader(ds, num_workers=0, log_interval=None)}
+    loader = make_loader(ds, num_workers=2, start_method=method, collate_fn=ReportTorchStack(), log_interval=None, pin_memory=False)
+    kept = []
+    reused = 0
+    for p in range(3):
+        batches = 0
+        for i, batch in enumerate(loader):
+            batches += 1
+            x, keys = batch["npy"], batch["__key__"]
+            assert torch.equal(x, alone[tuple(keys)]) and torch.equal(x, _want(images, keys))  # as with no workers
+            made = batch["pool"].tolist()
+            assert made[1] + made[2] > 0  # the worker's pool made the segments torch stacked into
+            assert batch["new_shared"] == "worker_new_shared.<locals>._new_shared"
+            assert batch["threaded_pooled"] is False  # another thread of the worker: torch's own shared memory
+            reused = max(reused, made[0])
+            if p == 0 and i % 2 == 0:  # held through the later passes, one of them written by the user
+                if i == 0:
+                    x.add_(1)
+                kept.append((x, _want(images, keys) + (1 if i == 0 else 0)))
+        assert batches == 6
+    assert reused > 0  # segments came back to the workers (their pool's count, not a timing)
+    for x, want in kept:  # no held segment was written again
+        assert torch.equal(x, want)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_torch_default_collate_stacks_into_a_pooled_segment_larger_than_it_asked(tmp_path, method):
+    root, images = _image_dataset(tmp_path / "d", n=24)
+    ds = _torch_collated(root)
+    loader = make_loader(ds, num_workers=2, start_method=method, collate_fn=ReportTorchStack(), log_interval=None, pin_memory=False)
+    batch_bytes = 8 * int(np.prod(IMAGE))
+    assert loader.channels is not None
+    loader.channels.first_batch_bytes = batch_bytes * 3 // 2  # each worker's first segment, made ahead: half as large again
+    larger = 0
+    for batch in loader:
+        assert torch.equal(batch["npy"], _want(images, batch["__key__"]))
+        storage, asked, shared = batch["storage"].tolist()
+        assert asked == batch_bytes and storage >= asked and shared
+        if batch["pool"].tolist()[2] == 1 and storage > asked:
+            larger += 1
+    assert larger >= 2  # each worker's first batch: the segment made ahead, larger than torch asked
+
+
+def test_torch_default_collate_keeps_torch_shared_memory_where_there_is_no_pool(tmp_path):
+    from torch.utils.data import DataLoader
+
+    root, images = _image_dataset(tmp_path / "d", n=24)
+    ds = _torch_collated(root)
+    no_reuse = make_loader(ds, num_workers=2, start_method="fork", collate_fn=ReportTorchStack(), log_interval=None, reuse_shared_memory=False)
+    plain = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=ReportTorchStack(), multiprocessing_context="fork")
+    for loader, new_shared in ((no_reuse, "worker_new_shared.<locals>._new_shared"), (plain, "_StorageBase._new_shared")):
+        batches = list(loader)
+        assert len(batches) == 3
+        for batch in batches:
+            assert torch.equal(batch["npy"], _want(images, batch["__key__"]))
+            assert batch["pool"].tolist() == [-1, -1, -1]  # no pool in the worker
+            storage, asked, shared = batch["storage"].tolist()
+            assert storage == asked and shared  # torch's own fresh shared memory, as large as asked
+            assert batch["new_shared"] == new_shared

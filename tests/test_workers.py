@@ -415,7 +415,7 @@ def small_and_large(sample):
 def test_torch_default_collate_in_a_worker_makes_small_tensors_in_private_memory_with_the_same_bytes(dataset, method):
     """torch's default_collate makes a worker's stacked tensors in fresh shared memory; the pack step
     sends those of at most its inline limit (64 KiB) as bytes anyway, so a worker makes them in its
-    own memory (WorkerStart: private.small_storages_unshared), and larger ones stay shared. The
+    own memory (WorkerStart: private.worker_new_shared), and larger ones stay shared. The
     batches hold the same values as with no workers."""
     ds = ShardStream(dataset, batch_size=8, shuffle=False, transform=small_and_large, collate=stacked_with_sharing)
     got = list(make_loader(ds, num_workers=2, start_method=method, pin_memory=False))

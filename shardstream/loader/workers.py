@@ -49,6 +49,7 @@ from collections.abc import Callable
 from multiprocessing import synchronize
 from typing import Any
 
+from shardstream.buffers import pooled_shared
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
 from shardstream.private import (
     forkserver_preload,
@@ -61,9 +62,9 @@ from shardstream.private import (
     semaphore_name,
     set_iterator_timeout,
     shutdown_workers,
-    small_storages_unshared,
     start_forkserver,
     tracker_unregister,
+    worker_new_shared,
 )
 
 logger = logging.getLogger(__name__)
@@ -416,8 +417,8 @@ class WorkerStart:
             os.environ.update(self.environ)
         if os.environ.get(KEEP_FREED_ENV, "1") != "0":
             keep_freed_memory()
-        if self.inline_bytes:
-            small_storages_unshared(self.inline_bytes)
+        if self.inline_bytes:  # torch's shared storages: small ones private, large ones from the pool (if any)
+            worker_new_shared(self.inline_bytes, pooled_shared)
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
