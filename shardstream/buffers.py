@@ -188,7 +188,9 @@ def pooled_shared(nbytes: int) -> Any:
 # In a DataLoader worker under make_loader whose batches are its samples as stored (no decoding,
 # no transform, no collate of the user's: nothing between the read and the hand-off sees a field),
 # a large member's pieces are joined straight into the batch's shared segment by the hand-off
-# (format.tar's ``Unjoined``), not into ``bytes`` first. The worker's start says so here.
+# (format.tar's ``Unjoined``), not into ``bytes`` first. The worker's start says so here. The
+# switch is the worker process's: another dataset with decoders iterated inside such a worker (not
+# a use seen) would get ``Unjoined`` values for its large members too.
 _as_stored = False
 
 
