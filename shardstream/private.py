@@ -365,24 +365,12 @@ def resource_tracker_in_own_session() -> bool:
     if not hasattr(os, "setsid"):
         return False
     tracker = resolve("multiprocessing.resource_tracker._resource_tracker")
-    util: Any = importlib.import_module("multiprocessing.util")
-    spawnv = resolve("multiprocessing.util.spawnv_passfds")
     if not hasattr(tracker, "_fd") or not callable(getattr(tracker, "ensure_running", None)):
         raise gone("multiprocessing.resource_tracker._resource_tracker", "no _fd or ensure_running")
-
-    def in_own_session(path: str, args: list[str], passfds: Any) -> int:
-        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_TRACKER_CODE):
-            args = [*args[:-1], "import os; os.setsid(); " + args[-1]]
-        return spawnv(path, args, passfds)
-
     with _spawnv_lock:
         if tracker._fd is not None:
             return False
-        util.spawnv_passfds = in_own_session  # the tracker's start calls it by this name
-        try:
-            tracker.ensure_running()
-        finally:
-            util.spawnv_passfds = spawnv
+        _start_prefixed(_TRACKER_CODE, lambda: "import os; os.setsid(); ", tracker.ensure_running)
     return True
 
 
@@ -410,25 +398,37 @@ def start_forkserver() -> None:
     if not forkserver_ignores_sys_path():
         forkserver.ensure_running()
         return
-    util: Any = importlib.import_module("multiprocessing.util")
-    spawnv = resolve("multiprocessing.util.spawnv_passfds")
     preparation = resolve("multiprocessing.spawn.get_preparation_data")
 
-    def with_sys_path(path: str, args: list[str], passfds: Any) -> int:
-        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(_FORKSERVER_CODE):
-            import os
+    def sys_path_first() -> str:
+        import os
 
-            given = preparation("ignore").get("sys_path", sys.path)
-            sys_path = [os.fspath(p) for p in given if isinstance(p, (str, os.PathLike))]  # (a repr in the command: strings only)
-            args = [*args[:-1], f"import sys; sys.path[:] = {sys_path!r}; " + args[-1]]
-        return spawnv(path, args, passfds)
+        given = preparation("ignore").get("sys_path", sys.path)
+        sys_path = [os.fspath(p) for p in given if isinstance(p, (str, os.PathLike))]  # (a repr in the command: strings only)
+        return f"import sys; sys.path[:] = {sys_path!r}; "
 
     with _spawnv_lock:
-        util.spawnv_passfds = with_sys_path  # ensure_running calls it by this name
-        try:
-            forkserver.ensure_running()
-        finally:
-            util.spawnv_passfds = spawnv
+        _start_prefixed(_FORKSERVER_CODE, sys_path_first, forkserver.ensure_running)
+
+
+def _start_prefixed(code: str, prefix: Callable[[], str], start: Callable[[], Any]) -> None:
+    """``start()`` with ``util.spawnv_passfds`` wrapped for it: a ``python -c`` command that begins
+    with ``code`` (the helper process ``start`` makes: the resource tracker, the forkserver's server)
+    gets ``prefix()`` put before it, the one way to add to what multiprocessing runs there. Called
+    under ``_spawnv_lock`` (one wrap at a time)."""
+    util: Any = importlib.import_module("multiprocessing.util")
+    spawnv = resolve("multiprocessing.util.spawnv_passfds")
+
+    def prefixed(path: str, args: list[str], passfds: Any) -> int:
+        if len(args) >= 2 and args[-2] == "-c" and args[-1].startswith(code):
+            args = [*args[:-1], prefix() + args[-1]]
+        return spawnv(path, args, passfds)
+
+    util.spawnv_passfds = prefixed  # the start calls it by this name
+    try:
+        start()
+    finally:
+        util.spawnv_passfds = spawnv
 
 
 def import_main_inherited(path: str) -> None:
