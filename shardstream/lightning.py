@@ -6,9 +6,15 @@ or manifest URL, a ``Manifest``, a ``Source`` or a mix of them); the streams are
 it. Every loader is a ``make_loader`` loader, which Lightning leaves as it is: it replaces the
 sampler only of a ``torch.utils.data.DataLoader``, and shardstream splits the data over ranks itself.
 
-- **Training** resumes mid-epoch through Lightning's own checkpoint: the loader is Stateful
-  (``state_dict``/``load_state_dict``), so the fit loop saves its position with the checkpoint and
-  loads it back before the resumed epoch's first batch (``fit(ckpt_path=...)``). Every rank
+- **Training** resumes mid-epoch through Lightning's own checkpoint (``fit(ckpt_path=...)``),
+  exactly on the same topology and elastically on another. The loader is Stateful
+  (``state_dict``/``load_state_dict``), so the fit loop saves its position with the checkpoint.
+  Lightning counts the epoch's batches itself: it restores its count of the batches done and
+  ends the epoch at ``len(loader)``, a length it reads *before* loading the loader's state. So the
+  module saves the position in its own ``state_dict`` too (with the count of batches done in the
+  pass, which an elastic resume cannot recompute), and its ``load_state_dict``, which Lightning
+  calls before it asks for the loaders, gives it to the training loader as it is made: its
+  ``len`` is then the batches done plus those the resumed pass yields, on any topology. Every rank
   receives the same number of batches, so rank 0's state, the one in the checkpoint, is every
   rank's. The loader's epoch follows the trainer's: Lightning calls ``set_epoch`` on a loader's
   ``sampler`` at each epoch start, and this loader's ``sampler`` passes it on.
@@ -18,12 +24,18 @@ sampler only of a ``torch.utils.data.DataLoader``, and shardstream splits the da
   equal. A metric that weighs samples by it counts each sample of the dataset exactly once over
   all ranks.
 
-Import ``pytorch_lightning`` (the ``pytorch-lightning`` package: ``pip install
-'shardstream[lightning]'``), or else ``lightning.pytorch`` (the ``lightning`` package).
+- **No validation data** with a model that has ``validation_step``: validation is skipped, as
+  Lightning skips it for a module without a val dataloader.
+
+``ShardDataModule`` is a ``LightningDataModule`` of every Lightning package installed:
+``lightning.pytorch`` (the ``lightning`` package) and ``pytorch_lightning`` (``pytorch-lightning``,
+``pip install 'shardstream[lightning]'``). Installing ``lightning`` often leaves an earlier
+``pytorch-lightning`` in place; either package's ``Trainer`` then takes the module as its own.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,13 +43,22 @@ from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
 from shardstream.loader import ShardLoader, make_loader
 
-try:
-    import pytorch_lightning as pl
-except ImportError:  # pragma: no cover - depends on what is installed
-    try:
-        import lightning.pytorch as pl  # type: ignore[no-redef]
-    except ImportError:
-        raise ImportError("shardstream.lightning needs PyTorch Lightning: pip install 'shardstream[lightning]'") from None
+LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")  # the two packages' module names
+
+
+def _datamodule_bases() -> tuple[type, ...]:
+    """The ``LightningDataModule`` class of each Lightning package that imports here: a Trainer
+    accepts a datamodule only of its own package's class, and the user's Trainer may come from either."""
+    bases = []
+    for name in LIGHTNING_PACKAGES:
+        try:
+            bases.append(importlib.import_module(name).LightningDataModule)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("shardstream.lightning needs PyTorch Lightning: pip install 'shardstream[lightning]' (or lightning)")
+    return tuple(bases)
+
 
 STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 EVAL_SPLITS = ("val", "test", "predict")
@@ -54,7 +75,7 @@ class _LoaderEpochs:
         self.loader.set_epoch(epoch)  # the epoch of a loaded state keeps that state (a resume)
 
 
-class ShardDataModule(pl.LightningDataModule):
+class ShardDataModule(*_datamodule_bases()):  # type: ignore[misc]
     """Lightning data for shardstream datasets (see the module docstring).
 
     ``train``, ``val``, ``test``, ``predict``: the sources (what ``ShardStream`` takes as its
@@ -96,6 +117,8 @@ class ShardDataModule(pl.LightningDataModule):
         self.eval_options = {"shuffle": False, **(eval_options or {}), "mode": "pad"}
         self.eval_options.pop("schedule", None)
         self.streams: dict[str, ShardStream] = {}
+        self.train_loader: ShardLoader | None = None  # the last one train_dataloader made
+        self._resume: dict[str, Any] | None = None  # from load_state_dict, for the next training loader
 
     def stream(self, split: str) -> ShardStream:
         """The ``ShardStream`` of ``split`` ("train", "val", "test" or "predict"), built on first use."""
@@ -119,16 +142,20 @@ class ShardDataModule(pl.LightningDataModule):
                 self.stream(split)
 
     def _loader(self, split: str) -> ShardLoader:
-        # Lightning restores its own count of the batches done and stops at len(loader): a whole pass.
-        options = {"resumed_len": "whole", **self.loader_options}
-        return make_loader(self.stream(split), num_workers=self.num_workers, **options)
+        return make_loader(self.stream(split), num_workers=self.num_workers, **self.loader_options)
 
     def train_dataloader(self) -> ShardLoader:
-        loader = self._loader("train")
+        loader = self.train_loader = self._loader("train")
         loader.sampler = _LoaderEpochs(loader)
+        resume, self._resume = self._resume, None
+        if resume is not None:  # before Lightning reads len(loader): the resumed pass's length
+            loader.load_state_dict(resume["train"])
+            loader.counted_before = int(resume["counted"])
         return loader
 
-    def val_dataloader(self) -> ShardLoader:
+    def val_dataloader(self) -> ShardLoader | list:
+        if self.sources["val"] is None:
+            return []  # no validation data: Lightning skips validation, as for a module without val_dataloader
         return self._loader("val")
 
     def test_dataloader(self) -> ShardLoader:
@@ -136,3 +163,17 @@ class ShardDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> ShardLoader:
         return self._loader("predict")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves with a checkpoint: the training loader's position and the batches
+        of the pass done (Lightning's own count; see the module docstring). Empty before training."""
+        loader = self.train_loader
+        if loader is None:
+            return {}
+        return {"train": loader.state_dict(), "counted": len(loader) - loader.remaining}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by Lightning with a checkpoint's ``state_dict()`` before it asks for the loaders:
+        the next training loader starts from it."""
+        if state_dict.get("train") is not None:
+            self._resume = dict(state_dict)

@@ -81,11 +81,13 @@ def test_stateful_dataloader_resumes_exactly(root, workers, every, persistent):
     assert len(ref) == 30 and len(set(flat(ref))) == 120
     for stop in (1, 7, 29) if workers != 3 else (5,):
         loader = sdl(root, workers, **opts)
+        assert len(loader) == 30
         assert keys(loader, stop) == ref[:stop]
         state = through_json(loader.state_dict())
         shut(loader)
         resumed = sdl(root, workers, **opts)  # a new dataset and loader, as after a restart
         resumed.load_state_dict(state)
+        assert len(resumed) == 30  # the whole pass, before and after load_state_dict
         assert keys(resumed) == ref[stop:], f"stopped after {stop}"
         assert keys(resumed) == ref_next  # the next epoch runs normally
         shut(resumed)
@@ -181,48 +183,43 @@ def test_plain_dataloader_resumes_exactly(root, workers):
         if workers == 0:
             assert ds.state_dict() == state  # iterated in the loop's process: the dataset counted itself
         again = stream(root)
+        assert len(plain(again)) == 30
         again.load_state_dict(state)  # before the DataLoader starts its workers
         loader = plain(again)
+        assert len(loader) == 30  # the whole pass, before and after load_state_dict
         assert keys(loader) == ref[stop:]
         assert keys(loader) == ref_next
 
 
-# -- make_loader: len and plan after a resume ------------------------------------------------------
+# -- make_loader: len and remaining after a resume -------------------------------------------------
 @pytest.mark.parametrize("workers,steps", [(2, None), (0, None), (2, 11)])
-def test_loader_length_is_what_the_resumed_pass_yields(root, workers, steps):
+def test_loader_length_is_the_whole_pass_after_a_resume(root, workers, steps):
+    # torch's DataLoader, StatefulDataLoader and Lightning: len() is the whole pass, and a client
+    # that restores its own count of batches done (Lightning's fit loop) stops at len(loader).
     def loader():
         return make_loader(stream(root, schedule=Schedule(steps=steps)), num_workers=workers, log_interval=None, pin_memory=False)
 
     full = steps or 30
     ref, ref_next = epochs(loader)
     first = loader()
-    assert len(first) == full
+    assert len(first) == first.remaining == full
     keys(first, 7)
-    assert len(first) == full  # during a pass: that pass's length
+    assert len(first) == full and first.remaining == full - 7  # during a pass
     resumed = loader()
     resumed.load_state_dict(through_json(first.state_dict()))
-    assert len(resumed) == full - 7
+    assert len(resumed) == full and resumed.remaining == full - 7
     got = []
     for batch in resumed:
         got.append(list(batch["__key__"]))
-        assert len(resumed) == full - 7  # the resumed pass's length, all through it
+        assert len(resumed) == full and resumed.remaining == full - 7 - len(got)  # all through it
     assert got == ref[7:] and len(got) == full - 7
-    assert len(resumed) == full
+    assert len(resumed) == resumed.remaining == full
     assert keys(resumed) == ref_next and len(ref_next) == full
 
 
-def test_resumed_len_whole_counts_a_whole_pass_for_clients_that_count_the_position(root):
-    # Lightning restores its own count of the batches done and stops at len(loader): for it a
-    # resumed pass's length is the whole pass's (ShardDataModule asks for this).
-    first = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False)
-    done = keys(first, 7)
-    resumed = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False, resumed_len="whole")
-    resumed.load_state_dict(through_json(first.state_dict()))
-    assert len(resumed) == 30
-    rest = keys(resumed)
-    assert len(done) + len(rest) == 30 and not set(flat(done)) & set(flat(rest))
+def test_resumed_len_is_gone(root):
     with pytest.raises(ConfigError, match="resumed_len"):
-        make_loader(stream(root), num_workers=0, resumed_len="all")
+        make_loader(stream(root), num_workers=0, resumed_len="whole")
 
 
 def test_loader_length_after_an_elastic_resume(root):
@@ -230,11 +227,12 @@ def test_loader_length_after_an_elastic_resume(root):
     taken = keys(first, 5)
     resumed = make_loader(stream(root, batch_size=3), num_workers=1, log_interval=None, pin_memory=False)
     resumed.load_state_dict(first.state_dict())
-    expected = len(resumed)
+    expected = resumed.remaining
+    assert len(resumed) == 5 + expected  # counted from the pass's start: the 5 received before, then the rest
     rest = keys(resumed)
     assert len(rest) == expected == (SAMPLES - 2 - 5 * BATCH) // 3  # the unseen 100, in batches of 3
     assert not set(flat(taken)) & set(flat(rest))
-    assert len(resumed) == SAMPLES // 3
+    assert len(resumed) == resumed.remaining == SAMPLES // 3
 
 
 def test_plan_summary_knows_the_loader_workers(root):
@@ -294,7 +292,7 @@ def test_accelerate_prepare_every_sample_once_and_save_state_resumes(root, worke
     accelerator.save_state(str(tmp_path / "ckpt"))
     accelerator, model, optimizer, loader = _accelerate_objects(root, workers)
     accelerator.load_state(str(tmp_path / "ckpt"))
-    assert len(loader) == 21
+    assert len(loader) == 30 and loader.remaining == 21  # the whole pass, and what is left of it
     assert _train(accelerator, model, optimizer, loader) == ref[0][9:]
     assert _train(accelerator, model, optimizer, loader) == ref[1]
 

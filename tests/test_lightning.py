@@ -278,3 +278,116 @@ def test_ddp_fit_over_a_parquet_table(tmp_path):
     assert len(validated[0]) == len(validated[1])  # pad mode: the same number of batches on every rank
     assert sorted(i for v in validated for rec in v for i in rec["val"]) == _table_ids(val)  # each row counted once
     assert sum(rec["repeats"] for v in validated for rec in v) == -sum(TABLE_VAL) % 8 > 0
+
+
+# -- a user's own LightningDataModule returning a plain make_loader ---------------------------------
+class PlainData(pl.LightningDataModule):
+    """How a user writes it: a LightningDataModule whose train_dataloader returns make_loader's loader."""
+
+    def __init__(self, root: str):
+        super().__init__()
+        self.root = root
+
+    def train_dataloader(self):
+        stream = shardstream.ShardStream(self.root, batch_size=4, shuffle=shardstream.Shuffle(16), seed=11)
+        return shardstream.make_loader(stream, num_workers=1)
+
+
+def _plain_rank_main(rank: int, world: int, store: str, port: int, train: str, work: str, phase: str, ready) -> None:
+    out = _rank_env(rank, world, port, work, phase)
+    ckpt = os.path.join(work, "step.ckpt")
+    callbacks = [Crash(3, ckpt, ready, rank)] if phase == "crash" else []
+    trainer = _trainer(devices=world, strategy="ddp", max_epochs=1, callbacks=callbacks, limit_val_batches=0)
+    trainer.fit(Model(out), PlainData(train), ckpt_path=ckpt if phase == "resume" else None)
+    with open(out, "a") as f:
+        f.write(json.dumps({"len": len(trainer.train_dataloader), "batches": trainer.num_training_batches}) + "\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_plain_make_loader_datamodule_resumes_every_sample_once(tmp_path):
+    # Lightning reads len(loader) before it loads the loader's state, ends the epoch at it and
+    # restores its own count of the batches done: len must be the whole pass after a resume too.
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    work = str(tmp_path)
+    before = launch_phase(_plain_rank_main, 2, work, "crash", (free_port(), train))
+    after = launch_phase(_plain_rank_main, 2, work, "resume", (free_port(), train))
+    assert [sum(1 for rec in rank if "train" in rec) for rank in before] == [3, 3]
+    assert [sum(1 for rec in rank if "train" in rec) for rank in after] == [5, 5]  # the rest of the epoch
+    trained = [k for rank in (*before, *after) for rec in rank if "train" in rec for k in rec["train"]]
+    assert sorted(trained) == [f"s{i:06d}" for i in range(N_TRAIN)]  # every sample exactly once
+    assert [rec for rank in after for rec in rank if "len" in rec] == [{"len": 8, "batches": 8}] * 2  # the whole pass
+
+
+# -- ShardDataModule resumed on another number of ranks ---------------------------------------------
+def _elastic_rank_main(rank: int, world: int, store: str, port: int, train: str, val: str, step: int, work: str, phase: str, ready) -> None:
+    out = _rank_env(rank, world, port, work, phase)
+    ckpt = os.path.join(work, "step.ckpt")
+    dm = ShardDataModule(train, val, batch_size=4, num_workers=1, shuffle=shardstream.Shuffle(16), seed=11)
+    callbacks = [Crash(step, ckpt, ready, rank)] if phase == "crash" else []
+    trainer = _trainer(devices=world, strategy="ddp", max_epochs=1, callbacks=callbacks)
+    trainer.fit(Model(out), dm, ckpt_path=ckpt if phase == "resume" else None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("old,new,step,rest", [(1, 2, 4, 6), (2, 1, 3, 10)])
+def test_ddp_datamodule_resumes_elastically_with_validation(tmp_path, old, new, step, rest):
+    # 1 -> 2: 16 batches on 1 rank, 4 done, the other 48 samples in 6 batches per rank;
+    # 2 -> 1: 8 batches per rank, 3 done (24 samples), the other 40 in 10 batches on 1 rank.
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    val = write_dataset(tmp_path / "val", n=N_VAL, max_count=10)
+    work = str(tmp_path)
+    before = launch_phase(_elastic_rank_main, old, work, "crash", (free_port(), train, val, step))
+    saved = torch.load(tmp_path / "step.ckpt", weights_only=False)
+    assert saved["ShardDataModule"]["counted"] == step  # the datamodule's own copy of the position
+    after = launch_phase(_elastic_rank_main, new, work, "resume", (free_port(), train, val, step))
+    assert [sum(1 for rec in rank if "train" in rec) for rank in before] == [step] * old
+    assert [sum(1 for rec in rank if "train" in rec) for rank in after] == [rest] * new
+    trained = [k for rank in (*before, *after) for rec in rank if "train" in rec for k in rec["train"]]
+    assert sorted(trained) == [f"s{i:06d}" for i in range(N_TRAIN)]  # every unseen sample, once
+    assert [rec["val"] for rank in after for rec in rank if "val" in rec] == [_val_expected()] * new  # validation ran
+
+
+# -- train-only modules, and both Lightning packages -------------------------------------------------
+def test_train_only_module_skips_validation_like_lightning(tmp_path):
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    model = Model()  # it has validation_step; Lightning skips validation without val data
+    _trainer(devices=1, max_epochs=1, limit_val_batches=1.0).fit(model, ShardDataModule(train, batch_size=8, num_workers=0))
+    assert sorted(k for b in model.trained for k in b) == [f"s{i:06d}" for i in range(N_TRAIN)]
+    assert model.val_results == []
+
+
+def test_both_lightning_packages_take_the_module(tmp_path):
+    L = pytest.importorskip("lightning.pytorch")
+    train = write_dataset(tmp_path / "train", n=N_TRAIN, max_count=16)
+    val = write_dataset(tmp_path / "val", n=N_VAL, max_count=10)
+    dm = ShardDataModule(train, val, batch_size=4, num_workers=0)
+    assert isinstance(dm, L.LightningDataModule) and isinstance(dm, pl.LightningDataModule)
+
+    class LModel(L.LightningModule):  # the same model, as a lightning.pytorch module
+        training_step = Model.training_step
+        validation_step = Model.validation_step
+        on_validation_epoch_start = Model.on_validation_epoch_start
+        on_validation_epoch_end = Model.on_validation_epoch_end
+        configure_optimizers = Model.configure_optimizers
+        _write = Model._write
+
+        def __init__(self):
+            super().__init__()
+            self.layer, self.out, self.trained, self.val_results = torch.nn.Linear(1, 1), None, [], []
+
+    model = LModel()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, dm)
+    assert sorted(k for b in model.trained for k in b) == [f"s{i:06d}" for i in range(N_TRAIN)]
+    assert model.val_results == [_val_expected()]

@@ -2,7 +2,7 @@
 and the worker -> main process hand-off of batches.
 
 The dataset batches inside its workers, so the loader's batch_size is None; ``len(loader)`` is the
-number of batches per rank in a pass (an epoch; after ``load_state_dict``, the rest of it). The loader never changes the dataset: a worker learns its
+number of batches per rank in a whole pass (an epoch, also after ``load_state_dict``). The loader never changes the dataset: a worker learns its
 number and index from ``get_worker_info``, and the hand-off packing runs in the loader's
 ``collate_fn``, which DataLoader calls in the worker on each batch the dataset yields.
 
@@ -65,6 +65,7 @@ from shardstream.loader.workers import (
 from shardstream.pipeline.batch import default_collate
 from shardstream.plan.cursor import Cursor, Origin
 from shardstream.plan.requests import is_remote
+from shardstream.plan.run import PassPlan
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
@@ -79,7 +80,6 @@ SHARED_FIELD_MIN_BYTES = 1 << 20
 # A packed batch is {PACKED: spec, "batch": structure}: a plain dict, so DataLoader's pin-memory
 # thread still walks into it and pins the large tensors. ``spec`` mirrors the structure only where
 # tensors were turned into arrays: {key or index: sub-spec}, True at an inlined tensor.
-RESUMED_LENS = ("rest", "whole")  # make_loader's resumed_len: what len(loader) says in a resumed pass
 PACKED = "__shardstream_inline__"
 SHARED = "__shardstream_shared__"  # the batch's SharedFields, if it has large bytes fields
 SEGMENTS = "__shardstream_segments__"  # the batch's segments.Handoff, if tensors lie on pooled segments
@@ -355,8 +355,8 @@ class ShardLoader(webdataset.WebLoader):
     ``.map(...)`` and the other fluid stages) around a ``ShardStream``; build it with
     ``make_loader``, which sets its defaults.
 
-    - ``len(loader)``: the batches each rank gets in this pass, the same on every rank (after
-      ``load_state_dict``, the rest of the resumed epoch; whole epochs after it).
+    - ``len(loader)``: the batches each rank gets in a whole pass, the same on every rank, before
+      and after ``load_state_dict``; ``remaining``: what is left of the pass (of a resumed one, the rest).
     - ``set_epoch(n)``, ``stats()``: the dataset's, reached from here.
     - ``state_dict()`` / ``load_state_dict(state)``: the data position, counted in batches this
       loop received (``to_device`` subtracts the one it holds copied ahead); see Resume.
@@ -376,14 +376,14 @@ class ShardLoader(webdataset.WebLoader):
         start_why: str = "asked for",
         timeout: float | None = None,
         first_batch_timeout: float | None = None,
-        resumed_len: str = "rest",
         **kwargs: Any,
     ):
-        if resumed_len not in RESUMED_LENS:
-            raise ConfigError(f"resumed_len must be one of {', '.join(map(repr, RESUMED_LENS))}, got {resumed_len!r}")
         super().__init__(dataset, **kwargs)
         self.dataset = dataset
-        self.resumed_len = resumed_len
+        # Batches a client counted in the resumed pass before its checkpoint, for len(): the state
+        # counts only those since the pass's last elastic resume, so ShardDataModule saves its own
+        # count and sets it here after load_state_dict (which leaves it); None: the state's count.
+        self.counted_before: int | None = None
         self.log_interval = log_interval
         self.num_workers = int(kwargs.get("num_workers") or 0)
         self.persistent_workers = bool(kwargs.get("persistent_workers"))
@@ -409,16 +409,40 @@ class ShardLoader(webdataset.WebLoader):
         dataset.loader_workers = self.num_workers  # what dataset.plan() and its summary assume
 
     def __len__(self) -> int:
-        """Batches this pass yields per rank: the one in progress, else the next (after
-        ``load_state_dict``, the rest of the resumed pass; then whole passes again). With
-        ``resumed_len="whole"`` always a whole pass: for clients that count the resumed position
-        themselves (Lightning's fit loop restores its batch count and stops at ``len``)."""
-        if self.resumed_len == "whole":
+        """Batches per rank of the pass in progress, else of the next, counted from the pass's
+        start, as torch's DataLoader, StatefulDataLoader and Lightning count: a whole pass, before
+        and after ``load_state_dict``. A resumed pass's length includes the batches received
+        before its checkpoint (the state's count), so a loop that restores its own step count and
+        stops at ``len(loader)`` (Lightning's fit loop) gets the rest exactly; on another topology
+        that is the batches received before plus those the elastic pass yields. What is left to
+        yield: ``remaining``."""
+        plan = self._length_plan()
+        if plan is None or plan.loaded is None:
             return len(self.dataset)
+        before = plan.loaded.last.batches if self.counted_before is None else self.counted_before  # (exact: plan.received)
+        return before + plan.batches_per_rank
+
+    @property
+    def remaining(self) -> int:
+        """Batches per rank still to come in the pass in progress (or the one the loop left
+        mid-way, as ``state_dict`` counts), else in the next one: after ``load_state_dict``, what
+        the resumed pass yields (the rest of it); else a whole pass."""
+        current = self._unfinished()
+        if current is not None:
+            return current.plan.batches_per_rank - current.taken
+        plan = self._length_plan()
+        return plan.batches_per_rank if plan is not None else len(self.dataset)
+
+    def _unfinished(self) -> Cursor | None:
         current = self._current()
-        if current is not None and self._in_pass:
-            return current.plan.batches_per_rank
-        return self.dataset.pass_plan(self.num_workers).batches_per_rank if self.dataset._clock.upcoming_resumed else len(self.dataset)
+        return current if current is not None and (self._in_pass or current.taken < current.plan.batches_per_rank) else None
+
+    def _length_plan(self) -> PassPlan | None:
+        """The plan of the pass in progress (or left mid-way), or of the next one where it resumes a loaded state."""
+        current = self._unfinished()
+        if current is not None:
+            return current.plan
+        return self.dataset.pass_plan(self.num_workers) if self.dataset._clock.upcoming_resumed else None
 
     def _current(self) -> Cursor | None:
         """The loop's cursor in the pass in progress (or just over), None before one starts."""
@@ -636,7 +660,6 @@ def make_loader(
     start_method: str = "auto",
     timeout: float | None = DEFAULT_TIMEOUT,
     first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
-    resumed_len: str = "rest",
     **kwargs: Any,
 ) -> ShardLoader:
     """Wrap ``dataset`` in a loader; checks that ``num_workers`` leaves every worker something to read.
@@ -673,12 +696,15 @@ def make_loader(
     unbounded). Past it the loop raises ``WorkerTimeout`` naming the rank, the worker, its pid and
     its last step. Workers die with their rank process, whatever the start method.
 
-    ``resumed_len``: what ``len(loader)`` says after ``load_state_dict`` until the resumed pass
-    ends. ``"rest"`` (default): the batches that pass yields, so a plain loop's ``len`` matches
-    it. ``"whole"``: a whole pass, for clients that restore their own count of the batches done
-    and stop at ``len`` (Lightning's ``Trainer``; ``ShardDataModule`` sets it).
+    ``len(loader)`` is the whole pass per rank, before and after ``load_state_dict`` (torch's
+    convention); ``loader.remaining`` is what is left of it.
     """
     dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
+    if "resumed_len" in kwargs:
+        raise ConfigError(
+            "make_loader has no resumed_len any more: len(loader) is always the whole pass (torch's, StatefulDataLoader's "
+            "and Lightning's convention), and loader.remaining is what is left of a resumed one"
+        )
     if kwargs.pop("timeout", None):
         raise ConfigError(
             "make_loader bounds waits with timeout= (each batch) and first_batch_timeout= (its own "
@@ -729,6 +755,5 @@ def make_loader(
         start_why=why,
         timeout=timeout if num_workers > 0 else None,
         first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
-        resumed_len=resumed_len,
         **kwargs,
     )
