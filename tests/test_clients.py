@@ -323,3 +323,18 @@ def test_accelerate_two_processes_split_every_epoch(root, tmp_path):
         per_rank = [flat(r["epochs"][epoch]) for r in results]
         assert len(per_rank[0]) == len(per_rank[1]) == results[0]["len"] * BATCH == 15 * BATCH
         assert not set(per_rank[0]) & set(per_rank[1]) and len(set(per_rank[0]) | set(per_rank[1])) == 120
+
+
+def test_to_device_remaining_counts_the_batch_copied_ahead(root):
+    from shardstream import to_device
+
+    loader = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False)
+    moved = to_device(loader, "cpu", copy_ahead=1)  # holds the next batch once it yields one
+    it = iter(moved)
+    for _ in range(5):
+        next(it)
+    assert len(moved) == 30 and moved.remaining == 25 and loader.remaining == 24
+    state = moved.state_dict()
+    resumed = make_loader(stream(root), num_workers=0, log_interval=None, pin_memory=False)
+    resumed.load_state_dict(state)
+    assert len(resumed) == 30 and resumed.remaining == 25

@@ -130,6 +130,11 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    @property
+    def remaining(self) -> int:
+        """The loader's ``remaining``, with the batch copied ahead and not yet yielded still to come."""
+        return self.loader.remaining + self._held  # type: ignore[attr-defined]
+
     def state_dict(self) -> dict[str, Any]:
         """The loader's state, less the batch copied ahead and not yet handed to the loop (it is
         delivered again after a resume)."""
