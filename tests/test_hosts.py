@@ -19,7 +19,8 @@ from conftest import free_port, scaled, write_dataset
 from faultproxy import FaultProxy
 from netns import Hosts, hosts_problem
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(hosts_problem() is not None, reason=str(hosts_problem()))]
+PROBLEM = hosts_problem()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))]
 
 TRAIN = os.path.join(os.path.dirname(__file__), "hosts_train.py")
 TOTAL = 96
