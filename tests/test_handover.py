@@ -66,3 +66,19 @@ def test_rank_zeros_manifest_error_is_raised_on_every_rank(s3, tmp_path):
     assert gets <= 1
     assert all(e[0] == errors[0][0] and e[1] for e in errors), errors  # the same ManifestError, also a FileNotFoundError
     assert all("cannot read the manifest (not found)" in e[2] for e in errors)
+
+
+def test_ls_states_the_start_at_any_world_size(tmp_path, capsys):
+    from shardstream.cli.main import main
+
+    root = tmp_path / "ds"
+    write_dataset(str(root), 8192, max_count=1024, size=8)
+    assert main(["ls", str(root), "--world", "8192", "--workers", "1", "--rate", "1GB", "--json"]) == 0
+    start = json.loads(capsys.readouterr().out)["requests"]["start"]
+    size = (root / "index.json").stat().st_size
+    # what the 4-rank test above counts at the server, scaled: 1 GET at any world, 4 (one a rank) without the handover
+    assert start == {"gets": 1, "bytes": size, "gets_each_rank_reading": 8192, "bytes_each_rank_reading": 8192 * size}
+    assert main(["ls", str(root), "--world", "8192", "--workers", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "start: 1 GETs" in out and "8,192 GETs" in out
+    assert "8,192 GETs of the manifest within seconds, above S3's 5,500 per prefix" in err
