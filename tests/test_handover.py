@@ -56,6 +56,22 @@ def test_four_ranks_read_the_manifest_once_and_every_rank_gets_it(s3, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_mix_file_and_its_sources_manifests_are_read_once(s3, tmp_path):
+    bucket, options, client = s3
+    for name in ("a", "b"):
+        write_dataset(f"s3://{bucket}/mix/{name}", 40, max_count=10, storage_options=options)
+    mix = {"sources": [{"url": "a", "weight": 0.5, "name": "a"}, {"url": "b", "weight": 0.5, "name": "b"}]}
+    client.put_object(Bucket=bucket, Key="mix/mix.json", Body=json.dumps(mix).encode())
+    world, out = 3, str(tmp_path / "result")
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        run_ranks(_rank_main, world, (world, str(tmp_path / "store"), f"s3://{bucket}/mix/mix.json", {"endpoint_url": proxy.url}, out))
+        gets = [path.split("?")[0] for method, path, _ in proxy.log if method == "GET" and path.split("?")[0].endswith(".json")]
+    ranks = rank_results(out, world)
+    assert sorted(gets) == [f"/{bucket}/mix/a/index.json", f"/{bucket}/mix/b/index.json", f"/{bucket}/mix/mix.json"]  # once each, not 3x
+    assert all(r["keys"] for r in ranks) and len({r["len"] for r in ranks}) == 1  # one plan of one mix on every rank
+
+
+@pytest.mark.slow
 def test_rank_zeros_manifest_error_is_raised_on_every_rank(s3, tmp_path):
     bucket, options, _ = s3
     world, out = 3, str(tmp_path / "result")
