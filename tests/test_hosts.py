@@ -114,3 +114,4 @@ def test_a_lost_host_and_the_job_resuming_on_the_other_alone(cluster, tmp_path):
     flat = [k for rank in after[1] for k in rank]
     assert len(flat) == len(set(flat)) == TOTAL  # the next epoch whole, on 2 ranks
     assert all(b == n for b, n in ends[1]) and len(set(ends[1])) == 1
+    assert manifest_gets(proxy) == 2  # one per job start: the 4-rank one and the 2-rank one
