@@ -29,6 +29,7 @@ from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
 from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.format.scan import scan_shards
+from shardstream.handover import read_once
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
@@ -125,7 +126,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.store, self.schedule = store or Store(), schedule or Schedule()
         self.storage_options = dict(self.store.options or {})  # the stream's; a mix's Source may give its own
         self.storage, self.read = self.store.config, self.store.read
-        self.sources: Mix = open_sources(source, self.storage_options, self.storage)  # a single dataset is a mix of one
+        # A single dataset is a mix of one. Under a process group rank 0 reads it and hands it over (handover.py).
+        self.sources: Mix = read_once(lambda: open_sources(source, self.storage_options, self.storage), world)
         self.manifest = self.sources.manifests[0]
         self.counts = self.manifest.counts  # int64 array, one entry per shard: all that planning needs
         self.world = world if world is not None else World.detect()

@@ -66,6 +66,7 @@ class FaultProxy:
         faulty_methods=("GET",),
         stall: str | None = None,
         cut: str = "fin",
+        host: str = "127.0.0.1",
     ):
         if stall not in (None, "accept", "headers"):
             raise ValueError(f"stall must be None, 'accept' or 'headers', got {stall!r}")
@@ -173,9 +174,9 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self.server = QuietHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietHTTPServer((host, 0), Handler)  # host: another address of this machine's (tests/netns.py)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> FaultProxy:

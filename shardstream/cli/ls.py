@@ -22,6 +22,10 @@ bytes per second, and on the busiest prefix; a warning past S3's 5,500 GET/s per
 on local disk is counted as if its shards were on S3 (what it would make once uploaded). For a mix
 file: every remote source's GETs and their sum, over all its sources' prefixes (as the stream
 reads it: local sources make none).
+
+The start: the GETs and bytes before the first batch. Under a process group made before the
+ShardStream, rank 0 reads the manifests (a table's footers) once and hands them to every rank
+(docs/training.md, Across nodes); where each rank reads them itself, --world times that.
 """
 
 
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def requests_of(args: argparse.Namespace, manifest):
-    """``(RequestCount, rate)`` for the topology the flags give, or None when none was asked for:
+    """``(RequestCount, rate, start_cost)`` for the topology the flags give, or None when none was asked for:
     a single dataset is planned as the stream plans it (the one planner; reported as one dataset)."""
     from shardstream.sources import Mix, Source
 
@@ -115,10 +119,25 @@ def mix_requests_of(args: argparse.Namespace, mix):
     from shardstream.plan.requests import DEFAULT_RATE
 
     plan = mix.report(world_size=args.world or 1, num_workers=args.workers or 1, batch_size=args.batch_size, mode=args.mode)
-    return plan.count_requests(mix.manifests), float(args.rate or DEFAULT_RATE)
+    return plan.count_requests(mix.manifests), float(args.rate or DEFAULT_RATE), start_cost(mix.manifests, mixed=mix.mixed)
 
 
-def requests_json(args: argparse.Namespace, count, rate: float) -> dict:
+def start_cost(manifests, *, mixed: bool) -> tuple[int, int]:
+    """``(GETs, bytes)`` of reading the sources once: one GET of each dataset's index.json (its
+    bytes as written: the version-2 JSON), a Parquet table's footers without one (one GET each),
+    and the mix file."""
+    from shardstream.format.parquet import TableManifest
+
+    gets, size = int(mixed), 0
+    for m in manifests:
+        if isinstance(m, TableManifest):
+            gets, size = gets + len(m.files), size + int(m.footer_sizes.sum())
+        else:
+            gets, size = gets + 1, size + len(m.dumps())
+    return gets, size
+
+
+def requests_json(args: argparse.Namespace, count, rate: float, start: tuple[int, int]) -> dict:
     prefix, busiest = count.busiest(rate)
     out = {
         "world_size": args.world or 1,
@@ -133,6 +152,9 @@ def requests_json(args: argparse.Namespace, count, rate: float) -> dict:
         "prefixes": len(count.by_prefix),
         "warning": count.warning(rate),
     }
+    gets, size = start
+    world = args.world or 1
+    out["start"] = {"gets": gets, "bytes": size, "gets_each_rank_reading": gets * world, "bytes_each_rank_reading": size * world}
     if count.parts:  # a mix: each source's GETs, over the same epoch
         seconds = count.seconds(rate)
         out["by_source"] = {
@@ -142,8 +164,22 @@ def requests_json(args: argparse.Namespace, count, rate: float) -> dict:
     return out
 
 
-def print_requests(args: argparse.Namespace, count, rate: float) -> None:
-    print(f"  {args.world or 1} ranks x {args.workers or 1} workers, {count.describe(rate)}")
+def print_requests(args: argparse.Namespace, count, rate: float, start: tuple[int, int]) -> None:
+    from shardstream.plan.requests import S3_GETS_PER_PREFIX
+
+    world = args.world or 1
+    gets, size = start
+    print(f"  {world} ranks x {args.workers or 1} workers, {count.describe(rate)}")
+    print(
+        f"  start: {gets:,} GETs, {human_bytes(size)} (read by rank 0 and handed over under a process group; "
+        f"{gets * world:,} GETs, {human_bytes(size * world)} where each rank reads them itself)"
+    )
+    if gets * world > S3_GETS_PER_PREFIX:
+        print(
+            f"shardstream ls: warning: {gets * world:,} GETs of the manifest within seconds, above S3's {S3_GETS_PER_PREFIX:,} "
+            "per prefix, where each rank reads it: initialise torch.distributed before making the ShardStream",
+            file=sys.stderr,
+        )
     warning = count.warning(rate)
     if warning:
         print(f"shardstream ls: warning: {warning}", file=sys.stderr)

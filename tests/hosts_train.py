@@ -1,0 +1,72 @@
+"""A rank of the multi-host tests (tests/test_hosts.py), started by torchrun in a network
+namespace: gloo DDP over the namespace's interface (GLOO_SOCKET_IFNAME), the dataset on the moto
+S3 server across the link, 2 DataLoader workers, 2 epochs. Writes every batch's keys to
+``WORK/PHASE.keys.RANK``. In phase ``crash`` rank 0 checkpoints after STOP steps of epoch 0, then
+every rank says so in ``WORK/ready.RANK`` and waits to be killed; a later phase resumes from the
+checkpoint on whatever world it is started with.
+
+    python -m torch.distributed.run ... hosts_train.py SOURCE ENDPOINT WORK PHASE
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import shardstream
+
+STOP = 3  # steps of epoch 0 before the checkpoint, in phase crash
+
+
+def main(source: str, endpoint: str, work: str, phase: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("HOSTS_TIMEOUT", "60"))))
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dataset = shardstream.ShardStream(
+        source, batch_size=4, seed=5, shuffle=shardstream.Shuffle(16), store=shardstream.Store(options={"endpoint_url": endpoint})
+    )
+    loader = shardstream.make_loader(dataset, num_workers=2, log_interval=None)
+    checkpoint = os.path.join(work, "checkpoint.pt")
+    start = 0
+    if phase != "crash" and os.path.exists(checkpoint):
+        saved = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = json.loads(saved["loader"])
+        loader.load_state_dict(state)
+        start = state["epoch"]
+    with open(os.path.join(work, f"{phase}.keys.{rank}"), "w") as out:
+        for epoch in range(start, 2):
+            loader.set_epoch(epoch)
+            batches = 0
+            for step, batch in enumerate(loader):
+                loss = model(batch["cls"].float().unsqueeze(1)).sum()
+                optimizer.zero_grad()
+                loss.backward()  # all-reduce across hosts: unequal batch counts would hang here
+                optimizer.step()
+                batches += 1
+                out.write(json.dumps({"epoch": epoch, "keys": batch["__key__"]}) + "\n")
+                out.flush()
+                if phase == "crash" and step + 1 == STOP:
+                    if rank == 0:
+                        tmp = checkpoint + ".tmp"
+                        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": json.dumps(loader.state_dict())}, tmp)
+                        os.replace(tmp, checkpoint)
+                    dist.barrier()
+                    with open(os.path.join(work, f"ready.{rank}"), "w"):
+                        pass
+                    time.sleep(600)  # killed here, mid-epoch, workers and all
+            out.write(json.dumps({"epoch": epoch, "batches": batches, "len": len(loader), "world": dist.get_world_size()}) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
