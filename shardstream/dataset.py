@@ -55,6 +55,7 @@ from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
+from shardstream.portable import reduce_portable
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
@@ -186,6 +187,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         # Shared with DataLoader workers (persistent ones too), so set_epoch and a loaded state reach them.
         self._clock = EpochClock()
         self._stats = StreamStats()
+
+    def __reduce__(self) -> Any:
+        # Pickled for workers that are not forked: the user's functions by value where a worker
+        # could not import them (a notebook's, a lambda, a closure: portable.py).
+        return reduce_portable(self)
 
     def _open_cache(self, manifests: Sequence[Manifest]) -> ShardCache | None:
         cache = self.store.cache
