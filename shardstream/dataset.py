@@ -63,6 +63,8 @@ from shardstream.storage.readahead import Budget
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)
+# What plan().summary() adds to its worker count before make_loader has said how many there are.
+WORKERS_UNKNOWN = " (assumed: the worker count is not known yet; make_loader(num_workers=...) sets it, or pass plan(num_workers=...))"
 
 
 def _planned(source: Any, part: Any, i: int) -> PlannedReads | PlannedGroups:
@@ -261,8 +263,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
         plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
+        if num_workers is None and self._workers_unknown():
+            plan = dataclasses.replace(plan, workers_note=WORKERS_UNKNOWN)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
+
+    def _workers_unknown(self) -> bool:
+        """Whether the worker count a plan assumes is a guess: no loader built over this dataset,
+        no pass run yet, not in a worker."""
+        return torch.utils.data.get_worker_info() is None and not self._clock.started and self.loader_workers is None
 
     def check_workers(self, num_workers: int) -> None:
         """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot

@@ -447,3 +447,17 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_a_plan_before_make_loader_says_the_worker_count_is_not_known_yet(dataset):
+    ds = ShardStream(dataset, batch_size=10)
+    assert (
+        ds.plan()
+        .summary()
+        .endswith(
+            "1 workers per rank (assumed: the worker count is not known yet; make_loader(num_workers=...) sets it, or pass plan(num_workers=...))"
+        )
+    )
+    assert ds.plan(num_workers=2).summary().endswith(", 2 workers per rank")
+    make_loader(ds, num_workers=2)
+    assert ds.plan().summary().endswith(", 2 workers per rank")  # the loader's count, no longer assumed
