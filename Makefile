@@ -39,7 +39,8 @@ lint: install
 test: lint
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
-# the smoke subset on the oldest and the newest (Python, torch) pyproject.toml claims (.ci/matrix)
+# the smoke subset on the oldest and the newest (Python, torch) pyproject.toml claims (.ci/matrix;
+# its torch floor is 2.5 on Python 3.11-3.12 and 2.6 on 3.13)
 matrix:
 	.ci/matrix
 

@@ -56,6 +56,7 @@ from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
+from shardstream.portable import reduce_portable
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
@@ -63,6 +64,8 @@ from shardstream.storage.readahead import Budget
 from shardstream.storage.urls import expand_urls
 
 logger = logging.getLogger(__name__)
+# What plan().summary() adds to its worker count before make_loader has said how many there are.
+WORKERS_UNKNOWN = " (assumed: the worker count is not known yet; make_loader(num_workers=...) sets it, or pass plan(num_workers=...))"
 
 
 def _planned(source: Any, part: Any, i: int) -> PlannedReads | PlannedGroups:
@@ -189,6 +192,11 @@ class ShardStream(torch.utils.data.IterableDataset):
         self._clock = EpochClock()
         self._stats = StreamStats()
 
+    def __reduce__(self) -> Any:
+        # Pickled for workers that are not forked: the user's functions by value where a worker
+        # could not import them (a notebook's, a lambda, a closure: portable.py).
+        return reduce_portable(self)
+
     def _open_cache(self, manifests: Sequence[Manifest]) -> ShardCache | None:
         cache = self.store.cache
         if cache is None:
@@ -257,8 +265,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
         plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
+        if num_workers is None and self._workers_unknown():
+            plan = dataclasses.replace(plan, workers_note=WORKERS_UNKNOWN)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
         return dataclasses.replace(plan, resumed=resume.summary()) if resume is not None else plan
+
+    def _workers_unknown(self) -> bool:
+        """Whether the worker count a plan assumes is a guess: no loader built over this dataset,
+        no pass run yet, not in a worker."""
+        return torch.utils.data.get_worker_info() is None and not self._clock.started and self.loader_workers is None
 
     def check_workers(self, num_workers: int) -> None:
         """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot

@@ -60,8 +60,8 @@ class Source:
     applied before the stream's ``transform``, to give unlike sources one shape (rename fields,
     fill in missing ones); None drops the sample, as the stream's transform does. A dict it returns
     keeps ``__source__``. Given as ``"module:function"`` (what a mix file writes) it is imported
-    when the stream is built. It must pickle for DataLoader workers: a module-level function or a
-    class instance, not a lambda.
+    when the stream is built. A lambda or a notebook's function reaches workers too (by value,
+    ``shardstream.portable``).
     """
 
     url: str | Sequence[str] | Manifest | Table

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import s3fs
-from conftest import forget_aws_credentials, make_samples, scaled, write_image_folder
+from conftest import forget_aws_credentials, make_samples, scaled, write_dataset, write_image_folder
 from faultproxy import FaultProxy
 
 from shardstream import Decode, ShardStream, ShardWriter, World, make_loader
@@ -187,6 +187,33 @@ def test_a_folder_of_files_to_pack_says_run_pack(tmp_path):
     root = str(tmp_path / "train")
     with pytest.raises(E.ManifestError, match=rf"run `shardstream pack {re.escape(root)} DEST` and read DEST; for tar shards"):
         ShardStream(root, batch_size=4, world=World(0, 1))
+
+
+def test_a_folder_of_unindexed_tars_gets_advice_that_works(tmp_path):
+    """The error for a folder of tars without index.json names two ways in, and both work:
+    ``shardstream index GLOB DEST`` then DEST, and ``ShardStream.from_urls(GLOB)``."""
+    import shutil
+
+    write_dataset(tmp_path / "packed", n=12, max_count=4)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for tar in sorted((tmp_path / "packed").glob("*.tar")):
+        shutil.copy(tar, raw / tar.name)  # tar shards alone, as another tool leaves them
+    with pytest.raises(E.ManifestError) as caught:
+        ShardStream(str(raw), batch_size=4, world=World(0, 1))
+    message = str(caught.value)
+    index = re.search(r"run `shardstream index '([^']+)' DEST`", message)
+    urls = re.search(r"ShardStream\.from_urls\('([^']+)', \.\.\.\)", message)
+    assert index and urls, message
+    dest = tmp_path / "dest"
+    assert main(["index", index.group(1), str(dest)]) == 0
+    keys = sorted(s["__key__"] for s in make_samples(12))
+    for ds in (
+        ShardStream(str(dest), batch_size=4, shuffle=False, world=World(0, 1)),
+        ShardStream.from_urls(urls.group(1), batch_size=4, shuffle=False, world=World(0, 1)),
+    ):
+        assert sorted(k for b in ds for k in b["__key__"]) == keys
+    assert sorted(p.name for p in raw.iterdir()) == sorted(p.name for p in (tmp_path / "packed").glob("*.tar"))  # nothing written beside the shards
 
 
 def _tries(message: str) -> tuple[int, float]:

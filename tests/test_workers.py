@@ -140,13 +140,26 @@ def test_a_bad_environment_variable_is_a_config_error(dataset, monkeypatch):
         make_loader(ShardStream(dataset, batch_size=10), num_workers=2)
 
 
-def test_a_lambda_cannot_go_to_a_forkserver_worker_in_any_epoch_and_the_error_says_what_to_do(dataset):
+class HoldsLock:
+    """A transform that holds what cannot travel to a worker (a lock)."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, sample):
+        return sample
+
+
+def test_a_lambda_goes_to_forkserver_workers_and_what_cannot_travel_says_what_to_do(dataset):
     ds = ShardStream(dataset, batch_size=10, transform=lambda s: s)
-    loader = make_loader(ds, num_workers=1)
+    assert len(_keys(make_loader(ds, num_workers=1))) == 120  # by value (shardstream.portable)
+    held = make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1)
     for _epoch in range(2):  # the same error in epoch 0 as later: the method does not change
-        with pytest.raises(ConfigError, match="module level.*start_method='fork'"):
-            list(loader)
-    assert len(_keys(make_loader(ds, num_workers=1, start_method="fork"))) == 120  # forked: nothing is pickled
+        with pytest.raises(ConfigError, match="the dataset is sent to them pickled.*lock.*start_method='fork'"):
+            list(held)
+    assert len(_keys(make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1, start_method="fork"))) == 120
 
 
 class Jitter:
@@ -434,3 +447,17 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return bool(torch.equal(a, b))
+
+
+def test_a_plan_before_make_loader_says_the_worker_count_is_not_known_yet(dataset):
+    ds = ShardStream(dataset, batch_size=10)
+    assert (
+        ds.plan()
+        .summary()
+        .endswith(
+            "1 workers per rank (assumed: the worker count is not known yet; make_loader(num_workers=...) sets it, or pass plan(num_workers=...))"
+        )
+    )
+    assert ds.plan(num_workers=2).summary().endswith(", 2 workers per rank")
+    make_loader(ds, num_workers=2)
+    assert ds.plan().summary().endswith(", 2 workers per rank")  # the loader's count, no longer assumed

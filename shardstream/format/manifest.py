@@ -537,8 +537,8 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
             exc,
             f"{url}: cannot read the manifest (not found). Is this a packed dataset root? For a folder of files (an "
             f"ImageFolder tree), run `shardstream pack {root} DEST` and read DEST; for tar shards written by other "
-            f"tools, run `shardstream index '{root}/*.tar' {root}` once, or pass the shards themselves as a glob "
-            f"('{root}/*.tar')",
+            f"tools, run `shardstream index '{root}/*.tar' DEST` once and read DEST (a folder of its own: your shard "
+            f"folder stays as it is), or index them at each start with ShardStream.from_urls('{root}/*.tar', ...)",
             ManifestError,
         ) from exc
     except StorageError as exc:  # each is both a ManifestError and its storage class (AccessDenied, ...)

@@ -57,6 +57,7 @@ from shardstream.loader.workers import (
     check_main_guarded,
     check_picklable,
     context,
+    main_without_file,
     preload_remote,
     resolve_start_method,
     warm_forkserver,
@@ -66,6 +67,7 @@ from shardstream.pipeline.batch import default_collate
 from shardstream.plan.cursor import Cursor, Origin
 from shardstream.plan.requests import is_remote
 from shardstream.plan.run import PassPlan
+from shardstream.portable import reduce_portable
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
 from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
@@ -278,6 +280,9 @@ class PackInWorker:
     def __init__(self, fn: Callable[[Any], Any] | None = None, max_bytes: int = INLINE_MAX_BYTES):
         self.fn = fn
         self.max_bytes = max_bytes
+
+    def __reduce__(self) -> Any:
+        return reduce_portable(self)  # the user's collate by value where a worker could not import it
 
     def __call__(self, batch: Any) -> Any:
         if self.fn is not None:
@@ -519,6 +524,7 @@ class ShardLoader(webdataset.WebLoader):
                 self._checked.add(method)
         self._watch["method"] = method
         if method != "fork":
+            main_without_file()  # python -: its "<stdin>" is no script for a worker to run
             check_main_guarded(method)  # a worker would run the script's unguarded loop again
         else:
             ready_for_fork(self.dataset)  # what each worker would make at its first read, made once here
@@ -683,8 +689,10 @@ def make_loader(
     ``shardstream.loader.workers``: ``fork()`` copies one thread of a process that has many, and
     can deadlock the child). ``"fork"``, ``"forkserver"`` or ``"spawn"`` ask for one (so does
     DataLoader's ``multiprocessing_context``). Workers that are not forked receive the dataset
-    pickled, so its transform and decoders must be module-level functions, not lambdas: a
-    ConfigError says so at the first pass. Where workers will start from a forkserver, its server
+    pickled: what a worker can import goes by reference, and a function it cannot (one defined in a
+    notebook cell, ``python -`` or ``python -c``, a lambda, a closure, webdataset's decoders) goes
+    by value with cloudpickle (``shardstream.portable``); what cannot travel at all (an open file,
+    a lock) is a ConfigError at the first pass. Where workers will start from a forkserver, its server
     (1.4-2.1 s to start) is started here, in the background.
 
     ``persistent_workers`` (default True) keeps the workers between passes, so a new epoch starts

@@ -51,6 +51,7 @@ from typing import Any
 
 from shardstream.buffers import pooled_shared
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
+from shardstream.portable import reduce_portable
 from shardstream.private import (
     forkserver_preload,
     forkserver_running,
@@ -226,8 +227,9 @@ def warm_forkserver() -> threading.Thread | None:
 
 
 def check_picklable(method: str, why: str, **parts: Any) -> None:
-    """Workers that are not forked receive the dataset and the loader's functions pickled: say which
-    part cannot be, and what to do, before any worker starts."""
+    """Workers that are not forked receive the dataset and the loader's functions pickled (what a
+    worker cannot import, such as a notebook's function or a lambda, by value: portable.py): say
+    which part cannot be, and what to do, before any worker starts."""
     for name, obj in parts.items():
         if obj is None:
             continue
@@ -236,9 +238,24 @@ def check_picklable(method: str, why: str, **parts: Any) -> None:
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise ConfigError(
                 f"DataLoader workers start with {method!r} here ({why}), so the {name} is sent to them pickled, and it "
-                f"cannot be: {exc}. Define transforms, collate and decoder functions at module level (not lambdas or "
-                f"nested functions), or pass start_method='fork' to make_loader to accept the risk"
+                f"cannot be: {exc}. An object that holds an open file, a lock, a socket or a generator cannot travel: "
+                f"create it in the transform (or in worker_init_fn) instead, or pass start_method='fork' to make_loader"
             ) from exc
+
+
+def main_without_file() -> None:
+    """For workers that are not forked, when the main module's ``__file__`` names no file:
+    ``python -`` sets it to ``"<stdin>"``, and multiprocessing's ``spawn.prepare`` then has every
+    worker (spawned or forkserver's) run that path as the main script, which fails before the
+    worker starts (FileNotFoundError). Such a main is treated as ``python -c``'s, which has no
+    ``__file__``: the attribute is removed, once (it named nothing a program could open)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or getattr(main, "__spec__", None) is not None:
+        return
+    if not os.path.isfile(path):
+        logger.debug("shardstream: __main__.__file__ %r names no file (python -): removed, as for python -c", path)
+        del main.__file__
 
 
 def check_main_guarded(method: str) -> None:
@@ -401,6 +418,9 @@ class WorkerStart:
         self.method = "fork"  # set by the loader before each set of workers starts
         self.environ: dict[str, str] | None = None  # the rank's environment, for workers a forkserver forks
         self.main_thread = True  # whether the rank's main thread starts this set of workers
+
+    def __reduce__(self) -> Any:
+        return reduce_portable(self)  # the user's worker_init_fn by value where a worker could not import it
 
     def start(self, method: str) -> None:
         """In the main process, just before a set of workers starts with ``method``."""
@@ -585,11 +605,20 @@ def _died(it: Any, stats: Any, rank: int, message: str, method: str | None) -> W
             where = f"after {made} batches this pass; its last step, {ago:.0f} s ago: {what}"
         else:
             where = "before it started its pass"
-            if code > 0 and method is not None and method != "fork":
+            if code > 0 and method is not None and method != "fork" and _main_runs_again():
                 hint = _unguarded_hint(method)
         lines.append(f"worker {w} (pid {proc.pid}) {how} {where}" + (f". {hint}" if hint else ""))
     first = found[0][1]
     return WorkerDied(f"rank {rank}: DataLoader " + "; ".join(lines), worker=found[0][0], pid=first.pid, exitcode=first.exitcode)
+
+
+def _main_runs_again() -> bool:
+    """Whether a worker that is not forked runs the main script again (multiprocessing imports it
+    by its path): not in a notebook, ``python -``, ``python -c`` or ``python -m``, where the main
+    guard's advice does not apply."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path) and getattr(main, "__spec__", None) is None
 
 
 def _unguarded_hint(method: str) -> str:

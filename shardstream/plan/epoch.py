@@ -49,6 +49,7 @@ class EpochPlan:
     mix: MixPlan
     compressed_shards: int = 0
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/run.py)
+    workers_note: str = ""  # set by ShardStream.plan() when the worker count is assumed, not known
     requests: str = ""  # set by ShardStream.plan() for a remote dataset: the GETs it makes (plan/requests.py)
 
     # -- the mix of one, as one dataset ---------------------------------------------------------------
@@ -120,7 +121,7 @@ class EpochPlan:
         return (
             f"epoch {self.epoch}: {self.total_samples} samples over {len(self.shard_order)} shards -> "
             f"{self.world_size} ranks x {self.batches_per_rank} batches of {self.batch_size} "
-            f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank"
+            f"({self.samples_per_rank} samples per rank, {extra}), {self.num_workers} workers per rank{self.workers_note}"
             + (
                 f"; {self.compressed_shards} compressed shards: a range starting mid-shard decompresses from the "
                 "shard's start and skips to it (repack as plain .tar to split cheaply)"

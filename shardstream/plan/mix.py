@@ -359,6 +359,7 @@ class MixPlan(RankSlices):
     batch_pattern: tuple[int, ...]  # exact: the source of each position in a batch
     mode: str = "drop"
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state
+    workers_note: str = ""  # set by ShardStream.plan() when the worker count is assumed, not known
     requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (plan/requests.py)
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -484,7 +485,7 @@ class MixPlan(RankSlices):
         head = (
             f"epoch {self.epoch}: mix of {len(self.names)} sources, {self.total_samples} samples "
             f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
-            f"{self.batch_size} ({extra}), {self.num_workers} workers per rank" + (f"; {self.resumed}" if self.resumed else "")
+            f"{self.batch_size} ({extra}), {self.num_workers} workers per rank{self.workers_note}" + (f"; {self.resumed}" if self.resumed else "")
         )
         return "\n".join([head, *(f"  {s}" for s in self.shares()), *([f"  {self.requests}"] if self.requests else [])])
 
