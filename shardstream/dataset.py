@@ -16,7 +16,6 @@ process opens each pass (``open_pass``) and every worker checks its plan against
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,13 +54,14 @@ from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
+from shardstream.redact import get_logger
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.readahead import Budget
 from shardstream.storage.urls import expand_urls
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _planned(source: Any, part: Any, i: int) -> PlannedReads | PlannedGroups:

@@ -29,7 +29,6 @@ here (``stats.py``).
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import threading
 import time
@@ -43,11 +42,12 @@ import fsspec.exceptions
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
 from shardstream.private import s3_call
+from shardstream.redact import get_logger
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, release_frames, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 
