@@ -16,7 +16,6 @@ process opens each pass (``open_pass``) and every worker checks its plan against
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,13 +56,14 @@ from shardstream.plan.state import State, furthest
 from shardstream.plan.topology import World, current_worker
 from shardstream.policy import ErrorPolicy
 from shardstream.portable import reduce_portable
+from shardstream.redact import get_logger
 from shardstream.sources import Mix, Source, open_sources, plan_sources, source_transforms
 from shardstream.stats import StreamStats
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.readahead import Budget
 from shardstream.storage.urls import expand_urls
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 # What plan().summary() adds to its worker count before make_loader has said how many there are.
 WORKERS_UNKNOWN = " (assumed: the worker count is not known yet; make_loader(num_workers=...) sets it, or pass plan(num_workers=...))"
 

@@ -12,7 +12,7 @@
     │   ├── AccessDenied             the store refused these credentials (also a PermissionError)
     │   ├── NoCredentials            no credentials found where botocore looks for them
     │   ├── StorageUnavailable       a transient cause that outlasted the retries: refused, DNS,
-    │   │   │                        TLS, reset, 5xx/throttling (``.attempts``, ``.waited``)
+    │   │   │                        TLS, reset, 5xx/throttling (``.attempts``, ``.waited``, ``.resets``)
     │   │   └── StorageTimeout       no answer within the timeouts/deadline (also a TimeoutError)
     │   └── ChecksumError            a shard's bytes do not match the manifest's sha256
     ├── ShardFormatError             bytes that are not a valid tar shard (names URL and offset)
@@ -91,12 +91,14 @@ class NoCredentials(StorageError):
 
 
 class StorageUnavailable(StorageError):
-    """A transient failure that lasted through every retry."""
+    """A transient failure that lasted through every retry; ``resets``: how many of those tries
+    were connections cut after too few bytes to count as progress."""
 
-    def __init__(self, message: str, *, url: str | None = None, attempts: int = 0, waited: float = 0.0):
+    def __init__(self, message: str, *, url: str | None = None, attempts: int = 0, waited: float = 0.0, resets: int = 0):
         super().__init__(message, url=url)
         self.attempts = attempts
         self.waited = waited
+        self.resets = resets
 
 
 class StorageTimeout(StorageUnavailable, TimeoutError):

@@ -28,6 +28,7 @@ from shardstream.pipeline.decode import IMAGE_MODES
 from shardstream.plan.mix import PER_BATCH
 from shardstream.plan.run import check_length
 from shardstream.policy import ON_ERROR
+from shardstream.redact import masked_repr
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
 DEFAULT_READAHEAD = 64 << 20
@@ -219,6 +220,8 @@ class Store:
     config: StorageConfig = DEFAULT_STORAGE
     read: Read = field(default_factory=Read)
     cache: Cache | None = None
+
+    __repr__ = masked_repr  # (credentials in ``options`` shown masked)
 
     def __post_init__(self) -> None:
         if self.options is not None and not isinstance(self.options, Mapping):

@@ -9,11 +9,10 @@ worker's epoch ends. ``pack`` follows the same policy for bad source items.
 
 from __future__ import annotations
 
-import logging
-
 from shardstream.errors import ConfigError, TooManyErrors
+from shardstream.redact import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ON_ERROR = ("raise", "skip")
 

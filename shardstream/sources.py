@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,11 +40,12 @@ from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan
 from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
+from shardstream.redact import get_logger, masked_repr
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.urls import expand_urls, is_shard_pattern
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MIX_KEYS = ("url", "weight", "repeat", "samples", "name", "storage_options", "transform")
 
@@ -69,6 +69,8 @@ class Source:
     repeat: float | None = None
     samples: int | None = None
     storage_options: Mapping[str, Any] | None = None
+
+    __repr__ = masked_repr  # (credentials in ``storage_options`` shown masked)
     name: str | None = None
     transform: Callable[[dict[str, Any]], Any] | str | None = None
 
@@ -180,6 +182,8 @@ class Mix:
     storage_options: list[dict[str, Any]]
     names: list[str] = field(default_factory=list)
     mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__; planned alike)
+
+    __repr__ = masked_repr  # (credentials in ``storage_options`` shown masked)
 
     def report(
         self,

@@ -43,7 +43,6 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import logging
 import os
 import uuid
 import zlib
@@ -51,9 +50,10 @@ from collections.abc import Callable
 from typing import Any
 
 from shardstream.errors import ChecksumError, ConfigError, ShardFormatError, StorageError
+from shardstream.redact import get_logger
 from shardstream.stats import NullCounters
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _SUFFIX = ".tar"
 _PARTIAL = ".partial-"

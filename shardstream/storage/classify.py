@@ -298,11 +298,21 @@ def cause(exc: BaseException) -> str:
 
 
 def storage_error(
-    url: str, exc: BaseException, *, attempts: int = 1, waited: float = 0.0, fs=None, path: str | None = None, hint: str = ""
+    url: str,
+    exc: BaseException,
+    *,
+    attempts: int = 1,
+    waited: float = 0.0,
+    fs=None,
+    path: str | None = None,
+    hint: str = "",
+    resets: int = 0,
+    cut_bytes: int = 0,
 ) -> StorageError:
     """The one translation of a storage failure into the error tree, naming ``url`` and the cause.
 
-    ``attempts``/``waited`` say how long a transient cause lasted; ``fs``/``path`` let a bare 403
+    ``attempts``/``waited`` say how long a transient cause lasted (``resets``: how many of those
+    tries were cut after ``cut_bytes`` bytes in all, too few to count as progress); ``fs``/``path`` let a bare 403
     be asked again for its reason; ``hint`` is added to a not-found message (what the object is).
 
     ``exc`` becomes the typed error's cause, its frames let go (``release_frames``): an error of
@@ -329,10 +339,15 @@ def storage_error(
     if kind is Kind.INVALID:
         return StorageError(f"{url}: the store refused the request as invalid ({cause(exc)}); check the URL, --endpoint-url and the region", url=url)
     tries = f" after {attempts} {'try' if attempts == 1 else 'tries'} in {waited:.1f} s"
+    if resets:
+        tries += (
+            f" ({resets} {'connection' if resets == 1 else 'connections'} reset after {cut_bytes} bytes in all, too few to count as"
+            " progress: the server or a proxy between cuts every answer short)"
+        )
     what = "check the endpoint URL and the network" if kind is not Kind.THROTTLED else "the store is overloaded: retry later"
     if kind is Kind.TIMEOUT:
-        return StorageTimeout(f"{url}: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
-    return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited)
+        return StorageTimeout(f"{url}: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited, resets=resets)
+    return StorageUnavailable(f"{url}: cannot reach storage: {cause(exc)}{tries}; {what}", url=url, attempts=attempts, waited=waited, resets=resets)
 
 
 _KIND_OF_ERROR: dict[type, Kind] = {

@@ -2,12 +2,13 @@
 shards, scan/index, verify, pack uploads), as one frozen option group.
 
 Timeouts bound each try; ``deadline`` bounds one request across its retries and each of its
-tries (a try's timeouts are cut to the time left; a read that makes progress, i.e. receives
-bytes, starts afresh), so a dead or stalled endpoint fails within about ``deadline`` seconds (60 by
-default) with a message naming the URL, the cause and the time waited. Transient causes
-(throttling, timeouts, refused or reset connections, 5xx) are retried with full-jitter backoff
-until the deadline, whatever their number (``max_attempts``, None by default, can cap the tries
-too); a missing object, a refusal (403), missing credentials or a malformed request fail at once.
+tries (a try's timeouts are cut to the time left; a read that makes real progress, 64 KiB or a
+sixteenth of its range since it last started (``retry.real_progress``), starts afresh), so a
+dead or stalled endpoint fails within about ``deadline`` seconds (60 by default) with a message
+naming the URL, the cause and the time waited. Transient causes (throttling, timeouts, refused
+or reset connections, 5xx) are retried with full-jitter backoff until the deadline, whatever
+their number (``max_attempts``, None by default, can cap the tries too); a missing object, a
+refusal (403), missing credentials or a malformed request fail at once.
 """
 
 from __future__ import annotations

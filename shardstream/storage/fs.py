@@ -15,7 +15,6 @@ a pack's destination check (``check_destination_writable``).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import posixpath
 import sys
@@ -31,13 +30,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from shardstream.errors import BucketNotFound, ConfigError, DestinationError, StorageNotFound
 from shardstream.private import cached_s3_filesystems
+from shardstream.redact import get_logger
 from shardstream.storage.classify import classify, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.retry import call
 
 T = TypeVar("T")
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def make_storage_options(

@@ -46,6 +46,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from shardstream.errors import ConfigError
+from shardstream.redact import mask_options
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.fs import aws_environment, check_profile
 
@@ -115,6 +116,9 @@ class _Credentials:
         from botocore.credentials import RefreshableCredentials
 
         self._refreshing = isinstance(credentials, RefreshableCredentials)
+
+    def __repr__(self) -> str:
+        return f"_Credentials(refreshing={self._refreshing})"
 
     def __call__(self) -> dict[str, Any]:
         frozen = self._credentials.get_frozen_credentials()
@@ -224,6 +228,9 @@ class Client:
         self._args = _store_args(options, bucket)
         self._timeout = min(config.read_timeout, config.deadline)
         self.store = self._make(self._timeout)
+
+    def __repr__(self) -> str:
+        return f"Client(bucket={self.bucket!r}, args={mask_options(self._args)!r})"  # (its keys masked)
 
     def _make(self, read_timeout: float) -> Any:
         from obstore.store import S3Store

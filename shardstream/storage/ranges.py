@@ -224,13 +224,13 @@ def read_head(
 
 
 class _RetriesOnly:
-    """Counters that pass on retries, resumes and throttles only."""
+    """Counters that pass on retries, resumes, throttles and waits only."""
 
     def __init__(self, counters: Any):
         self._counters = counters or NullCounters()
 
     def add(self, name: str, n: int = 1) -> None:
-        if name in ("retries", "resumes", "throttles"):
+        if name in ("retries", "resumes", "throttles", "storage_wait_us"):
             self._counters.add(name, n)
 
 

@@ -29,7 +29,6 @@ here (``stats.py``).
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import threading
 import time
@@ -43,11 +42,12 @@ import fsspec.exceptions
 from shardstream.buffers import uninitialized_bytearray
 from shardstream.errors import StorageError
 from shardstream.private import s3_call
+from shardstream.redact import get_logger
 from shardstream.stats import NullCounters
 from shardstream.storage.classify import TRANSIENT, Kind, classify, is_past_end, release_frames, storage_error
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -56,6 +56,19 @@ JITTER = random.SystemRandom()  # os.urandom per draw: different in every proces
 # own timeout rather than the store ("no answer within the 0.0 s left"), and the error would no
 # longer name what the tries met (a refused connection, a 503).
 LAST_TRY = 0.1
+# A streamed range's try budget (its deadline, its count of tries, its backoff) starts again only
+# after real progress: this many bytes since the last start, or a sixteenth of the range where
+# that is less (at least one byte). A server that cuts every answer after a few bytes once started
+# the deadline again with every byte: one request after another, no backoff, without end (335,000
+# GETs in 30 minutes). Cut before real progress, a try counts as a failed one: backed off, and
+# the read fails at the deadline with a StorageUnavailable naming the cuts.
+REAL_PROGRESS = 64 << 10
+PROGRESS_FRACTION = 16
+
+
+def real_progress(start: int, end: int) -> int:
+    """The bytes a streamed read of [start, end) must receive to start its try budget again."""
+    return max(1, min(REAL_PROGRESS, (end - start) // PROGRESS_FRACTION))
 
 
 def backoff(attempt: int, config: StorageConfig = DEFAULT_STORAGE) -> float:
@@ -282,6 +295,12 @@ class _Attempts:
         self.fs, self.path = fs, path
         self.began = time.monotonic() if began is None else began
         self.attempt = 0
+        self.resets = 0  # tries cut after some bytes, before real progress (``RangeReader``)
+        self.cut_bytes = 0  # the bytes those tries received
+
+    def restart(self) -> None:
+        """Real progress: the deadline, the tries and the backoff start again from now."""
+        self.began, self.attempt, self.resets, self.cut_bytes = time.monotonic(), 0, 0, 0
 
     def remaining(self) -> float:
         """Seconds the next try may take: what is left of the deadline (a little at least, so
@@ -302,14 +321,26 @@ class _Attempts:
         delay = backoff(self.attempt, self.config)
         cap = self.config.max_attempts
         if (cap is not None and self.attempt >= cap) or time.monotonic() - self.began + delay >= self.config.deadline - LAST_TRY:
-            raise storage_error(self.url, exc, attempts=self.attempt, waited=time.monotonic() - self.began, hint=self.hint) from exc
+            raise storage_error(
+                self.url,
+                exc,
+                attempts=self.attempt,
+                waited=time.monotonic() - self.began,
+                hint=self.hint,
+                resets=self.resets,
+                cut_bytes=self.cut_bytes,
+            ) from exc
         self.counters.add("retries")
         if resumed:
             self.counters.add("resumes")
         if kind is Kind.THROTTLED:
             self.counters.add("throttles")
         logger.debug("%s: try %d failed (%s), retrying in %.2fs", self.url, self.attempt, exc, delay)
-        self.sleep(delay)
+        slept = time.perf_counter()
+        try:
+            self.sleep(delay)
+        finally:  # a backoff is a wait on storage as much as a request is (``storage_wait_us``)
+            self.counters.add("storage_wait_us", int((time.perf_counter() - slept) * 1e6))
 
 
 def call(
@@ -333,12 +364,18 @@ def call(
     timeout there (its thread ends at those timeouts; a try started late once ran that long past
     the deadline, about twice the deadline in all). Not for a whole file's read, which may take
     longer than the deadline while its bytes keep coming."""
-    attempts = _Attempts(url, config, counters or NullCounters(), time.sleep, hint, fs, path, began)
+    counters = counters or NullCounters()
+    attempts = _Attempts(url, config, counters, time.sleep, hint, fs, path, began)
     while True:
+        tried = time.perf_counter()
         try:
-            return _within(fn, attempts.remaining()) if bounded else fn()
+            result = _within(fn, attempts.remaining()) if bounded else fn()
         except Exception as exc:  # noqa: BLE001 - classified: bugs are re-raised untouched
+            counters.add("storage_wait_us", int((time.perf_counter() - tried) * 1e6))
             attempts.failed(exc)
+            continue
+        counters.add("storage_wait_us", int((time.perf_counter() - tried) * 1e6))
+        return result
 
 
 def _within(fn: Callable[[], T], timeout: float) -> T:
@@ -367,20 +404,23 @@ def _within(fn: Callable[[], T], timeout: float) -> T:
 
 class RangeReader:
     """``read(n)``: the next <= n bytes of [start, end) of one object, with retry, exact resume and
-    the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
+        the deadline; ``readinto(view)`` the same into the caller's buffer; ``close()`` when done.
 
-    Where ``fetch`` streams (S3), the range is one GET: the first read sends a request for all of
-    [start, end) and every read takes its next bytes from that body, straight into the block it
-    returns (no copy but the kernel's). A body that breaks keeps what arrived (returned short; the
-    next read sends a new request from the byte reached), and a failure before any byte is retried
-    under the policy; ``start()`` sends the request before the first read (read-ahead does, for the
-    next range, while this one's last blocks arrive). Elsewhere each read is one request, its bytes
-    returned as they came. A read that makes progress starts the deadline afresh.
+        Where ``fetch`` streams (S3), the range is one GET: the first read sends a request for all of
+        [start, end) and every read takes its next bytes from that body, straight into the block it
+        returns (no copy but the kernel's). A body that breaks keeps what arrived (returned short; the
+        next read sends a new request from the byte reached), and a failure before any byte is retried
+        under the policy; ``start()`` sends the request before the first read (read-ahead does, for the
+        next range, while this one's last blocks arrive). Elsewhere each read is one request, its bytes
+        returned as they came. Real progress starts the deadline, the count of tries and the backoff
+    afresh: on S3 ``real_progress`` bytes since they last started (a body cut after fewer is a failed
+    try, backed off, and counted as a reset in the error that ends the read); elsewhere a read that
+    gets its bytes.
 
-    The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
-    at or past the object's end) ends the stream, as a short local file does, and so does an fsspec
-    store's empty answer to a read (its ``cat_file`` past the end): the caller reports a truncated
-    object, not an invalid request."""
+        The range is a promised one (by a manifest, or a HEAD's size), so an HTTP 416 (the read starts
+        at or past the object's end) ends the stream, as a short local file does, and so does an fsspec
+        store's empty answer to a read (its ``cat_file`` past the end): the caller reports a truncated
+        object, not an invalid request."""
 
     def __init__(
         self,
@@ -401,6 +441,9 @@ class RangeReader:
         self._counters = counters or NullCounters()
         self._config, self._sleep, self._hint = config, sleep, hint
         self._takes = fetch.kind == "obstore"  # its bodies have ``take``
+        self._tries: _Attempts | None = None  # the try budget, kept across reads until real progress
+        self._since = 0  # bytes received since it started
+        self._real = real_progress(start, end)
 
     def remaining(self) -> int:
         """Bytes of the range not yet handed out."""
@@ -485,7 +528,9 @@ class RangeReader:
         """Fill the view ``want`` from the range's body (sending a request when none is open), or
         with ``take`` (body, bytes wanted, timeout) -> bytes taken, take up to ``want`` bytes: as
         many as arrive before the body ends or breaks; 0 only at the end of the stream."""
-        attempts = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
+        attempts = self._tries
+        if attempts is None or not self._streams:  # (elsewhere each read is a request of its own: its budget starts afresh)
+            attempts = self._tries = _Attempts(self.url, self._config, self._counters, self._sleep, self._hint)
         counters = self._counters
         view = want if isinstance(want, memoryview) else None
         size = len(want) if isinstance(want, memoryview) else want
@@ -494,6 +539,8 @@ class RangeReader:
             began = time.perf_counter()
             body = self._body
             sent = body is None
+            fresh = False  # real progress during this try
+            arrived = got
             try:
                 if body is None:
                     body = self._send(attempts.remaining(), self.end if self._streams else self.pos + size)
@@ -502,10 +549,15 @@ class RangeReader:
                     if not k:
                         break
                     got += k
+                    self._since += k
+                    if self._since >= self._real:
+                        self._since = 0
+                        attempts.restart()
+                        fresh = True
             except Exception as exc:  # noqa: BLE001 - classified: permanent ones raised at once, bugs untouched
                 counters.add("storage_wait_us", int((time.perf_counter() - began) * 1e6))
                 self.close()
-                if got:  # keep what arrived; the next read sends a new request from the byte after it
+                if got > arrived and (fresh or classify(exc) is None):  # keep what arrived; the next read resumes after it
                     counters.add("retries")
                     counters.add("resumes")
                     if classify(exc) is Kind.THROTTLED:
@@ -513,6 +565,18 @@ class RangeReader:
                     # (words, not the exception: a log record that kept it would keep its frames' views of
                     # ``view`` alive, and the block could not be cut to size)
                     logger.debug("%s: connection broke at byte %d, resuming there: %s", self.url, self.pos + got, f"{type(exc).__name__}: {exc}")
+                    break
+                if got > arrived:  # cut before real progress: a failed try (backed off; at the deadline, the error)
+                    attempts.resets += 1
+                    attempts.cut_bytes += got - arrived
+                    logger.debug(
+                        "%s: connection broke at byte %d after %d bytes (reset %d before real progress)",
+                        self.url,
+                        self.pos + got,
+                        got - arrived,
+                        attempts.resets,
+                    )
+                    attempts.failed(exc, resumed=True)
                     break
                 if self._failed(attempts, exc):
                     return 0
