@@ -253,3 +253,21 @@ def test_resume_is_exact_and_elastic(tmp_path, corpus):
         seen += _tokens_of(got)
     assert len(set(counts)) == 1 and counts[0] > 0
     assert len(seen) == len(set(seen))
+
+
+def test_a_mix_shares_tokens_by_weight(tmp_path, corpus):
+    web, code = packed(tmp_path / "web", corpus), packed(tmp_path / "code", corpus)
+    sources = [
+        shardstream.Source(shardstream.Tokens(web, seq_len=3), weight=0.7, name="web"),
+        shardstream.Source(shardstream.Tokens(code, seq_len=3), weight=0.3, name="code"),
+    ]
+    ds = shardstream.ShardStream(sources, batch_size=4, seed=2, world=shardstream.World(0, 1), schedule=shardstream.Schedule(steps=200))
+    names, seen = [], {"web": [], "code": []}
+    for batch in ds:
+        names += batch["__source__"]
+        for name, row in zip(batch["__source__"], batch["input_ids"].tolist()):
+            seen[name] += [t for t in row if t != 1]
+    assert len(names) == 800 and abs(names.count("web") / len(names) - 0.7) < 0.03
+    assert all(len(ids) == len(set(ids)) for ids in seen.values())  # within a pass over each source, no token twice
+    with pytest.raises(ConfigError, match="one seq_len"):
+        shardstream.ShardStream([sources[0], shardstream.Source(shardstream.Tokens(code, seq_len=4), weight=0.3)], batch_size=4)
