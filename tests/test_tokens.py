@@ -271,3 +271,18 @@ def test_a_mix_shares_tokens_by_weight(tmp_path, corpus):
     assert all(len(ids) == len(set(ids)) for ids in seen.values())  # within a pass over each source, no token twice
     with pytest.raises(ConfigError, match="one seq_len"):
         shardstream.ShardStream([sources[0], shardstream.Source(shardstream.Tokens(code, seq_len=4), weight=0.3)], batch_size=4)
+
+
+def test_a_corpus_on_s3_packs_and_streams_through_the_storage_layer(tmp_path, corpus, s3):
+    texts, tokenizer, src = corpus
+    bucket, options, _ = s3
+    dest = f"s3://{bucket}/tokens"
+    result = shardstream.pack_tokens(src, dest, tokenizer=tokenizer, eos=True, max_count=100, storage_options=options)
+    stream = stream_of(texts, tokenizer)
+    assert result.tokens == len(stream) and shardstream.load_manifest(dest, options).total_tokens == len(stream)
+    ds = shardstream.ShardStream(
+        shardstream.Tokens(dest, seq_len=63), batch_size=2, shuffle=False, store=shardstream.Store(options), world=shardstream.World(0, 1)
+    )
+    ids = torch.cat([b["input_ids"] for b in ds]).numpy().reshape(-1)
+    assert np.array_equal(ids, stream[: len(ids)]) and len(stream) - len(ids) < 2 * 64
+    assert ds.stats()["bytes_read"] >= result.bytes - 4096  # every shard read once, through the counted reads
