@@ -87,9 +87,12 @@ class TokenReader:
             ids[lo - a : hi - a] = shard.tokens[lo - base : hi - base]
             starts.append(shard.doc_starts)
         doc_starts = np.concatenate(starts) if len(starts) > 1 else starts[0]
-        at = np.arange(a, b, dtype=np.int64)
-        begins = doc_starts[np.searchsorted(doc_starts, at, side="right") - 1]
-        np.subtract(at, np.maximum(begins, a), out=positions)
+        # The documents starting inside the window: positions count from each of them (O(W), no search per token).
+        inside = doc_starts[np.searchsorted(doc_starts, a, side="right") : np.searchsorted(doc_starts, b, side="left")] - a
+        last = np.zeros(m.window, dtype=np.int64)
+        last[inside] = inside
+        np.maximum.accumulate(last, out=last)
+        np.subtract(np.arange(m.window, dtype=np.int64), last, out=positions)
 
     def _shard(self, i: int, s: int) -> _Shard:
         held = self.held.get((i, s))
