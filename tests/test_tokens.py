@@ -81,6 +81,8 @@ def test_cli_pack_counts_the_corpus_tokens(tmp_path, corpus, capsys):
     dest = str(tmp_path / "tokens")
     assert main(["pack", src, dest, "--tokenizer", tokenizer, "--text-field", "text", "--eos", "--max-count", "40", "--no-progress"]) == 0
     assert "300 documents" in capsys.readouterr().out
+    assert main(["ls", dest]) == 0
+    assert f"tokens: {len(stream_of(texts, tokenizer))} (uint16, vocabulary" in capsys.readouterr().out
     m = shardstream.load_manifest(dest)
     stream = stream_of(texts, tokenizer)
     assert m.total_samples == DOCS and m.total_tokens == len(stream) and len(m.paths) == 8
@@ -232,7 +234,13 @@ def test_resume_is_exact_and_elastic(tmp_path, corpus):
     del it
     _, resumed = loader_over()
     resumed.load_state_dict(state)
-    rest = list(resumed)
+    it = iter(resumed)
+    second = [next(it) for _ in range(4)]  # preempted again, during the resumed pass
+    state = json.loads(json.dumps(resumed.state_dict()))
+    del it
+    _, resumed = loader_over()
+    resumed.load_state_dict(state)
+    rest = second + list(resumed)
     assert len(first) + len(rest) == len(whole)
     for a, b in zip(first + rest, whole):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["position_ids"], b["position_ids"])
