@@ -29,6 +29,8 @@ _EXPORTS = {
     "Schedule": "options",
     "Source": "sources",
     "Table": "format.parquet",
+    "Tokens": "format.tokens",
+    "pack_tokens": "write.tokens",
     "Batched": "pipeline.table",
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
@@ -103,6 +105,8 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "Store",
     "Table",
     "to_device",
+    "Tokens",
+    "pack_tokens",
     "TooManyErrors",
     "World",
     "WorkerDied",
@@ -135,6 +139,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     )
     from shardstream.format.manifest import Manifest, load_manifest
     from shardstream.format.parquet import Table
+    from shardstream.format.tokens import Tokens
     from shardstream.loader import make_loader
     from shardstream.loader.device import DevicePrefetcher, to_device
     from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
@@ -146,6 +151,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.sources import Source
     from shardstream.storage.config import StorageConfig
     from shardstream.write.pack import PackResult, pack
+    from shardstream.write.tokens import pack_tokens
     from shardstream.write.writer import ShardWriter
 
 

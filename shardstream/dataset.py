@@ -29,6 +29,7 @@ from shardstream.format.manifest import Manifest
 from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.format.scan import scan_shards
 from shardstream.handover import read_once
+from shardstream.format.tokens import TokenManifest, Tokens
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
@@ -46,6 +47,7 @@ from shardstream.pipeline.table import (
     table_refs,
     table_rows,
 )
+from shardstream.pipeline.tokens import TokenReader
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
@@ -108,7 +110,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        source: str | Manifest | Table | Source | Sequence[Source],
+        source: str | Manifest | Table | Tokens | Source | Sequence[Source],
         *,
         batch_size: int,
         shuffle: bool | Shuffle = True,
@@ -164,6 +166,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # Work done on each sample between the read and the batch: a transform, or decoders of the user's.
         self.per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
         self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not self.per_sample
+        self.tokens = self._check_tokens(manifests, mode)  # token corpora: batches of sequences (pipeline/tokens.py)
         if self.batch_transform is not None and not self.columnar:
             raise ConfigError(
                 "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
@@ -196,6 +199,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         # Pickled for workers that are not forked: the user's functions by value where a worker
         # could not import them (a notebook's, a lambda, a closure: portable.py).
         return reduce_portable(self)
+
+    def _check_tokens(self, manifests: Sequence[Manifest], mode: str) -> bool:
+        """Whether the sources are token corpora (``Tokens``): all of them or none, of one
+        ``seq_len``, in drop mode, with no per-sample work (a batch is cut from their tokens whole)."""
+        corpora = [m for m in manifests if isinstance(m, TokenManifest)]
+        if not corpora:
+            return False
+        if len(corpora) != len(manifests):
+            raise ConfigError("a mix with Tokens sources takes Tokens sources only: every source a token corpus of one seq_len")
+        if len({m.seq_len for m in corpora}) > 1:
+            raise ConfigError(f"the Tokens sources of a mix need one seq_len, got {sorted({m.seq_len for m in corpora})}")
+        if mode != "drop":
+            raise ConfigError(f'Tokens sources stream in mode="drop" (no token is used twice in an epoch), got mode={mode!r}')
+        if self.per_sample or self.batch_transform is not None:
+            raise ConfigError("Tokens sources yield whole batches of sequences: no transform= or Decode(...) applies; map the batch in your loop")
+        return True
 
     def _open_cache(self, manifests: Sequence[Manifest]) -> ShardCache | None:
         cache = self.store.cache
@@ -264,7 +283,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         as many as the last pass had); with a loaded state waiting for this epoch, the summary
         also says how the next pass resumes."""
         plan = self._run.report(self.epoch if epoch is None else epoch, num_workers, self._workers())
-        plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
+        if self.tokens:
+            plan = dataclasses.replace(plan, tokens=self._token_note(plan))
+        else:  # (a token corpus's samples are sequences, not the members the request count is of)
+            plan = with_requests(plan, self.sources.manifests)  # remote data: the summary says the GETs it makes (plan/requests.py; a table's too)
         if num_workers is None and self._workers_unknown():
             plan = dataclasses.replace(plan, workers_note=WORKERS_UNKNOWN)
         resume = self.resume_plan() if num_workers is None and epoch in (None, self.epoch) else None
@@ -274,6 +296,19 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Whether the worker count a plan assumes is a guess: no loader built over this dataset,
         no pass run yet, not in a worker."""
         return torch.utils.data.get_worker_info() is None and not self._clock.started and self.loader_workers is None
+
+    def _token_note(self, plan: EpochPlan | MixPlan) -> str:
+        """What a plan of token corpora means in tokens: used, dropped, left over past the last sequence."""
+        corpora: list[TokenManifest] = self.sources.manifests  # type: ignore[assignment]  # (checked: every source is one)
+        width = corpora[0].window
+        total = sum(int(m.token_starts[-1]) for m in corpora)
+        left = sum(m.left_over for m in corpora)
+        used = plan.world_size * plan.batches_per_rank * plan.batch_size
+        return (
+            f"tokens: {total} in {sum(m.sequences for m in corpora)} sequences of {width} (seq_len {width - 1}); "
+            f"{used * width} tokens per epoch ({used} sequences), {plan.dropped * width} dropped with the "
+            f"{plan.dropped} sequences left out, {left} after the last whole sequence"
+        )
 
     def check_workers(self, num_workers: int) -> None:
         """Raise ConfigError, naming the numbers, where ``num_workers`` workers per rank cannot
@@ -358,6 +393,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
+        if self.tokens:
+            yield from self._token_batches(part, epoch, counters, policy, stats, cursor)
+            return
         if self.columnar:
             yield from self._columnar(part, epoch, counters, policy, stats, cursor)
             return
@@ -460,6 +498,20 @@ class ShardStream(torch.utils.data.IterableDataset):
             for reads in planned:
                 reads.close()
 
+    def _token_batches(self, part: Any, epoch: int, counters: Any, policy: ErrorPolicy, stats: BatchStats, cursor: Cursor) -> Any:
+        """A pass of token sequences: the shuffle moves sequence refs, each batch is cut from the
+        shards' tokens (pipeline/tokens.py)."""
+        if not part.num_batches:
+            return
+        sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
+        reader = TokenReader(self.sources.manifests, sources, part.names, policy)  # type: ignore[arg-type]  # (checked: token corpora)
+        refs = read_planned(dataclasses.replace(part, names=None), reader.refs)  # type: ignore[arg-type]  # (ref arrays, as a table's)
+        batches = batch_refs(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=reader.gather, stats=stats, pad=False)
+        for made, batch in enumerate(batches, 1):
+            counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)
+            cursor.take()
+            yield batch
+
     def _range_source(self, i: int, counters: Any, buffers: BufferPool | None = None, budget: Budget | None = None) -> RangeSource | TableSource:
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
@@ -476,7 +528,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 cache=self.cache,
             )
         return RangeSource(
-            self.sources.manifests[i],
+            manifest.docs if isinstance(manifest, TokenManifest) else manifest,  # a token corpus's shards are read as its documents
             storage_options=dict(own) if own is not None else self.storage_options,
             read_size=self.read.read_size,
             counters=counters,

@@ -36,6 +36,7 @@ from shardstream.errors import ConfigError, ManifestError, StorageError, Storage
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
 from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
 from shardstream.format.scan import scan_shards
+from shardstream.format.tokens import TokenManifest, Tokens
 from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan
 from shardstream.plan.run import RunPlan, RunSettings, Sources
@@ -64,7 +65,7 @@ class Source:
     ``shardstream.portable``).
     """
 
-    url: str | Sequence[str] | Manifest | Table
+    url: str | Sequence[str] | Manifest | Table | Tokens
     weight: float | None = None
     repeat: float | None = None
     samples: int | None = None
@@ -91,7 +92,7 @@ class Source:
             return self.url
         if isinstance(self.url, Manifest):
             return self.url.base_url or "manifest"
-        if isinstance(self.url, Table):
+        if isinstance(self.url, (Table, Tokens)):
             return self.url.label
         return ",".join(self.url)
 
@@ -334,6 +335,8 @@ def resolve_manifest(
     parallel) to count its samples and find their offsets."""
     if isinstance(source, Manifest):
         return source
+    if isinstance(source, Tokens):
+        return load_tokens(source, storage_options, config)
     table = load_table(source, storage_options, config)
     if table is not None:
         return table
@@ -352,6 +355,8 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
     here: indexing them reads every shard, which ``ShardStream.from_urls`` does on request."""
     if isinstance(source, Manifest):
         return source
+    if isinstance(source, Tokens):
+        return load_tokens(source, storage_options, config)
     table = load_table(source, storage_options, config)
     if table is not None:
         return table
@@ -363,6 +368,12 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
             f"or write their manifest once with `shardstream index '{shown}' DEST` and pass DEST"
         )
     return load_root(source, storage_options, config)
+
+
+def load_tokens(source: Tokens, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> TokenManifest:
+    """A token corpus's manifest with its sequences of ``seq_len + 1`` tokens as samples (format/tokens.py)."""
+    docs = source.url if isinstance(source.url, Manifest) else load_manifest(source.url, storage_options, config=config)
+    return TokenManifest(docs, source.seq_len)
 
 
 def load_table(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Manifest | None:

@@ -10,7 +10,9 @@ Where they run
     ``LOCAL_WORLD`` and ``S3_WORLD`` below): ``./shards`` (2,560 16x16 JPEGs in 10 classes, keys
     ``cat/0001`` ..., packed with labels), ``./train`` (an ImageFolder tree: 100 of those images),
     ``captions.jsonl`` (+ ``img/``), ``./table`` (a Parquet table: 4 files of 2,000 rows, columns
-    ``id``, ``x``, ``label``, ``text``), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
+    ``id``, ``x``, ``label``, ``text``), ``corpus.jsonl`` (400 documents, ``{"id", "text"}``) with
+    ``tokenizer.json`` trained on it and ``./tokens`` and ``./code-tokens`` (it, packed with that
+    tokenizer), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
     by ``tarfile`` with ``./wds/index.json`` over them, and so on;
     ``examples/`` and ``benchmarks/`` link to the repository's. A moto S3 server (this module's
     own, reset before each block) holds the buckets the docs name: ``s3://bucket/train`` (the
@@ -231,7 +233,7 @@ def destinations(block: Block) -> set[str]:
             strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             if name == "ShardWriter" and strings:
                 dests.add(norm(strings[0]))
-            elif name == "pack" and len(node.args) >= 2:
+            elif name in ("pack", "pack_tokens") and len(node.args) >= 2:
                 last = node.args[-1]
                 if isinstance(last, ast.Constant) and isinstance(last.value, str):
                     dests.add(norm(last.value))
@@ -332,6 +334,20 @@ def build_world(seed: Path) -> None:
         ids = np.arange(f * 2000, (f + 1) * 2000)
         columns = {"id": ids, "x": rng.random(len(ids), dtype=np.float32), "label": ids % 10, "text": [f"row {i}" for i in ids]}
         pq.write_table(pa.table(columns), seed / "table" / f"part-{f}.parquet", row_group_size=500)
+    # a text corpus, a tokenizer trained on it here (no download) and the corpus packed with it
+    words = "the a river stone cloud night light model token data train step loss rank batch shard".split()
+    texts = [" ".join(words[int(k)] for k in rng.integers(0, len(words), int(n))) for n in rng.integers(5, 120, 400)]
+    (seed / "corpus.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>"]))
+    tokenizer.save(str(seed / "tokenizer.json"))
+    from shardstream import pack_tokens
+
+    for name in ("tokens", "code-tokens"):
+        pack_tokens(str(seed / "corpus.jsonl"), str(seed / name), tokenizer=str(seed / "tokenizer.json"), eos=True, max_count=100)
 
 
 def _env(cwd: Path, s3: str) -> dict[str, str]:
@@ -365,7 +381,27 @@ S3_WORLD = {
     "s3://old": ("wds", "train-0000[0-9][0-9].tar"),
     "s3://bucket/table": ("table", "*.parquet"),
 }
-LOCAL_WORLD = ("train", "shards", "img", "captions.jsonl", "wds", "downloads", "a", "b", "more", "urls.txt", "extra", "days", "math", "old", "table")
+LOCAL_WORLD = (
+    "train",
+    "shards",
+    "img",
+    "captions.jsonl",
+    "wds",
+    "downloads",
+    "a",
+    "b",
+    "more",
+    "urls.txt",
+    "extra",
+    "days",
+    "math",
+    "old",
+    "table",
+    "corpus.jsonl",
+    "tokenizer.json",
+    "tokens",
+    "code-tokens",
+)
 # Folders whose contents are a block's input even where the block writes a manifest into them (shards
 # written by others, which `index` indexes in place; `days`, whose parts `merge` combines): such a
 # block finds them without a manifest of their own.

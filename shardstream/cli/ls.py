@@ -86,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
         f"  {summary['shards']} shards, {summary['samples']} samples, {human_bytes(summary['bytes'])} (samples per shard {min(sizes)}..{max(sizes)})"
     )
     print("  fields: " + ", ".join(f"{ext} ({n})" for ext, n in sorted(manifest.extensions.items())))
+    if manifest.tokens is not None:  # a token corpus (docs/tokens.md)
+        info = manifest.token_info or {}
+        print(
+            f"  tokens: {manifest.total_tokens} ({info.get('dtype')}, vocabulary {info.get('vocab_size')}, "
+            f"EOS id {info.get('eos_id')}, tokenizer {info.get('tokenizer')})"
+        )
     if manifest.label_map:
         counts = manifest.label_counts or {}
         print(f"  labels: {len(manifest.label_map)} classes")

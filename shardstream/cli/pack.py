@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardstream.errors import ConfigError
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
 
 from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from, writer_deadline_help
@@ -27,6 +28,12 @@ examples:
   shardstream pack s3://raw/laion.jsonl s3://bucket/laion --dask tcp://scheduler:8786 --max-count 10000
   shardstream pack 's3://raw/laion/*.parquet' ./laion --columns image,caption --key id --workers 8
   shardstream pack ./train s3://bucket/train --prefixes 16   # shards under 00/ .. 15/: 16 S3 prefixes to read from
+  shardstream pack corpus.jsonl ./tokens --tokenizer tokenizer.json --text-field text --eos --workers 8
+
+--tokenizer packs a token corpus (pip install 'shardstream[tokens]'): each document of a .jsonl
+file (its --text-field) or of Parquet files (that column) becomes its token ids, read back as
+fixed-length sequences with shardstream.Tokens (docs/tokens.md). The tokenizer is a Hugging Face
+tokenizer.json or module:function (a function returning a tokenizer).
 
 --dask ADDRESS runs one task per shard on a Dask cluster (pip install 'shardstream[dask]'); the
 output is byte-identical to --workers 1. Sources must be readable from the workers (S3, a shared
@@ -61,6 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tokenizer", metavar="FILE|MODULE:FUNCTION", help="tokenize documents into a token corpus (docs/tokens.md)")
+    p.add_argument(
+        "--text-field", default="text", metavar="NAME", help="with --tokenizer: the JSON field or Parquet column of the text (default: text)"
+    )
+    p.add_argument(
+        "--eos",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TOKEN",
+        help="with --tokenizer: end every document with this token (alone: the vocabulary's <|endoftext|>, </s>, <eos>, ...)",
+    )
     add_storage_arguments(
         p, deadline_help=writer_deadline_help("a listing or read of the source (each item too) or the check of the destination (one listing)")
     )
@@ -91,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
                 elapsed = bar.format_dict["elapsed"] or 1e-9
                 bar.set_postfix_str(f"{nbytes / 1e6:.1f} MB, {nbytes / 1e6 / elapsed:.1f} MB/s", refresh=False)
 
+    if args.tokenizer:
+        return _run_tokens(args, progress, bar)
     client = None
     executor = None
     if args.dask:
@@ -143,5 +164,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {result.skipped_count} bad samples (listed in the manifest):")
         for entry in result.skipped[:10]:
             print(f"  {entry['source']}: {entry['error']}")
+    print(f"manifest: {result.manifest_url}")
+    return 0
+
+
+def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
+    from shardstream.write.tokens import pack_tokens
+
+    if (
+        args.dask
+        or args.shuffle
+        or args.label_from_dir
+        or args.columns
+        or args.key
+        or args.prefixes != 1
+        or args.kind not in ("auto", "jsonl", "parquet")
+    ):
+        raise ConfigError(
+            "--tokenizer packs documents in order: --dask, --shuffle, --label-from-dir, --columns, --key, "
+            "--prefixes and --kind dir/shards do not apply"
+        )
+    try:
+        result = pack_tokens(
+            args.src,
+            args.dest,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            eos=args.eos,
+            workers=args.workers,
+            max_count=args.max_count,
+            max_size=args.max_size,
+            prefix=args.prefix,
+            overwrite=args.overwrite,
+            storage_options=storage_options_from(args),
+            progress=progress,
+            config=storage_config_from(args),
+        )
+    except KeyboardInterrupt:
+        print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    info = result.manifest.token_info or {}
+    print(
+        f"packed {result.samples} documents, {result.tokens} tokens ({info.get('dtype')}, vocabulary {info.get('vocab_size')}, "
+        f"EOS id {info.get('eos_id')}) into {result.shards} shards, {human_bytes(result.bytes)} in {result.seconds:.1f} s"
+    )
     print(f"manifest: {result.manifest_url}")
     return 0

@@ -53,6 +53,7 @@ class ShardInfo:
     offsets: Sequence[int] | np.ndarray | None = None
     index: str | None = None  # sidecar path, relative like ``path`` (version 2)
     span: tuple[int, int] | None = None  # (first sample's header, end of the last sample's data)
+    tokens: int | None = None  # a token corpus's shard: the tokens its documents hold (format/tokens.py)
 
 
 def default_sidecar(path: str) -> str:
@@ -81,6 +82,7 @@ class ShardTable(Sequence[ShardInfo]):
             sha256=m.sha256(i),
             index=m.sidecar_path(i),
             span=(int(m.spans[i, 0]), int(m.spans[i, 1])),
+            tokens=int(m.tokens[i]) if m.tokens is not None else None,
         )
 
     def __iter__(self) -> Iterator[ShardInfo]:
@@ -118,6 +120,8 @@ class Manifest:
     """
 
     kind: str | None = None  # the ``"kind"`` field of the JSON it is read from (None: a tar dataset's, with none)
+    tokens: np.ndarray | None = None  # a token corpus's tokens per shard (int64), else None
+    token_info: dict[str, Any] | None = None
     kinds: dict[str, type[Manifest]] = {}  # kind -> its subclass (``TableManifest``: format/parquet.py), each registered as defined
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -135,7 +139,9 @@ class Manifest:
         created: str = "",
         shardstream_version: str = "",
         base_url: str = "",  # directory the shard paths are relative to (set when loaded)
+        token_info: dict[str, Any] | None = None,  # a token corpus: its dtype, vocabulary, EOS id, tokenizer (format/tokens.py)
     ):
+        self.token_info = dict(token_info) if token_info is not None else None
         self.extensions = dict(extensions or {})
         self.label_map = label_map
         self.label_counts = label_counts
@@ -166,6 +172,9 @@ class Manifest:
             spans,
             [s.index for s in shards],
             inline,
+        )
+        self.tokens: np.ndarray | None = (
+            np.array([s.tokens for s in shards], dtype=np.int64) if shards and all(s.tokens is not None for s in shards) else None
         )
 
     def _set_arrays(
@@ -218,6 +227,11 @@ class Manifest:
     def total_samples(self) -> int:
         """Samples in the whole dataset (the sum of ``counts``)."""
         return int(self.counts.sum())
+
+    @property
+    def total_tokens(self) -> int | None:
+        """Tokens of a token corpus (packed with a tokenizer), None for other datasets."""
+        return int(self.tokens.sum()) if self.tokens is not None else None
 
     @property
     def total_bytes(self) -> int:
@@ -289,7 +303,7 @@ class Manifest:
     # -- writing ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The manifest as a version-2 JSON document (a dict), as ``index.json`` holds it."""
-        return {
+        doc: dict[str, Any] = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "shardstream_version": self.shardstream_version or __version__,
@@ -310,6 +324,11 @@ class Manifest:
                 "index": None if self._sidecars is None else [self.sidecar_path(i) for i in range(len(self.paths))],
             },
         }
+        if self.tokens is not None:  # a token corpus: tokens per shard, what they are (format/tokens.py)
+            doc["total_tokens"] = self.total_tokens
+            doc["tokens"] = self.token_info or {}
+            doc["shards"]["tokens"] = self.tokens.tolist()
+        return doc
 
     def dumps(self) -> bytes:
         """``to_json()`` as the UTF-8 bytes of ``index.json``."""
@@ -355,6 +374,8 @@ class Manifest:
         total = doc.get("total_samples")
         if total is not None and total != manifest.total_samples:
             raise ManifestError(f"{where}: total_samples says {total} but the shards add up to {manifest.total_samples}")
+        if version == 2 and isinstance(doc.get("shards"), dict) and "tokens" in doc["shards"]:
+            _read_tokens(manifest, doc, where)
         return manifest
 
 
@@ -431,6 +452,22 @@ def _read_shards_v2(manifest: Manifest, cols: Any, where: str) -> None:
     if sidecars is not None and not (isinstance(sidecars, list) and len(sidecars) == n and all(isinstance(x, str) and x for x in sidecars)):
         raise ManifestError(f"{where}: 'shards.index' must be null (each shard's sidecar is its path + '{SUFFIX}') or a list of {n} sidecar paths")
     manifest._set_arrays(paths, counts, sizes, shas, np.stack([first, end], axis=1), sidecars, {})
+
+
+def _read_tokens(manifest: Manifest, doc: dict[str, Any], where: str) -> None:
+    """A token corpus's columns: tokens per shard (non-negative integers), their total and what they are."""
+    column = doc["shards"]["tokens"]
+    n = len(manifest.paths)
+    if not isinstance(column, list) or len(column) != n or (n and set(map(type, column)) != {int}) or any(t < 0 for t in column):
+        raise ManifestError(f"{where}: 'shards.tokens' must be a list of {n} non-negative integers, one per shard")
+    info = doc.get("tokens")
+    if not isinstance(info, dict):
+        raise ManifestError(f"{where}: a token corpus's 'tokens' must be an object (dtype, vocab_size, eos_id, tokenizer)")
+    manifest.tokens = np.array(column, dtype=np.int64)
+    manifest.token_info = dict(info)
+    total = doc.get("total_tokens")
+    if total is not None and total != manifest.total_tokens:
+        raise ManifestError(f"{where}: total_tokens says {total} but the shards add up to {manifest.total_tokens}")
 
 
 def _offsets_from_json(offsets: Any, samples: int, size: int, where: str, *, compressed: bool = False) -> array.array:

@@ -51,6 +51,7 @@ class EpochPlan:
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state (plan/run.py)
     workers_note: str = ""  # set by ShardStream.plan() when the worker count is assumed, not known
     requests: str = ""  # set by ShardStream.plan() for a remote dataset: the GETs it makes (plan/requests.py)
+    tokens: str = ""  # set by ShardStream.plan() for a token corpus: its samples are sequences (format/tokens.py)
 
     # -- the mix of one, as one dataset ---------------------------------------------------------------
     epoch = property(lambda self: self.mix.epoch)
@@ -130,6 +131,7 @@ class EpochPlan:
             )
             + (f"; {self.resumed}" if self.resumed else "")
             + (f"; {self.requests}" if self.requests else "")
+            + (f"; {self.tokens}" if self.tokens else "")
         )
 
 

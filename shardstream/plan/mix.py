@@ -361,6 +361,7 @@ class MixPlan(RankSlices):
     resumed: str = ""  # set by ShardStream.plan() when the epoch continues a saved state
     workers_note: str = ""  # set by ShardStream.plan() when the worker count is assumed, not known
     requests: str = ""  # set by ShardStream.plan() when a source is remote: the GETs it makes (plan/requests.py)
+    tokens: str = ""  # set by ShardStream.plan() for token corpora: their samples are sequences (format/tokens.py)
 
     # -- sizes ----------------------------------------------------------------------------------
     @cached_property
@@ -487,7 +488,8 @@ class MixPlan(RankSlices):
             f"({self.per_batch} per batch) -> {self.world_size} ranks x {self.batches_per_rank} batches of "
             f"{self.batch_size} ({extra}), {self.num_workers} workers per rank{self.workers_note}" + (f"; {self.resumed}" if self.resumed else "")
         )
-        return "\n".join([head, *(f"  {s}" for s in self.shares()), *([f"  {self.requests}"] if self.requests else [])])
+        notes = [n for n in (self.requests, self.tokens) if n]
+        return "\n".join([head, *(f"  {s}" for s in self.shares()), *(f"  {n}" for n in notes)])
 
 
 @dataclass(frozen=True)

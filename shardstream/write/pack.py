@@ -56,6 +56,7 @@ class PackResult:
     seconds: float
     skipped: list[dict[str, str]] = field(default_factory=list)
     skipped_count: int = 0
+    tokens: int | None = None  # a token corpus (write/tokens.py): the tokens written, else None
 
 
 def _load_batch(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:

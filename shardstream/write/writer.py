@@ -157,6 +157,7 @@ class ShardWriter:
         check_unique_keys: bool = True,
         prefixes: int = 1,
         config: StorageConfig = DEFAULT_STORAGE,
+        token_info: Mapping[str, Any] | None = None,
     ):
         if max_count < 1:
             raise ConfigError(f"max_count must be >= 1, got {max_count}")
@@ -195,6 +196,9 @@ class ShardWriter:
         self._tmp_path: str | None = None
         self._closed = False
         self.manifest: Manifest | None = None  # set by close(): the one manifest of this dataset
+        # A token corpus (write/tokens.py): each sample's tokens counted per shard, in the manifest.
+        self.token_info = dict(token_info) if token_info is not None else None
+        self.tokens_written = 0
 
     # -- destination ---------------------------------------------------------------------------
     def _prepare_destination(self, overwrite: bool) -> list[str]:
@@ -293,8 +297,9 @@ class ShardWriter:
         key, fields = encode_sample(dict(sample))
         self.write_encoded(key, fields)
 
-    def write_encoded(self, key: str, fields: Mapping[str, bytes]) -> None:
-        """Append a sample whose fields are already bytes."""
+    def write_encoded(self, key: str, fields: Mapping[str, bytes], tokens: int = 0) -> None:
+        """Append a sample whose fields are already bytes (``tokens``: a token corpus's document's
+        tokens, counted in its shard's manifest entry)."""
         if self._closed:
             raise ValueError("ShardWriter is closed")
         if self._keys is not None:
@@ -311,6 +316,8 @@ class ShardWriter:
         self._pending_bytes += size
         self._size += size
         self._count += 1
+        self._tokens += tokens
+        self.tokens_written += tokens
         if self._pending_bytes >= _FLUSH_BYTES:
             self._flush()
         for ext in fields:
@@ -386,6 +393,7 @@ class ShardWriter:
         self._pending_bytes = 0
         self._size = 0
         self._count = 0
+        self._tokens = 0
 
     def _flush(self) -> None:
         block = b"".join(self._pending)
@@ -411,7 +419,15 @@ class ShardWriter:
         sidecar = self._name + SIDECAR_SUFFIX
         storage.write_bytes_atomic(self.fs, storage.join(self.root, sidecar), encode_offsets(self._offsets))
         self.shards.append(
-            ShardInfo(self._name, self._count, self._size, self._hash.hexdigest(), index=sidecar, span=(self._offsets[0], self._offsets[-1]))
+            ShardInfo(
+                self._name,
+                self._count,
+                self._size,
+                self._hash.hexdigest(),
+                index=sidecar,
+                span=(self._offsets[0], self._offsets[-1]),
+                tokens=self._tokens if self.token_info is not None else None,
+            )
         )
         logger.debug("published %s (%d samples, %d bytes)", dest_path, self._count, self._size)
 
@@ -433,6 +449,7 @@ class ShardWriter:
             label_map=self.label_map,
             label_counts=self.label_counts,
             skipped={"count": self.skipped_count, "items": list(self.skipped)},
+            token_info=self.token_info,
         )
         # (options carrying the config: the manifest goes through this writer's own filesystem)
         write_manifest(manifest, storage.join(self.dest, MANIFEST_NAME), storage.bound_options(self.dest, self.storage_options, self.config))

@@ -1,0 +1,99 @@
+"""A token corpus read as fixed-length sequences: ``Tokens(url, seq_len)`` and its ``TokenManifest``.
+
+A token corpus is a dataset packed with a tokenizer (write/tokens.py): one sample per document,
+its token ids as ``tokens.npy`` (uint16 or uint32, by the vocabulary's size), and a manifest that
+counts each shard's tokens (``Manifest.tokens``). Its documents laid end to end in shard order
+are one stream of T tokens; sequence j is tokens ``[j * W, (j + 1) * W)`` of it, W = seq_len + 1
+(the inputs and their shifted targets), so the corpus holds ``T // W`` sequences and no token
+is in two of them. What is left at the end (under W tokens) is in no sequence.
+
+Planning needs only a count per shard, so a ``TokenManifest`` is the corpus's manifest with
+sequences as its samples: shard i "holds" the sequences that start inside it (a sequence may run
+on into the next shards). The plan, the shuffle, the resume state and a mix's weights then work
+on sequences, that is on tokens, exactly as they do on samples (plan/run.py). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardstream.errors import ConfigError, ManifestError
+from shardstream.format.manifest import Manifest
+
+FIELD = "tokens.npy"  # each document's member: its token ids
+DTYPES = ("uint16", "uint32")
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds every id of a vocabulary of ``vocab_size``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """A token corpus (``url``: its root, index.json URL or Manifest) streamed as sequences of
+    ``seq_len + 1`` tokens, packed across documents: ``ShardStream(Tokens(root, seq_len=2048),
+    batch_size=8)`` yields ``input_ids`` and ``position_ids``, int64 ``[8, 2049]`` (docs/tokens.md).
+    A mix takes it as any source: ``Source(Tokens(root, seq_len=2048), weight=0.7)``."""
+
+    url: str | Manifest
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ConfigError(f"Tokens(seq_len=...) must be a positive integer, got {self.seq_len!r}")
+
+    @property
+    def label(self) -> str:
+        return self.url if isinstance(self.url, str) else (self.url.base_url or "tokens")
+
+
+class TokenManifest(Manifest):
+    """A token corpus's manifest (``docs``) with its sequences as samples (see the module docstring).
+
+    ``token_starts[i]``: where shard i's tokens start in the corpus's stream (``token_starts[-1]``
+    is T); ``first[i]``: the first sequence that starts in shard i; ``sequences``: T // W. Paths,
+    sizes and digests are the corpus's shards'; ``counts`` are sequences."""
+
+    def __init__(self, docs: Manifest, seq_len: int):
+        super().__init__(extensions=docs.extensions, base_url=docs.base_url, token_info=docs.token_info)
+        if docs.tokens is None or docs.token_info is None:
+            where = docs.base_url or "this dataset"
+            raise ManifestError(
+                f"{where}: not a token corpus (its manifest counts no tokens): pack it with a tokenizer, "
+                "`shardstream pack corpus.jsonl DEST --tokenizer tokenizer.json` (docs/tokens.md)"
+            )
+        dtype = docs.token_info.get("dtype")
+        if dtype not in DTYPES:
+            raise ManifestError(f"{docs.base_url or 'manifest'}: token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.docs, self.seq_len, self.window = docs, seq_len, seq_len + 1
+        self.dtype = np.dtype(dtype)
+        self.token_starts = np.concatenate([[0], np.cumsum(docs.tokens)]).astype(np.int64)
+        total = int(self.token_starts[-1])
+        self.sequences = total // self.window
+        self.first = np.minimum(-(-self.token_starts // self.window), self.sequences)
+        counts = np.diff(self.first)
+        n = len(docs.paths)
+        self._set_arrays(
+            list(docs.paths), counts, docs.sizes, [docs.sha256(i) for i in range(n)], docs.spans, [docs.sidecar_path(i) for i in range(n)], {}
+        )
+        self.storage_options = dict(docs.storage_options)
+        if self.sequences == 0:
+            raise ConfigError(f"{docs.base_url or 'token corpus'}: {total} tokens hold no sequence of seq_len + 1 = {self.window} tokens")
+
+    @property
+    def left_over(self) -> int:
+        """Tokens after the last whole sequence (fewer than seq_len + 1): in no sequence."""
+        return int(self.token_starts[-1]) - self.sequences * self.window
+
+    def shards_of(self, first_token: int, end_token: int) -> range:
+        """The shards holding tokens [first_token, end_token) of the stream."""
+        a = int(np.searchsorted(self.token_starts, first_token, side="right")) - 1
+        b = int(np.searchsorted(self.token_starts, end_token - 1, side="right")) - 1
+        return range(a, b + 1)
+
+    def describe(self) -> dict[str, Any]:
+        return {"tokens": int(self.token_starts[-1]), "sequences": self.sequences, "seq_len": self.seq_len, "left_over": self.left_over}

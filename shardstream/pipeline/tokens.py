@@ -1,0 +1,141 @@
+"""A worker's token sequences: planned sequence ranges in, batches of ``input_ids`` and
+``position_ids`` out (format/tokens.py says what a sequence is).
+
+Record shape: the plan's ranges of a source become sequence refs (int64 arrays, one per range:
+the source's index in the high bits, the sequence's number below), which the shuffle and
+``batch_refs`` move as they move a table's row refs; ``TokenReader.gather`` turns a batch's refs
+into ``{"input_ids": int64 [B, W], "position_ids": int64 [B, W]}`` (W = seq_len + 1), plus
+``__source__`` in a mix. Shards are read whole, through the stream's own range reads (retries,
+cache, checksums), when a batch needs their tokens, and let go once no sequence waiting in the
+shuffle buffer can need them; a shard let go too early is only read again, never wrong.
+
+Position ids count from 0 at each document's first token and at the sequence's first token, so
+a model with learned or rotary positions of length W never sees a larger one, and attention can
+keep documents apart (a document starts where the position id is 0 after the first column).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardstream.errors import ShardFormatError
+from shardstream.format.tokens import FIELD, TokenManifest
+from shardstream.pipeline.decode import load_npy
+from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.plan.mix import Range
+from shardstream.policy import ErrorPolicy
+
+SOURCE_SHIFT = 48  # a ref: source << 48 | sequence (2**48 sequences of a source at most)
+SEQUENCE_MASK = (1 << SOURCE_SHIFT) - 1
+
+
+class _Shard:
+    __slots__ = ("doc_starts", "tokens")
+
+    def __init__(self, tokens: np.ndarray, doc_starts: np.ndarray):
+        self.tokens, self.doc_starts = tokens, doc_starts  # the shard's tokens; its documents' starts in the stream
+
+
+class TokenReader:
+    """The sequences of a worker's sources (``TokenManifest`` each, read through ``sources``)."""
+
+    def __init__(self, manifests: Sequence[TokenManifest], sources: Sequence[RangeSource], names: Sequence[str] | None, policy: ErrorPolicy):
+        self.manifests, self.sources, self.names, self.policy = list(manifests), list(sources), names, policy
+        self.held: dict[tuple[int, int], _Shard] = {}
+        self.waiting = [np.zeros(len(m.paths), dtype=np.int64) for m in self.manifests]  # refs not yet gathered, by the shard they start in
+        # reach[i][s]: the first shard whose sequences may run into shard s
+        self.reach = [np.searchsorted(m.token_starts[1:], m.token_starts[:-1] - m.window + 1, side="right") for m in self.manifests]
+        self.shards_read = 0
+
+    def refs(self, i: int, ranges: Sequence[Range]) -> Iterator[np.ndarray]:
+        """Source i's planned ranges as sequence refs, one array per range."""
+        m = self.manifests[i]
+        for rng in ranges:
+            first = int(m.first[rng.shard])
+            self.waiting[i][rng.shard] += len(rng)
+            yield np.arange(first + rng.start, first + rng.stop, dtype=np.int64) | (i << SOURCE_SHIFT)
+
+    def gather(self, refs: np.ndarray) -> dict[str, Any]:
+        """A batch: each ref's sequence of W tokens and its position ids (see the module docstring)."""
+        import torch
+
+        refs = np.asarray(refs, dtype=np.int64)
+        width = self.manifests[int(refs[0] >> SOURCE_SHIFT)].window
+        ids = np.empty((len(refs), width), dtype=np.int64)
+        positions = np.empty((len(refs), width), dtype=np.int64)
+        sources = (refs >> SOURCE_SHIFT).tolist()
+        for row, (i, seq) in enumerate(zip(sources, (refs & SEQUENCE_MASK).tolist())):
+            self._window(i, seq, ids[row], positions[row])
+        self._release(sources, refs & SEQUENCE_MASK)
+        batch: dict[str, Any] = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions)}
+        if self.names:
+            batch["__source__"] = [self.names[i] for i in sources]
+        return batch
+
+    def _window(self, i: int, seq: int, ids: np.ndarray, positions: np.ndarray) -> None:
+        m = self.manifests[i]
+        a = seq * m.window
+        b = a + m.window
+        starts = []
+        for s in m.shards_of(a, b):
+            shard = self._shard(i, s)
+            lo, hi = max(a, int(m.token_starts[s])), min(b, int(m.token_starts[s + 1]))
+            base = int(m.token_starts[s])
+            ids[lo - a : hi - a] = shard.tokens[lo - base : hi - base]
+            starts.append(shard.doc_starts)
+        doc_starts = np.concatenate(starts) if len(starts) > 1 else starts[0]
+        # The documents starting inside the window: positions count from each of them (O(W), no search per token).
+        inside = doc_starts[np.searchsorted(doc_starts, a, side="right") : np.searchsorted(doc_starts, b, side="left")] - a
+        last = np.zeros(m.window, dtype=np.int64)
+        last[inside] = inside
+        np.maximum.accumulate(last, out=last)
+        np.subtract(np.arange(m.window, dtype=np.int64), last, out=positions)
+
+    def _shard(self, i: int, s: int) -> _Shard:
+        held = self.held.get((i, s))
+        if held is not None:
+            return held
+        m = self.manifests[i]
+        docs = m.docs
+        parts, lengths = [], []
+        for chunk in read_ranges(self.sources[i], [Range(s, 0, int(docs.counts[s]))], policy=self.policy):
+            for sample in chunk:
+                data = sample.get(FIELD)
+                if data is None:
+                    raise ShardFormatError(f"{docs.shard_url(s)}: sample {sample.get('__key__')!r} has no {FIELD} (not a token corpus's shard)")
+                try:
+                    array = load_npy(data)
+                except ValueError as exc:
+                    raise ShardFormatError(f"{docs.shard_url(s)}: sample {sample.get('__key__')!r}: {FIELD} is not a .npy array ({exc})") from exc
+                if array.ndim != 1 or array.dtype != m.dtype:
+                    raise ShardFormatError(
+                        f"{docs.shard_url(s)}: sample {sample.get('__key__')!r}: {FIELD} is {array.dtype}{list(array.shape)}, "
+                        f"the manifest says 1-D {m.dtype}"
+                    )
+                parts.append(array)
+                lengths.append(len(array))
+        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=m.dtype)
+        if len(tokens) != int(docs.tokens[s]):  # type: ignore[index]
+            raise ShardFormatError(f"{docs.shard_url(s)}: holds {len(tokens)} tokens, the manifest says {int(docs.tokens[s])}")  # type: ignore[index]
+        doc_starts = (
+            int(m.token_starts[s]) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths else m.token_starts[s : s + 1]
+        )
+        held = self.held[(i, s)] = _Shard(tokens, np.asarray(doc_starts, dtype=np.int64))
+        self.shards_read += 1
+        return held
+
+    def _release(self, sources: list[int], seqs: np.ndarray) -> None:
+        """Refs gathered: shards no waiting sequence can reach are let go."""
+        for i in set(sources):
+            m = self.manifests[i]
+            mine = seqs[np.asarray(sources) == i]
+            shards = np.searchsorted(m.first, mine, side="right") - 1
+            np.subtract.at(self.waiting[i], shards, 1)
+            np.maximum(self.waiting[i], 0, out=self.waiting[i])  # a refilled batch gathers refs twice
+        for i, s in list(self.held):
+            lo = int(self.reach[i][s])
+            if not self.waiting[i][lo : s + 1].any():
+                del self.held[(i, s)]
