@@ -432,3 +432,40 @@ def test_a_destination_the_reader_cannot_read_back_is_refused_before_anything_is
     # the same rule on the reader's side: such a URL names shards, not a dataset, or chains filesystems
     with pytest.raises(ConfigError, match="names shard files, not a packed dataset" if char != "'::'" else "cannot be a dataset root: '::'"):
         ShardStream(dest, batch_size=1)
+
+
+def test_pack_progress_bar_has_a_total_on_a_terminal_and_is_quiet_elsewhere(tmp_path):
+    """``shardstream pack`` on a terminal: tqdm's bar with the listed total (n/N, a rate, time
+    left); with stderr a pipe, no bar at all. ``on_listed`` gives the total from Python."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from conftest import write_image_folder
+
+    write_image_folder(tmp_path / "images", classes=2, per_class=30, size=4, with_json=False)
+    totals: list[int] = []
+    pack(str(tmp_path / "images"), str(tmp_path / "py"), label_from_dir=True, on_listed=totals.append)
+    assert totals == [60]
+    cli = "import sys; from shardstream.cli.main import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", cli, "pack", str(tmp_path / "images"), str(tmp_path / "tty"), "--label-from-dir"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal shows no bar
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal's other end closed: the process is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=scaled(60)) == 0
+    os.close(leader)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "60/60" in shown and "samples/s" in shown, shown
+    piped = subprocess.run([*cmd[:-2], str(tmp_path / "pipe"), "--label-from-dir"], capture_output=True, text=True, timeout=scaled(60))
+    assert piped.returncode == 0 and "packing" not in piped.stderr and "60/60" not in piped.stderr, piped.stderr

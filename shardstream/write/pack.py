@@ -100,6 +100,7 @@ def pack_source(
     executor: Executor | None = None,
     in_flight: int = DEFAULT_IN_FLIGHT,
     config: StorageConfig = DEFAULT_STORAGE,
+    on_listed: Callable[[int], None] | None = None,
 ) -> PackResult:
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
 
@@ -109,7 +110,8 @@ def pack_source(
     raise TooManyErrors).
     ``columns`` and ``key``: a Parquet source's columns to pack (default: all) and the column
     whose value is each sample's key (default: the file's path and the row's number).
-    ``progress(samples, bytes)`` is called after each written sample.
+    ``progress(samples, bytes)`` is called after each written sample; ``on_listed(n)`` once, when
+    the source is listed, with the number of items to load (a progress bar's total).
     ``config`` is the storage policy of both sides: the source's listing and every read of its
     items (retries and ``deadline``; a shards source's manifest may list shards under
     ``allow_roots``) and the destination (``ShardWriter``). It goes with the storage options to
@@ -130,6 +132,8 @@ def pack_source(
         more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
         raise SourceError(where, what + more)
     items = list(listing.items)
+    if on_listed is not None:
+        on_listed(len(items))
     if shuffle:
         random.Random(seed).shuffle(items)
     if not items and not listing.errors:
