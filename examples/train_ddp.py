@@ -21,8 +21,9 @@ yields the rest of the interrupted epoch's N steps on every rank, finishing the 
 epoch first.
 
 Unlike datasets: images may be .jpg, .png or .webp, read as one field (``Decode(alias={"image":
-"jpg;png;webp"})``), so an ImageFolder of mixed files and a mix of a .jpg set and a .png set both
-train. The sources of a mix may have other fields besides (a caption set's json and txt): their
+"jpg;png;webp"})``), each resized (aspect kept) and centre-cropped to ``--image-size`` (64 by
+default: ``Decode(size=64)``), so an ImageFolder of mixed files and sizes and a mix of a .jpg set
+and a .png set both train. The sources of a mix may have other fields besides (a caption set's json and txt): their
 batches hold the union of the fields, which this loop ignores. A mix file may map a source's
 samples with ``transform: module:function`` (importable on every rank: PYTHONPATH).
 """
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--image-size", type=int, default=64, metavar="PX", help="images resized and centre-cropped to PX x PX (default 64)")
     parser.add_argument("--endpoint-url", default=None)
     parser.add_argument("--checkpoint", default=None, metavar="DIR", help="save here every N steps; resume when present")
     parser.add_argument("--checkpoint-every", type=int, default=100, metavar="N")
@@ -100,7 +102,8 @@ def main() -> None:
         batch_size=args.batch_size,
         seed=0,
         shuffle=shardstream.Shuffle(500),
-        decode=shardstream.Decode(alias={"image": "jpg;png;webp"}),  # one field, whichever a sample has
+        # one field, whichever a sample has, every image resized and centre-cropped to one size
+        decode=shardstream.Decode(alias={"image": "jpg;png;webp"}, size=args.image_size),
         store=shardstream.Store(options=options),
         schedule=shardstream.Schedule(steps=args.steps),
     )

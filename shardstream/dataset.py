@@ -152,7 +152,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.readahead_bytes = self.readahead[0]
         self.cache = self._open_cache(manifests)
         self.decode = Decode.of(decode)
-        decoders = default_decoders(self.decode.image, self.decode.draft_size) if self.decode.defaults else {}
+        decoders = default_decoders(self.decode.image, self.decode.draft_size, size=self.decode.size) if self.decode.defaults else {}
         decoders.update(self.decode.decoders or {})
         self.tables = [m for m in manifests if isinstance(m, TableManifest)]
         self._images: dict[str, HFImage] = {}  # Hugging Face image columns, decoded like image fields

@@ -4,7 +4,7 @@ The common call stays one line, ``ShardStream(root, batch_size=64)``; a group of
 travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
 
     Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
-    Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True, alias=None)
+    Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True, alias=None, size=None)
     OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
     Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
     Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False, readahead_threads=1)
@@ -24,7 +24,7 @@ import fsspec.utils
 
 from shardstream.errors import ConfigError
 from shardstream.format.tar import DEFAULT_READ_SIZE
-from shardstream.pipeline.decode import IMAGE_MODES
+from shardstream.pipeline.decode import IMAGE_MODES, image_size
 from shardstream.plan.mix import PER_BATCH
 from shardstream.plan.run import check_length
 from shardstream.policy import ON_ERROR
@@ -72,7 +72,10 @@ class Decode:
     field ``name`` for whichever of them a sample has: once decoded, the first of them present (in
     the order given) is renamed ``name`` and the others present are dropped, as webdataset's
     ``rename(image="jpg;png")``; an ImageFolder of .jpg and .png files then batches as one field.
-    ``required`` may name an alias (any of its extensions meets it).
+    ``required`` may name an alias (any of its extensions meets it). ``size``: an int (a square)
+    or ``(w, h)``; every image is scaled to cover it, aspect kept, and centre-cropped to it, so an
+    ImageFolder of mixed sizes batches as one ``uint8 [B, 3, h, w]`` tensor (JPEGs are drafted at
+    that size unless ``draft_size`` is given). None (the default) keeps each image's own size.
     """
 
     decoders: Mapping[str, Callable[[bytes], Any]] | None = None
@@ -81,8 +84,10 @@ class Decode:
     required: tuple[str, ...] = ()
     defaults: bool = True
     alias: Mapping[str, str | Sequence[str]] | None = None
+    size: int | tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "size", image_size(self.size))
         if self.image not in IMAGE_MODES:
             raise ConfigError(f"Decode(image=...) must be one of {IMAGE_MODES}, got {self.image!r}")
         if isinstance(self.required, str):

@@ -170,3 +170,62 @@ def test_train_ddp_runs_120_short_epochs_on_2_ranks_with_new_workers_every_epoch
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"[rank {rank}] epoch 119: 2 batches" in done.stdout, done.stdout[-2000:]
+
+
+def test_train_ddp_trains_on_an_image_folder_of_mixed_sizes_and_formats_with_its_defaults(tmp_path):
+    """A real ImageFolder: .jpg and .png files of unlike sizes and modes (RGB, grayscale, RGBA),
+    packed as they are. The example's defaults (one ``image`` field for jpg/png/webp, resized and
+    centre-cropped to 64x64) train on it; on main the batch was a list (``'list' object has no
+    attribute 'float'``)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    sizes = [(40, 30), (17, 90), (64, 64), (120, 33), (31, 31), (75, 50)]
+    for c in range(2):
+        folder = tmp_path / "images" / f"class_{c}"
+        folder.mkdir(parents=True)
+        for i in range(8):
+            w, h = sizes[(i + c) % len(sizes)]
+            mode = ("RGB", "L", "RGBA")[i % 3]
+            channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+            pixels = rng.integers(0, 255, (h, w, channels), dtype=np.uint8)
+            img = Image.fromarray(pixels[..., 0] if mode == "L" else pixels, mode)
+            if i % 2:
+                img.save(folder / f"{i:04d}.png")
+            else:
+                img.convert("RGB" if mode == "RGBA" else mode).save(folder / f"{i:04d}.jpg", quality=90)
+    pack(str(tmp_path / "images"), str(tmp_path / "ds"), label_from_dir=True, max_count=5)
+    out = _train(tmp_path / "ds", tmp_path / "ckpt", 2)
+    assert "[rank 0] epoch 0: 4 batches, 16 samples" in out, out
+
+
+def test_decode_size_gives_one_shape_for_every_image_and_format():
+    """``Decode(size=...)`` through the dataset's decoders: jpg (simplejpeg's path) and png (PIL's)
+    of unlike sizes all come out uint8 [3, h, w], the centre of the image kept."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from shardstream.options import Decode
+    from shardstream.pipeline.decode import ImageDecoder
+
+    decode = ImageDecoder("tensor", size=Decode(size=(32, 24)).size)
+    for fmt, (w, h) in [("JPEG", (300, 100)), ("PNG", (10, 50)), ("PNG", (32, 24)), ("JPEG", (64, 48))]:
+        pixels = np.zeros((h, w, 3), dtype=np.uint8)
+        pixels[h // 4 : h - h // 4, w // 4 : w - w // 4] = 200  # a bright centre
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, fmt)
+        out = decode(buf.getvalue())
+        assert out.dtype == torch.uint8 and tuple(out.shape) == (3, 24, 32), (fmt, w, h)
+        assert int(out[:, 12, 16].min()) > 150  # the centre survives the crop
+    assert ImageDecoder("pil", size=(8, 8))(buf.getvalue()).size == (8, 8)
+    assert Decode(size=7).size == (7, 7)
+    import pytest
+
+    from shardstream.errors import ConfigError
+
+    for bad in (0, (3,), "224", (2, -1), True):
+        with pytest.raises(ConfigError):
+            Decode(size=bad)

@@ -169,6 +169,27 @@ def test_same_input_packs_to_identical_bytes_for_any_worker_count(image_folder, 
     assert [s.sha256 for s in unshuffled.manifest.shards] != docs[0]["shards"]["sha256"]
 
 
+def test_a_pool_pack_ends_its_pool_normally_and_matches_one_worker(tmp_path, monkeypatch):
+    """1,200 files through 2 workers: more tasks (64 files each) than the 16 kept in flight, so the
+    window slides; the bytes equal 1 worker's, and the finished pool is closed, not abandoned (on
+    main the generator was closed at its last yield, inside the pool's try: abandon_pool's waits
+    added 4-5 s to every pack with workers)."""
+    from conftest import write_image_folder
+
+    import shardstream.write.pack as packing
+
+    write_image_folder(tmp_path / "images", classes=3, per_class=400, size=4, with_json=False)
+    abandoned: list[object] = []
+    real = packing.abandon_pool
+    monkeypatch.setattr(packing, "abandon_pool", lambda pool: (abandoned.append(pool), real(pool)))
+    one = pack(str(tmp_path / "images"), str(tmp_path / "w1"), label_from_dir=True, max_count=500, workers=1)
+    two = pack(str(tmp_path / "images"), str(tmp_path / "w2"), label_from_dir=True, max_count=500, workers=2)
+    assert abandoned == []
+    assert one.samples == two.samples == 1200 and one.shards == two.shards == 3
+    for shard in (tmp_path / "w1").glob("*.tar"):
+        assert shard.read_bytes() == (tmp_path / "w2" / shard.name).read_bytes()
+
+
 def test_manifest_offsets_point_at_every_sample(tmp_path):
     samples = make_samples(60, size=2000)
     samples[10]["__key__"] = "deep/" + "k" * 120  # forces a pax header before the sample
@@ -411,3 +432,40 @@ def test_a_destination_the_reader_cannot_read_back_is_refused_before_anything_is
     # the same rule on the reader's side: such a URL names shards, not a dataset, or chains filesystems
     with pytest.raises(ConfigError, match="names shard files, not a packed dataset" if char != "'::'" else "cannot be a dataset root: '::'"):
         ShardStream(dest, batch_size=1)
+
+
+def test_pack_progress_bar_has_a_total_on_a_terminal_and_is_quiet_elsewhere(tmp_path):
+    """``shardstream pack`` on a terminal: tqdm's bar with the listed total (n/N, a rate, time
+    left); with stderr a pipe, no bar at all. ``on_listed`` gives the total from Python."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from conftest import write_image_folder
+
+    write_image_folder(tmp_path / "images", classes=2, per_class=30, size=4, with_json=False)
+    totals: list[int] = []
+    pack(str(tmp_path / "images"), str(tmp_path / "py"), label_from_dir=True, on_listed=totals.append)
+    assert totals == [60]
+    cli = "import sys; from shardstream.cli.main import main; sys.exit(main())"
+    cmd = [sys.executable, "-c", cli, "pack", str(tmp_path / "images"), str(tmp_path / "tty"), "--label-from-dir"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a 0-column terminal shows no bar
+    with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower) as proc:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal's other end closed: the process is gone
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=scaled(60)) == 0
+    os.close(leader)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "60/60" in shown and "samples/s" in shown, shown
+    piped = subprocess.run([*cmd[:-2], str(tmp_path / "pipe"), "--label-from-dir"], capture_output=True, text=True, timeout=scaled(60))
+    assert piped.returncode == 0 and "packing" not in piped.stderr and "60/60" not in piped.stderr, piped.stderr

@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(unit=" samples", desc="packing", dynamic_ncols=True, file=sys.stderr)
     last = [0]
 
+    def listed(items: int) -> None:  # the total: tqdm then shows the rate and the time left
+        if bar is not None:
+            bar.reset(total=items)
+            last[0] = 0
+
     def progress(samples: int, nbytes: int) -> None:
         if bar is not None:
             bar.update(samples - last[0])
@@ -140,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
             prefixes=args.prefixes,
             storage_options=storage_options_from(args),
             progress=progress,
+            on_listed=listed,
             executor=executor,
             config=storage_config_from(args),
         )

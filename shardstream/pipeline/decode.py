@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from shardstream.errors import ConfigError, SampleError
@@ -73,19 +73,50 @@ def decode_image_pil(data: bytes, draft_size: tuple[int, int] | None = None):
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
+def image_size(size: int | Sequence[int] | None) -> tuple[int, int] | None:
+    """``size`` as (width, height): an int is a square; None stays None. A ConfigError otherwise."""
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, (int, Sequence)) or isinstance(size, str):
+        raise ConfigError(f"an image size is an int or (width, height), got {size!r}")
+    pair = (size, size) if isinstance(size, int) else tuple(size)
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair):
+        raise ConfigError(f"an image size is a positive int or (width, height) of positive ints, got {size!r}")
+    return (int(pair[0]), int(pair[1]))
+
+
+def resize_center_crop(img, size: tuple[int, int]):
+    """A PIL image scaled (aspect kept, bilinear) to just cover ``size`` (width, height), then
+    cropped to it around the centre: every image comes out exactly ``size``."""
+    from PIL import Image
+
+    width, height = size
+    if img.size == (width, height):
+        return img
+    scale = max(width / img.width, height / img.height)
+    scaled = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
+    img = img.resize(scaled, Image.Resampling.BILINEAR)
+    left, top = (scaled[0] - width) // 2, (scaled[1] - height) // 2
+    return img.crop((left, top, left + width, top + height))
+
+
 class ImageDecoder:
     """Image bytes -> uint8 CHW tensor ("tensor"), HWC array ("numpy") or RGB PIL image ("pil").
 
     ``draft_size``: for JPEG, let libjpeg decode at a reduced scale that still covers this
     (width, height); much cheaper when the pipeline crops or resizes down anyway.
-    A class rather than a closure so datasets pickle for spawned workers.
+    ``size``: (width, height); every image is scaled to cover it (aspect kept) and centre-cropped
+    to it, so images of any size batch into one tensor (JPEGs are then drafted at ``size`` too,
+    unless ``draft_size`` says otherwise). A class rather than a closure so datasets pickle for
+    spawned workers.
     """
 
-    def __init__(self, image: str = "tensor", draft_size: tuple[int, int] | None = None):
+    def __init__(self, image: str = "tensor", draft_size: tuple[int, int] | None = None, size: int | Sequence[int] | None = None):
         if image not in IMAGE_MODES:
             raise ConfigError(f"image must be one of {IMAGE_MODES}, got {image!r}")
         self.image = image
-        self.draft_size = draft_size
+        self.size = image_size(size)
+        self.draft_size = draft_size if draft_size is not None else self.size
 
     def __call__(self, data: bytes):
         import numpy as np
@@ -93,8 +124,14 @@ class ImageDecoder:
         array = None
         if self.image != "pil" and is_jpeg(data):
             array = decode_jpeg_array(data, min_size=self.draft_size)
+        if array is not None and self.size is not None and (array.shape[1], array.shape[0]) != self.size:
+            from PIL import Image
+
+            array = np.array(resize_center_crop(Image.fromarray(array), self.size))
         if array is None:
             img = decode_image_pil(data, self.draft_size)
+            if self.size is not None:
+                img = resize_center_crop(img, self.size)
             if self.image == "pil":
                 return img
             array = np.array(img, copy=True)
@@ -241,11 +278,16 @@ def _has_module(name: str) -> bool:
 
 
 def default_decoders(
-    image: str = "tensor", draft_size: tuple[int, int] | None = None, *, allow_pickle: bool = False
+    image: str = "tensor",
+    draft_size: tuple[int, int] | None = None,
+    *,
+    allow_pickle: bool = False,
+    size: int | Sequence[int] | None = None,
 ) -> dict[str, Callable[[bytes], Any]]:
     """shardstream's decoders by extension (see the module docstring). ``allow_pickle`` adds
-    pyd/pickle/pkl: only for data you trust, unpickling runs code."""
-    image_decoder = ImageDecoder(image, draft_size)
+    pyd/pickle/pkl: only for data you trust, unpickling runs code. ``size``: images resized and
+    centre-cropped to (width, height) (``ImageDecoder``)."""
+    image_decoder = ImageDecoder(image, draft_size, size)
     decoders: dict[str, Callable[[bytes], Any]] = {ext: image_decoder for ext in IMAGE}
     decoders.update({ext: _decode_npy for ext in NPY})
     decoders.update({ext: _decode_npz for ext in NPZ})

@@ -12,6 +12,7 @@ write them, the driver writes the manifest last. ``pack(fn, inputs, dest)`` pack
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import multiprocessing
@@ -100,6 +101,7 @@ def pack_source(
     executor: Executor | None = None,
     in_flight: int = DEFAULT_IN_FLIGHT,
     config: StorageConfig = DEFAULT_STORAGE,
+    on_listed: Callable[[int], None] | None = None,
 ) -> PackResult:
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
 
@@ -109,7 +111,8 @@ def pack_source(
     raise TooManyErrors).
     ``columns`` and ``key``: a Parquet source's columns to pack (default: all) and the column
     whose value is each sample's key (default: the file's path and the row's number).
-    ``progress(samples, bytes)`` is called after each written sample.
+    ``progress(samples, bytes)`` is called after each written sample; ``on_listed(n)`` once, when
+    the source is listed, with the number of items to load (a progress bar's total).
     ``config`` is the storage policy of both sides: the source's listing and every read of its
     items (retries and ``deadline``; a shards source's manifest may list shards under
     ``allow_roots``) and the destination (``ShardWriter``). It goes with the storage options to
@@ -130,6 +133,8 @@ def pack_source(
         more = f" (and {len(listing.errors) - 1} more problems)" if len(listing.errors) > 1 else ""
         raise SourceError(where, what + more)
     items = list(listing.items)
+    if on_listed is not None:
+        on_listed(len(items))
     if shuffle:
         random.Random(seed).shuffle(items)
     if not items and not listing.errors:
@@ -361,6 +366,9 @@ def _pack_tasks(
     )
 
 
+SINGLES_PER_TASK = 64
+
+
 def _load_all(items: list[Item], workers: int, storage_options, config: StorageConfig = DEFAULT_STORAGE):
     """Yield load results in item order; with workers > 1 a process pool loads a bounded window.
     Items are read with ``storage_options`` under ``config``, here and in every worker."""
@@ -368,11 +376,14 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
     if workers == 1:
         yield from load_items(items)
         return
-    batches = batches_of(items)
-    # A window of batches in flight: workers * 256 single items (16 a batch), or two groups per
-    # worker (a Parquet row group's span: up to parquet.SPAN_BYTES each).
-    grouped = len(batches) < len(items) / 16
-    window = workers * (2 if grouped else 16)
+    # Single items go 64 to a task: a task's round trip (pickling, a pipe, the pool's threads) costs
+    # more than reading a small file, so one task an item kept the workers waiting on the main process.
+    batches = batches_of(items, SINGLES_PER_TASK)
+    # A sliding window of batches in flight: workers * 512 single items, or two groups per worker
+    # (a Parquet row group's span: up to parquet.SPAN_BYTES each). Sliding, not window by window:
+    # the workers never wait for the main process to drain a window before the next one starts.
+    grouped = len(batches) < len(items) / SINGLES_PER_TASK
+    window = workers * (2 if grouped else 8)
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
     isolate_resource_tracker()  # the pool's semaphores are named: a kill of the job leaves none
     # Children start with SIGINT ignored (inherited through exec, before they import anything).
@@ -386,12 +397,25 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
         if main:  # a handler installed outside Python reads as None: the default stands in for it
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     try:
-        for start in range(0, len(batches), window):
-            for results in pool.imap(_load_batch, batches[start : start + window]):
-                yield from results
+        pending: collections.deque = collections.deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_load_batch, (batch,)))
+            if len(pending) >= window:
+                yield from pending.popleft().get()
+        last: list[tuple[bool, str, Any]] = []
+        while pending:
+            results = pending.popleft().get()
+            if not pending:
+                last = results  # held back: see below
+                break
+            yield from results
         pool.close()
     except BaseException:
         abandon_pool(pool)
         raise
+    # The pool ends before the last results are given: pack's loop stops at its last item and
+    # never asks again, so this generator is closed at its last yield, which must not be inside
+    # the try (a close there abandoned the finished pool: 4-5 s of its timeouts in every pack).
     pool.terminate()
     pool.join()
+    yield from last
