@@ -28,8 +28,8 @@ from shardstream.errors import ConfigError, StateError
 from shardstream.format.manifest import Manifest
 from shardstream.format.parquet import Table, TableManifest, is_table_url
 from shardstream.format.scan import scan_shards
-from shardstream.handover import read_once
 from shardstream.format.tokens import TokenManifest, Tokens
+from shardstream.handover import read_once
 from shardstream.options import Decode, OnError, Schedule, Shuffle, Store, refuse_moved
 from shardstream.pipeline.batch import BatchStats, batch_samples, default_collate
 from shardstream.pipeline.decode import Decoder, decode_samples, default_decoders
