@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from shardstream.errors import ConfigError, ManifestError, ShardFormatError, StorageError, StorageNotFound
+from shardstream.errors import ConfigError, ManifestError, ShardFormatError, SourceError, StorageError, StorageNotFound
 from shardstream.format.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -590,6 +590,29 @@ def rebased(m: TableManifest, base: str) -> TableManifest:
     return out
 
 
+def reserved_column(name: str) -> bool:
+    """Names of the form ``__name__`` are shardstream's own in a sample or batch (``__key__``,
+    ``__url__``, ``__valid__``, ``__present__``, ...): a table's column may not take one."""
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def check_columns(where: str, names: Sequence[str], wanted: Sequence[str] | None = None) -> None:
+    """A SourceError naming the first column of ``wanted`` (default: all) that ``names`` (a file's
+    columns) holds twice, or whose name is reserved (``reserved_column``): either would be read as
+    something else than the column (a pad mask, a key) or not at all."""
+    for name in names if wanted is None else wanted:
+        if names.count(name) > 1:
+            raise SourceError(
+                where, f"column {name!r} appears {names.count(name)} times in the table's schema: rename one (or leave it out of columns=)"
+            )
+        if reserved_column(name):
+            raise SourceError(
+                where,
+                f"column {name!r} has a reserved name (__name__ is shardstream's, as in __key__, __valid__, __present__): "
+                "rename it (or leave it out of columns=)",
+            )
+
+
 def refuse_table(manifest: Manifest, what: str) -> None:
     """A ConfigError when ``manifest`` is a Parquet table's: ``what`` works on tar datasets only."""
     if isinstance(manifest, TableManifest):
@@ -621,7 +644,9 @@ def open_table(
     if manifest is None:
         manifest = index_table(url, storage_options, config=config)
         manifest.storage_options = dict(storage_options or {})
-    return manifest.select(table.columns)
+    out = manifest.select(table.columns)
+    check_columns(out.base_url or (out.file_url(0) if out.files else table.label), out.column_names, out.projection)
+    return out
 
 
 # -- the requests an epoch makes ------------------------------------------------------------------

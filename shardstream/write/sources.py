@@ -105,6 +105,7 @@ def list_source(
     if isinstance(allow_outside, str):
         raise ConfigError("allow_outside is a sequence of folders or URL prefixes, not one string")
     roots = tuple(_root_of(r) for r in allow_outside)
+    storage.check_url(src)  # (before index.json is joined to it)
     auto = kind == "auto"
     if auto:
         kind = detect_kind(src, storage_options, config)
