@@ -74,6 +74,7 @@ def test_a_fifo_a_device_and_a_symlink_out_of_a_tree_are_never_read(tmp_path, se
     os.mkfifo(src / "fifo.bin")  # opened for reading, it would block pack forever
     os.symlink("/dev/zero", src / "zero.bin")  # read, it would end in MemoryError
     os.symlink(secret, src / "leak.txt")
+    os.symlink(secret.parent, src / "leakdir")  # a folder that leads out
     inner = src / "sub"
     inner.mkdir()
     (inner / "b.txt").write_text("b")
@@ -86,7 +87,7 @@ def test_a_fifo_a_device_and_a_symlink_out_of_a_tree_are_never_read(tmp_path, se
 
     def run():
         try:
-            with pytest.raises(SourceError, match=r"fifo\.bin: is a FIFO, not a regular file: not read \(and 2 more problems\)"):
+            with pytest.raises(SourceError, match=r"fifo\.bin: is a FIFO, not a regular file: not read \(and 3 more problems\)"):
                 pack(str(src), str(tmp_path / "o1"))
             result["skip"] = pack(str(src), str(tmp_path / "o2"), on_error="skip")
         except BaseException as exc:  # handed to the test's thread
@@ -98,10 +99,11 @@ def test_a_fifo_a_device_and_a_symlink_out_of_a_tree_are_never_read(tmp_path, se
     if "exc" in result:
         raise result["exc"]
     got = result["skip"]
-    assert got.samples == 3 and got.skipped_count == 3 and got.hidden == 2
+    assert got.samples == 3 and got.skipped_count == 4 and got.hidden == 2
     reasons = {os.path.basename(s["source"]): s["error"] for s in got.skipped}
     assert "FIFO" in reasons["fifo.bin"]
     assert "symlink to /dev/zero" in reasons["zero.bin"] and "symlink to" in reasons["leak.txt"]
+    assert f"symlink to {secret.parent}" in reasons["leakdir"]
 
 
 def test_a_jsonl_fifo_reference_is_refused_without_hanging(tmp_path):

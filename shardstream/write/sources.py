@@ -267,12 +267,11 @@ def _local_file_problem(path: str, root: str, allow: tuple[str, ...]) -> str | N
     except UnicodeEncodeError:
         return "file name is not UTF-8 (a key must be): rename it"
     try:
-        mode = os.lstat(path).st_mode
-        if stat.S_ISLNK(mode):
-            where = _outside(canonical_url(path), root, allow)
-            if where is not None:
-                return f"{where} the source's root {root}/: not read (pass --allow-outside ROOT to trust it)"
-            mode = os.stat(path).st_mode
+        # where it really is (a symlink, or a symlinked folder on its way, may lead out of the tree)
+        where = _outside(canonical_url(path), root, allow)
+        if where is not None:
+            return f"{where} the source's root {root}/: not read (pass --allow-outside ROOT to trust it)"
+        mode = os.stat(path).st_mode
     except OSError as exc:
         return f"cannot stat: {exc.strerror}"
     kind = special_kind(mode)
