@@ -2,7 +2,8 @@
 
     ShardstreamError                 every error shardstream raises on purpose
     ├── ConfigError                  options that cannot work (also a ValueError)
-    ├── SourceError                  bad pack input: unreadable file, malformed line, key clash
+    ├── SourceError                  bad pack input: unreadable file, malformed line, key clash, a
+    │                                reference leaving the source; a table's duplicate or reserved column
     ├── DestinationError             pack destination missing, refusing access, or not empty
     ├── ManifestError                index.json missing, not JSON, inconsistent, or reaching outside its root
     ├── StateError                   a resume state from another dataset, seed, mode or version

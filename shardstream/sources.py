@@ -34,7 +34,7 @@ from typing import Any
 
 from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
-from shardstream.format.parquet import Table, is_table_url, list_table_files, open_table
+from shardstream.format.parquet import Table, TableManifest, check_columns, check_table_files, is_table_url, list_table_files, open_table
 from shardstream.format.scan import scan_shards
 from shardstream.format.tokens import TokenManifest, Tokens
 from shardstream.plan.epoch import EpochPlan
@@ -393,7 +393,7 @@ def load_root(url: str, storage_options: Mapping[str, Any] | None, config: Stora
     """A dataset root's manifest (its index.json: a tar dataset, or a table indexed by
     ``shardstream index``); a folder without one that holds Parquet files is read as a table."""
     try:
-        return load_manifest(url, storage_options, config=config)
+        manifest = load_manifest(url, storage_options, config=config)
     except ManifestError as exc:
         if not isinstance(exc.__cause__, StorageNotFound) or url.rstrip("/").endswith(".json"):
             raise
@@ -402,6 +402,10 @@ def load_root(url: str, storage_options: Mapping[str, Any] | None, config: Stora
         except (ConfigError, StorageError, OSError):  # no Parquet files there either: the manifest's error
             raise exc from exc.__cause__
         return open_table(Table(url), storage_options, config=config)
+    if isinstance(manifest, TableManifest):  # a table index: checked against its files' footers, as open_table does
+        check_table_files(manifest, manifest.storage_options or storage_options, config=config)
+        check_columns(url, manifest.column_names)
+    return manifest
 
 
 def open_sources(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Mix:

@@ -67,6 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retries", type=int, default=2, help="with --dask: times a failed task is retried (default 2)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise", help="bad samples: stop (default) or skip and report")
+    p.add_argument(
+        "--allow-outside",
+        action="append",
+        default=[],
+        metavar="ROOT",
+        help="a folder or URL prefix outside the source's own root that $file references and symlinks may read from "
+        "(repeatable; default: none, they are refused)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tokenizer", metavar="FILE|MODULE:FUNCTION", help="tokenize documents into a token corpus (docs/tokens.md)")
     p.add_argument(
@@ -148,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             on_listed=listed,
             executor=executor,
             config=storage_config_from(args),
+            allow_outside=args.allow_outside,
         )
     except KeyboardInterrupt:
         print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
@@ -170,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipped {result.skipped_count} bad samples (listed in the manifest):")
         for entry in result.skipped[:10]:
             print(f"  {entry['source']}: {entry['error']}")
+    if result.hidden:
+        print(f"left out {result.hidden} hidden files (a part of their path starts with '.')")
     print(f"manifest: {result.manifest_url}")
     return 0
 

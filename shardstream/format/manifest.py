@@ -563,6 +563,7 @@ def load_manifest(source: str, storage_options: Mapping[str, Any] | None = None,
     unreadable or invalid raises ManifestError."""
     if "::" in source:  # the writers' rule (dataset_root_problem), on the reader's side too
         raise ConfigError(f"{source!r} cannot be a dataset root: {dataset_root_problem(source)}")
+    storage.check_url(source)  # (before index.json is joined to it)
     url = manifest_url(source)
     try:
         raw = _read_manifest(url, storage_options, config)

@@ -20,6 +20,7 @@ counters), and pyarrow decodes them from a sparse file that serves only those ru
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import threading
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shardstream.errors import ConfigError, ManifestError, ShardFormatError, StorageError, StorageNotFound
+from shardstream.errors import ConfigError, ManifestError, ShardFormatError, SourceError, StorageError, StorageNotFound
 from shardstream.format.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -110,9 +111,12 @@ class TableManifest(Manifest):
         base_url: str = "",
         created: str = "",
         shardstream_version: str = "",
+        footer_sha256: Sequence[str] | None = None,
     ):
         super().__init__(base_url=base_url, created=created, shardstream_version=shardstream_version)
         self.files = list(files)
+        # per file, the sha256 of its footer's bytes when indexed ("": an index written before it was recorded)
+        self.footer_sha256 = [str(d) for d in footer_sha256] if footer_sha256 is not None else [""] * len(self.files)
         self.file_sizes = np.asarray(file_sizes, dtype=np.int64).reshape(len(self.files))
         self.footer_sizes = np.asarray(footer_sizes, dtype=np.int64).reshape(len(self.files))
         self.columns = [(str(n), str(t)) for n, t in columns]
@@ -173,6 +177,7 @@ class TableManifest(Manifest):
                 "path": self.files,
                 "bytes": self.file_sizes.tolist(),
                 "footer_bytes": self.footer_sizes.tolist(),
+                **({"footer_sha256": self.footer_sha256} if any(self.footer_sha256) else {}),
                 "group_rows": self.group_rows,
                 "group_start": starts,
                 "group_bytes": sizes,
@@ -208,6 +213,9 @@ class TableManifest(Manifest):
             ]
             if any(len(r) != len(s) for r, s in zip(rows, spans)):
                 raise ValueError("'group_rows', 'group_start' and 'group_bytes' must have one entry per row group")
+            digests = files.get("footer_sha256")  # (absent from indexes written before shardstream recorded it)
+            if digests is not None and (not isinstance(digests, list) or len(digests) != n or not all(isinstance(d, str) for d in digests)):
+                raise ValueError(f"'files.footer_sha256' must list {n} hex strings, one per file")
         except (TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: {exc}") from exc
         manifest = cls(
@@ -219,6 +227,7 @@ class TableManifest(Manifest):
             [(c["name"], str(c.get("type", ""))) for c in columns],
             created=doc.get("created", ""),
             shardstream_version=doc.get("shardstream_version", ""),
+            footer_sha256=digests,
         )
         total = doc.get("total_samples")
         if total is not None and total != manifest.total_samples:
@@ -312,15 +321,30 @@ def parse_footer(url: str, tail: bytes, size: int) -> tuple[Any, int]:
         raise ShardFormatError(url, size - length, f"cannot parse the Parquet footer ({str(exc).splitlines()[0]})") from exc
 
 
+def footer_digest(tail: bytes | bytearray, length: int) -> str:
+    """The sha256 of a file's last ``length`` bytes (its footer, length and magic): with its size,
+    the cheap identity of a Parquet file a table index records (``check_table_files``)."""
+    return hashlib.sha256(memoryview(tail)[len(tail) - length :]).hexdigest()
+
+
 def read_footer(url: str, size: int, storage_options: Mapping[str, Any] | None, *, config: StorageConfig, counters: Any = None) -> tuple[Any, int]:
     """A file's parsed footer: its last TAIL_READ bytes (and the rest of the footer when it is larger)."""
+    metadata, length, _ = read_footer_digest(url, size, storage_options, config=config, counters=counters)
+    return metadata, length
+
+
+def read_footer_digest(
+    url: str, size: int, storage_options: Mapping[str, Any] | None, *, config: StorageConfig, counters: Any = None
+) -> tuple[Any, int, str]:
+    """``read_footer`` and the footer's ``footer_digest``."""
     first = min(size, TAIL_READ)
     tail = read_bytes(url, size - first, size, storage_options, config=config, counters=counters)
     if len(tail) >= 8 and tail[-4:] == MAGIC:
         length = int.from_bytes(tail[-8:-4], "little") + 8
         if first < length <= size - 4:
             tail = read_bytes(url, size - length, size - first, storage_options, config=config, counters=counters) + bytes(tail)
-    return parse_footer(url, bytes(tail), size)
+    metadata, length = parse_footer(url, bytes(tail), size)
+    return metadata, length, footer_digest(tail, length)
 
 
 def footer_for(m: TableManifest, f: int, storage_options: Mapping[str, Any] | None, *, config: StorageConfig, counters: Any = None) -> Any:
@@ -353,6 +377,70 @@ def _load_footer(m: TableManifest, f: int, storage_options: Mapping[str, Any] | 
         raise ShardFormatError(url, size - length, f"it has row groups of {rows} rows, the manifest says {m.group_rows[f]}: the file {stale}")
     FOOTERS.put((url, size, length), metadata)
     return metadata
+
+
+def check_table_files(
+    m: TableManifest, storage_options: Mapping[str, Any] | None, *, config: StorageConfig = DEFAULT_STORAGE, threads: int = INDEX_THREADS
+) -> None:
+    """Check a table index against its files (``threads`` at once): each file's footer, read at the
+    size and footer length the index recorded (one ranged read of the footer alone, no data page),
+    must hash to the recorded ``footer_sha256`` (when recorded: older indexes lack it) and hold
+    the index's row groups and columns. A ManifestError names the first file that changed and
+    what changed: rows the index does not know are never dropped, a replaced file never read."""
+    pyarrow_parquet()
+    todo = list(range(len(m.files)))
+    if len(todo) > 1 and threads > 1:
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="shardstream-footers") as pool:
+            list(pool.map(lambda f: _check_file(m, f, storage_options, config), todo))
+    else:
+        for f in todo:
+            _check_file(m, f, storage_options, config)
+
+
+def _check_file(m: TableManifest, f: int, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> None:
+    url, size, length = m.file_url(f), int(m.file_sizes[f]), int(m.footer_sizes[f])
+    again = "changed since the table was indexed: index it again (`shardstream index`)"
+    try:
+        tail = read_bytes(url, max(0, size - length), size, storage_options, config=config)
+        metadata, found = parse_footer(url, bytes(tail), size)
+        if found != length:
+            raise ShardFormatError(url, size - found, "its footer's length differs")
+    except StorageNotFound as exc:
+        raise ManifestError(f"{url}: listed in the table index but cannot be read ({exc})") from exc
+    except ShardFormatError as exc:
+        now = _size_now(url, storage_options, config)
+        what = (
+            f"it is {now} bytes, the index says {size}"
+            if now is not None and now != size
+            else f"its last {length} bytes are not the footer the index recorded"
+        )
+        raise ManifestError(f"{url}: {what}: the file {again}") from exc
+    digest = m.footer_sha256[f]
+    if digest and footer_digest(tail, length) != digest:
+        raise ManifestError(
+            f"{url}: its footer's sha256 is {footer_digest(tail, length)}, the index recorded {digest} (same size, other bytes): the file {again}"
+        )
+    rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+    if rows != m.group_rows[f]:
+        raise ManifestError(
+            f"{url}: its footer says {sum(rows)} rows in row groups of {rows}, "
+            f"the index says {sum(m.group_rows[f])} in {m.group_rows[f]}: the file {again}"
+        )
+    columns = [(field.name, str(field.type)) for field in metadata.schema.to_arrow_schema()]
+    if columns != m.columns:
+        known = dict(m.columns)
+        changed = [f"column {n!r} is {t} in the file, {known[n]} in the index" for n, t in columns if n in known and known[n] != t]
+        changed += [f"column {n!r} is not in the index" for n, _ in columns if n not in known]
+        changed += [f"the index's column {n!r} is not in the file" for n in known if n not in dict(columns)]
+        raise ManifestError(f"{url}: {'; '.join(changed) or 'its columns are in another order'}: the file {again}")
+    FOOTERS.put((url, size, length), metadata)  # read once: the first row group's read takes it from here
+
+
+def _size_now(url: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> int | None:
+    try:
+        return int(storage.storage_call(url, lambda fs, path: fs.size(path), storage_options, config))
+    except (StorageError, OSError):
+        return None
 
 
 # -- building the manifest -----------------------------------------------------------------------
@@ -406,10 +494,10 @@ def index_table(
     pyarrow_parquet()
     base, files = list_table_files(url, storage_options, config)
 
-    def footer(item: tuple[str, int]) -> tuple[Any, int]:
+    def footer(item: tuple[str, int]) -> tuple[Any, int, str]:
         file_url, size = item
         try:
-            return read_footer(file_url, size, storage_options, config=config, counters=counters)
+            return read_footer_digest(file_url, size, storage_options, config=config, counters=counters)
         except StorageNotFound as exc:
             raise ManifestError(f"{file_url}: listed but cannot be read ({exc})") from exc
 
@@ -420,7 +508,7 @@ def index_table(
         footers = [footer(f) for f in files]
     schema = None
     rows, spans = [], []
-    for (file_url, size), (metadata, length) in zip(files, footers):
+    for (file_url, size), (metadata, length, _) in zip(files, footers):
         arrow = metadata.schema.to_arrow_schema()
         if schema is None:
             schema = arrow
@@ -434,11 +522,12 @@ def index_table(
     return TableManifest(
         paths,
         [s for _, s in files],
-        [length for _, length in footers],
+        [length for _, length, _ in footers],
         rows,
         spans,
         [(f.name, str(f.type)) for f in schema],
         base_url=base,
+        footer_sha256=[digest for _, _, digest in footers],
     )
 
 
@@ -585,9 +674,32 @@ def rebased(m: TableManifest, base: str) -> TableManifest:
     for rows in m.group_rows:
         spans.append([(int(a), int(b)) for a, b in m.spans[k : k + len(rows)].tolist()])
         k += len(rows)
-    out = TableManifest(files, m.file_sizes, m.footer_sizes, m.group_rows, spans, m.columns, base_url=base.rstrip("/"))
+    out = TableManifest(files, m.file_sizes, m.footer_sizes, m.group_rows, spans, m.columns, base_url=base.rstrip("/"), footer_sha256=m.footer_sha256)
     out.storage_options = dict(m.storage_options)
     return out
+
+
+def reserved_column(name: str) -> bool:
+    """Names of the form ``__name__`` are shardstream's own in a sample or batch (``__key__``,
+    ``__url__``, ``__valid__``, ``__present__``, ...): a table's column may not take one."""
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def check_columns(where: str, names: Sequence[str], wanted: Sequence[str] | None = None) -> None:
+    """A SourceError naming the first column of ``wanted`` (default: all) that ``names`` (a file's
+    columns) holds twice, or whose name is reserved (``reserved_column``): either would be read as
+    something else than the column (a pad mask, a key) or not at all."""
+    for name in names if wanted is None else wanted:
+        if names.count(name) > 1:
+            raise SourceError(
+                where, f"column {name!r} appears {names.count(name)} times in the table's schema: rename one (or leave it out of columns=)"
+            )
+        if reserved_column(name):
+            raise SourceError(
+                where,
+                f"column {name!r} has a reserved name (__name__ is shardstream's, as in __key__, __valid__, __present__): "
+                "rename it (or leave it out of columns=)",
+            )
 
 
 def refuse_table(manifest: Manifest, what: str) -> None:
@@ -621,7 +733,11 @@ def open_table(
     if manifest is None:
         manifest = index_table(url, storage_options, config=config)
         manifest.storage_options = dict(storage_options or {})
-    return manifest.select(table.columns)
+    else:
+        check_table_files(manifest, manifest.storage_options or storage_options, config=config)
+    out = manifest.select(table.columns)
+    check_columns(out.base_url or (out.file_url(0) if out.files else table.label), out.column_names, out.projection)
+    return out
 
 
 # -- the requests an epoch makes ------------------------------------------------------------------

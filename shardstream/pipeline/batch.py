@@ -44,6 +44,36 @@ class Batch(dict):
         )
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class _IntOutOfRange(ValueError):
+    """An integer leaf that an int64 tensor cannot hold (a uint64 column's value >= 2**63, a Python
+    int from a transform): said as a SampleError naming the field and the sample (``_collate_dict``)."""
+
+    def __init__(self, index: int, value: int):
+        super().__init__(index, value)
+        self.index, self.value = index, value
+
+
+def _out_of_range(samples: list[Any], name: str, exc: _IntOutOfRange) -> SampleError:
+    s = samples[exc.index] if isinstance(samples[exc.index], dict) else {}
+    return SampleError(
+        s.get("__url__", "?"),
+        s.get("__key__", "?"),
+        f"field {name!r}: integer {exc.value} does not fit in int64, the dtype per-sample batches give integers "
+        "(a uint64 column above 2**63: read the table without a per-sample transform, columnar batches keep uint64, "
+        "or convert the value in the transform)",
+    )
+
+
+def _stack_field(samples: list[Any], name: str, values: list[Any]) -> Any:
+    try:
+        return _stack(values)
+    except _IntOutOfRange as exc:
+        raise _out_of_range(samples, name, exc) from None
+
+
 def _stack(values: list[Any]) -> Any:
     """Same-type leaves -> one batched value: tensors and arrays stacked when shapes agree, numbers
     as tensors; anything else (str, bytes, decoded JSON, None) stays a list."""
@@ -57,7 +87,15 @@ def _stack(values: list[Any]) -> Any:
     if isinstance(v, numbers.Integral):
         # exact-type check first: an ABC isinstance per sample costs ~1 us, a third of the small-sample budget
         ints = all(type(x) is int for x in values) or all(isinstance(x, numbers.Integral) for x in values)
-        return torch.tensor(values, dtype=torch.int64) if ints else values
+        if not ints:
+            return values
+        try:
+            return torch.tensor(values, dtype=torch.int64)
+        except (OverflowError, ValueError, RuntimeError):
+            i = next((i for i, x in enumerate(values) if not INT64_MIN <= x <= INT64_MAX), None)
+            if i is None:
+                raise
+            raise _IntOutOfRange(i, values[i]) from None
     if isinstance(v, numbers.Real):
         reals = all(type(x) is float for x in values) or all(isinstance(x, numbers.Real) for x in values)
         return torch.tensor(values, dtype=torch.float64) if reals else values
@@ -71,7 +109,7 @@ def _collate_dict(samples: list[Any], missing: str = "by_source") -> Batch:
     names = first.keys()
     if not all(s.keys() == names for s in samples):
         return _collate_unlike(samples, missing)
-    return Batch({name: _stack([s[name] for s in samples]) for name in first})
+    return Batch({name: _stack_field(samples, name, [s[name] for s in samples]) for name in first})
 
 
 def _collate_unlike(samples: list[Any], missing: str) -> Batch:
@@ -95,9 +133,12 @@ def _collate_unlike(samples: list[Any], missing: str) -> Batch:
     for name in every:
         has = [name in s for s in samples]
         if all(has):
-            out[name] = _stack([s[name] for s in samples])
+            out[name] = _stack_field(samples, name, [s[name] for s in samples])
         else:
-            out[name] = _stack_missing([s.get(name) for s in samples], has)
+            try:
+                out[name] = _stack_missing([s.get(name) for s in samples], has)
+            except _IntOutOfRange as exc:
+                raise _out_of_range(samples, name, exc) from None
             masks[name] = _mask(has)
     out[PRESENT] = masks
     return out
@@ -193,7 +234,10 @@ def _collate_value(values: list[Any], missing: str = "by_source") -> Any:
         return _collate_dict(values, missing)
     if isinstance(v, (tuple, list)):
         return _collate_sequence(values, missing)
-    return _stack(values)
+    try:
+        return _stack(values)
+    except _IntOutOfRange as exc:
+        raise SampleError("a transform's output", f"#{exc.index} of the batch", f"integer {exc.value} does not fit in int64") from None
 
 
 def _collate_sequence(samples: list[Any], missing: str = "by_source") -> Any:

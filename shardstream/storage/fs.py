@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import posixpath
+import re
 import sys
 import threading
 import time
@@ -80,7 +81,7 @@ def get_fs(url: str, storage_options: Mapping[str, Any] | None = None, config: S
     protocol = fsspec.utils.get_protocol(url)
     if protocol in ("file", "local"):
         return url_to_fs(url)
-    if protocol == "hf":
+    if protocol == "hf" or url[:3].lower() == "hf:":
         require_hf(url)
     options = bound_options(url, storage_options, config)
     if protocol in ("s3", "s3a"):
@@ -131,10 +132,30 @@ def check_profile(profile: str | None) -> None:
         )
 
 
+HF_FORM = "hf://datasets/ORG/NAME[/path]"
+_HF_URL = re.compile(r"hf://datasets/(?P<org>[A-Za-z0-9][\w.-]*)/(?P<name>[A-Za-z0-9][\w.-]*)(@[^/]+)?(/.*)?")
+
+
+def check_hf_url(url: str) -> None:
+    """A ConfigError with the expected form when ``url`` is not a Hugging Face dataset's URL
+    (``hf://datasets/ORG/NAME[/path]``, an optional ``@revision`` after the name)."""
+    if not _HF_URL.fullmatch(url) or "/../" in url + "/" or url.endswith("/.."):
+        raise ConfigError(f"{url!r} is not a Hugging Face dataset URL: the expected form is {HF_FORM}")
+
+
+def check_url(url: str) -> None:
+    """What can be said of a user's URL before anything is joined to it or read: an ``hf:`` URL
+    must name a dataset (``check_hf_url``)."""
+    if url[:3].lower() == "hf:":
+        check_hf_url(url)
+
+
 def require_hf(url: str) -> None:
-    """``hf://`` URLs need huggingface_hub (its ``HfFileSystem`` registers the protocol): an optional extra."""
+    """``hf://`` URLs name a dataset (``check_hf_url``) and need huggingface_hub (its
+    ``HfFileSystem`` registers the protocol): an optional extra."""
     import importlib.util
 
+    check_hf_url(url)
     if importlib.util.find_spec("huggingface_hub") is None:
         raise ConfigError(f"{url}: hf:// URLs (the Hugging Face Hub) need huggingface_hub: pip install 'shardstream[hf]'")
 

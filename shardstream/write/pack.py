@@ -46,7 +46,9 @@ class PackResult:
     destination's ``index.json``); ``samples``: samples written; ``shards``: shards written;
     ``bytes``: their total size (shards only, not sidecars or the manifest); ``seconds``: wall time
     of the whole pack, listing included; ``skipped``: samples left out under ``on_error="skip"``,
-    the first 100 as ``{"source": ..., "error": ...}``; ``skipped_count``: all of them.
+    the first 100 as ``{"source": ..., "error": ...}``; ``skipped_count``: all of them;
+    ``hidden``: files of a directory tree left out unread because a part of their path starts
+    with "." (not samples: not in ``skipped``).
     """
 
     manifest: Manifest
@@ -58,6 +60,7 @@ class PackResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
     skipped_count: int = 0
     tokens: int | None = None  # a token corpus (write/tokens.py): the tokens written, else None
+    hidden: int = 0
 
 
 def _load_batch(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
@@ -102,8 +105,13 @@ def pack_source(
     in_flight: int = DEFAULT_IN_FLIGHT,
     config: StorageConfig = DEFAULT_STORAGE,
     on_listed: Callable[[int], None] | None = None,
+    allow_outside: Sequence[str] = (),
 ) -> PackResult:
     """Pack ``src`` into shards under ``dest``; see the module docstring of ``sources`` for kinds.
+
+    The source reads only inside its own root (a tree's folder, a JSONL file's folder or bucket
+    prefix): a ``$file`` reference or symlink leading elsewhere is a bad sample (``on_error``)
+    unless it lies under a folder or URL prefix in ``allow_outside`` (CLI: ``--allow-outside``).
 
     ``on_error="raise"`` stops at the first bad sample with a SourceError naming it (and leaves
     no manifest); ``"skip"`` leaves bad samples out, counts them and lists them in the manifest
@@ -123,7 +131,18 @@ def pack_source(
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
-    listing = list_source(src, kind, label_from_dir=label_from_dir, columns=columns, key=key, storage_options=storage_options, config=config)
+    listing = list_source(
+        src,
+        kind,
+        label_from_dir=label_from_dir,
+        columns=columns,
+        key=key,
+        storage_options=storage_options,
+        config=config,
+        allow_outside=allow_outside,
+    )
+    if listing.hidden:
+        logger.info("%s: left out %d hidden files (a part of their path starts with '.')", src, listing.hidden)
     if shuffle and listing.kind == "parquet":
         raise ConfigError(
             "--shuffle does not apply to a Parquet source (rows load a row group at a time): shuffle when reading, ShardStream(shuffle=...)"
@@ -140,7 +159,7 @@ def pack_source(
     if not items and not listing.errors:
         raise SourceError(src, "source holds no samples")
     if executor is not None:
-        return _pack_tasks(
+        done = _pack_tasks(
             items,
             None,
             dest,
@@ -160,6 +179,8 @@ def pack_source(
             in_flight=in_flight,
             config=config,
         )
+        done.hidden = listing.hidden
+        return done
     with (
         ShardWriter(
             dest,
@@ -205,6 +226,7 @@ def pack_source(
         seconds=time.perf_counter() - started,
         skipped=writer.skipped,
         skipped_count=writer.skipped_count,
+        hidden=listing.hidden,
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.extensions import kind_of
+from shardstream.format.parquet import check_columns
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
@@ -217,6 +218,7 @@ def list_parquet(
         schema = meta.schema.to_arrow_schema()
         names = list(schema.names)
         wanted = list(columns) if columns else [n for n in names if n != key]
+        check_columns(url, names, [*wanted, *([key] if key else [])])
         for name in [*wanted, *([key] if key else [])]:
             if name not in names:
                 raise SourceError(url, f"no column {name!r} (columns: {', '.join(names)})")

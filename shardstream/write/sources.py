@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from shardstream.errors import SourceError
+from shardstream.errors import ConfigError, SourceError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import load_manifest
 from shardstream.format.scan import scan_shard
@@ -41,7 +42,7 @@ from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.ranges import open_object, open_range
-from shardstream.storage.urls import is_shard_pattern
+from shardstream.storage.urls import canonical_url, is_shard_pattern
 from shardstream.write.encode import check_key, encode_value
 from shardstream.write.parquet import group_of, is_parquet_source, list_parquet, load_group
 
@@ -79,6 +80,7 @@ class Listing:
         self.errors = errors or []  # (where, what) found while listing
         self.temp: Any = None  # a TemporaryDirectory holding decompressed copies of compressed shards (removed with the listing)
         self.kind = ""  # the source kind listed
+        self.hidden = 0  # files left out unread because a part of their path starts with "." (said at the end of pack)
 
 
 def list_source(
@@ -90,10 +92,20 @@ def list_source(
     key: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
     config: StorageConfig = DEFAULT_STORAGE,
+    allow_outside: Sequence[str] = (),
 ) -> Listing:
     """The items of ``src`` (see the module docstring), listed under ``config``: its retry policy
     and deadline for every listing and read, its ``allow_roots`` for a shards source's manifest.
-    ``columns`` and ``key`` select a Parquet source's columns and name its key column."""
+    ``columns`` and ``key`` select a Parquet source's columns and name its key column.
+
+    A source reads only inside its own root (a directory tree's folder, a JSONL file's folder or
+    bucket prefix): a ``$file`` reference or a symlink that leads elsewhere is a listing error
+    (``Listing.errors``: raised or skipped by pack's ``on_error``) unless it lies under one of the
+    URL prefixes or folders ``allow_outside`` names."""
+    if isinstance(allow_outside, str):
+        raise ConfigError("allow_outside is a sequence of folders or URL prefixes, not one string")
+    roots = tuple(_root_of(r) for r in allow_outside)
+    storage.check_url(src)  # (before index.json is joined to it)
     auto = kind == "auto"
     if auto:
         kind = detect_kind(src, storage_options, config)
@@ -103,7 +115,7 @@ def list_source(
         raise SourceError(src, "--columns and --key apply to a Parquet source")
     listing: Listing | None = None
     if kind == "dir":
-        listing = _list_dir(src, label_from_dir, storage_options, config, parquet_ok=auto and not label_from_dir)
+        listing = _list_dir(src, label_from_dir, storage_options, config, parquet_ok=auto and not label_from_dir, allow=roots)
         if listing is None:
             kind = "parquet"
         elif columns or key:
@@ -111,13 +123,65 @@ def list_source(
     if kind == "parquet":
         listing = Listing(list_parquet(src, columns=columns, key=key, storage_options=storage_options, config=config))
     elif kind == "jsonl":
-        listing = _list_jsonl(src, storage_options, config)
+        listing = _list_jsonl(src, storage_options, config, allow=roots)
     elif kind == "shards":
         listing = _list_shards(src, storage_options, config)
     if listing is None:
         raise SourceError(src, f"unknown source kind {kind!r}")
     listing.kind = kind
     return listing
+
+
+# -- the source's root: what a source may read -------------------------------------------------
+def _root_of(url: str) -> str:
+    """One spelling of a root: canonical (``canonical_url``), a local one with its symlinks resolved."""
+    root = canonical_url(url)
+    return os.path.realpath(root) if "://" not in root else root
+
+
+def _under(url: str, root: str) -> bool:
+    root = root.rstrip("/") or "/"
+    return url == root or url.startswith(root if root.endswith("/") else root + "/")
+
+
+def printable(path: str) -> str:
+    """A path as a message can print it: a name that is not UTF-8 (held with surrogate escapes)
+    with its undecodable bytes as ``\\xNN``."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _outside(target: str, root: str, allow: tuple[str, ...]) -> str | None:
+    """Why ``target`` (canonical) may not be read from a source rooted at ``root``, or None. A
+    local target is judged by where its symlinks lead."""
+    if "://" not in target:
+        real = os.path.realpath(target)
+        if any(_under(real, r) for r in (_root_of(root), *allow)):
+            return None
+        if any(_under(target, r) for r in (canonical_url(root), *allow)):
+            return f"is a symlink to {printable(real)}, outside"
+        return "is outside"
+    if any(_under(target, r) for r in (root, *allow)):
+        return None
+    return "is outside"
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file that is not a regular file is ("a FIFO", "a socket", ...), None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
 # -- directory trees ---------------------------------------------------------------------------
@@ -131,9 +195,14 @@ def _tree(fs, path: str) -> list[str] | str:
     return "source does not exist (a directory, a .jsonl file or tar shards)"
 
 
-def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageConfig, parquet_ok: bool = False) -> Listing | None:
+def _list_dir(
+    src: str, label_from_dir: bool, storage_options, config: StorageConfig, parquet_ok: bool = False, allow: tuple[str, ...] = ()
+) -> Listing | None:
     """A directory tree's items; None when ``parquet_ok`` and every file in it is a .parquet file
-    (a Parquet source, listed as one)."""
+    (a Parquet source, listed as one). Hidden files are left out and counted; on local disk, a
+    file that is not a regular file (FIFO, socket, device), a symlink leading out of the tree (or
+    to such a file) and a name that is not UTF-8 are listing errors, found by ``os.stat`` and
+    never opened."""
     fs, root = storage.get_fs(src, storage_options, config)  # (names the files: no request)
     found = storage_call(src, _tree, storage_options, config)
     if isinstance(found, str):
@@ -146,10 +215,18 @@ def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageCo
     groups: dict[str, dict[str, str]] = {}
     errors: list[tuple[str, str]] = []
     bad: set[str] = set()
+    local = storage.is_local(fs)
+    hidden = 0
     for path in files:
         rel = path[len(root) + 1 :]
         if any(part.startswith(".") for part in rel.split("/")):
-            continue  # hidden files and our own partial files
+            hidden += 1  # hidden files and our own partial files
+            continue
+        if local:
+            problem = _local_file_problem(path, root, allow)
+            if problem is not None:
+                errors.append((printable(path), problem))
+                continue
         key, ext = split_name(rel)
         if key is None or ext is None:
             errors.append((storage.full_url(fs, path), "file name has no extension to name its field"))
@@ -178,11 +255,33 @@ def _list_dir(src: str, label_from_dir: bool, storage_options, config: StorageCo
         label = label_map[key.split("/", 1)[0]] if label_map is not None else None
         where = storage.full_url(fs, next(iter(fields.values())))
         items.append((where, ("dir", src, key, tuple(sorted(fields.items())), label)))
-    return Listing(items, label_map, errors)
+    listing = Listing(items, label_map, errors)
+    listing.hidden = hidden
+    return listing
+
+
+def _local_file_problem(path: str, root: str, allow: tuple[str, ...]) -> str | None:
+    """Why a file of a local tree may not be packed, or None (lstat/stat only: nothing is opened)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "file name is not UTF-8 (a key must be): rename it"
+    try:
+        # where it really is (a symlink, or a symlinked folder on its way, may lead out of the tree)
+        where = _outside(canonical_url(path), root, allow)
+        if where is not None:
+            return f"{where} the source's root {root}/: not read (pass --allow-outside ROOT to trust it)"
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"cannot stat: {exc.strerror}"
+    kind = special_kind(mode)
+    return None if kind is None else f"is {kind}, not a regular file: not read"
 
 
 # -- JSONL ------------------------------------------------------------------------------------
-def _list_jsonl(src: str, storage_options, config: StorageConfig) -> Listing:
+def _list_jsonl(src: str, storage_options, config: StorageConfig, allow: tuple[str, ...] = ()) -> Listing:
+    """A JSONL file's items; each ``$file`` reference resolved (relative to the file's folder or
+    bucket prefix) and confined to that root or ``allow`` (``_resolve_ref``)."""
     compression = "gzip" if src.endswith(".gz") else None
 
     def read(fs, path: str) -> list[str]:
@@ -194,6 +293,7 @@ def _list_jsonl(src: str, storage_options, config: StorageConfig) -> Listing:
     except (FileNotFoundError, PermissionError, UnicodeDecodeError) as exc:
         raise SourceError(src, f"cannot read: {exc}") from exc
     base = src.rsplit("/", 1)[0] if "/" in src else "."
+    root = canonical_url(base)
     items: list[Item] = []
     errors: list[tuple[str, str]] = []
     for lineno, line in enumerate(lines, 1):
@@ -214,11 +314,42 @@ def _list_jsonl(src: str, storage_options, config: StorageConfig) -> Listing:
             continue
         try:
             check_key(key, where)
+            for ext, value in record.items():
+                if isinstance(value, dict) and set(value) == {"$file"}:
+                    record[ext] = {"$file": _resolve_ref(value["$file"], ext, base, root, allow)}
         except SourceError as exc:
             errors.append((where, exc.what))
             continue
         items.append((where, ("jsonl", base, key, json.dumps(record))))
     return Listing(items, None, errors)
+
+
+def _resolve_ref(ref: Any, ext: str, base: str, root: str, allow: tuple[str, ...]) -> str:
+    """The URL a ``$file`` reference names, if it lies inside the JSONL file's ``root`` (or under
+    ``allow``); else a SourceError saying why. A caption file from a third party must not copy
+    local or private data (``/etc/passwd``, ``../``, ``file://``, another bucket) into a dataset."""
+    if not isinstance(ref, str) or not ref:
+        raise SourceError("", f"field {ext!r}: $file must be a non-empty string")
+    absolute = "://" in ref or ref.startswith(("/", "~", "\\"))
+    target = canonical_url(ref if absolute else storage.join(base, ref))
+    if "://" not in root and "://" not in target:
+        pass  # both local: judged below by where the symlinks lead
+    elif ("://" in root) != ("://" in target) and not any(_under(target, r) for r in allow):
+        how = "a file:// URL" if ref.startswith("file://") else ("a local path" if "://" not in target else "a remote URL")
+        raise SourceError(
+            "",
+            f"field {ext!r}: $file {printable(ref)!r} is {how}, outside the source's root {root}/: not read (pass --allow-outside ROOT to trust it)",
+        )
+    why = _outside(target, root, allow)
+    if why is not None:
+        how = "a file:// URL" if ref.startswith("file://") else "an absolute path or URL" if absolute else "a path that climbs out with '..'"
+        if why.startswith("is a symlink"):
+            how = why.removesuffix(", outside")
+        raise SourceError(
+            "",
+            f"field {ext!r}: $file {printable(ref)!r} ({how}) is outside the source's root {root}/: not read (pass --allow-outside ROOT to trust it)",
+        )
+    return target
 
 
 # -- existing shards ---------------------------------------------------------------------------
@@ -342,11 +473,29 @@ def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
     raise SourceError(where, f"unknown item kind {kind!r}")
 
 
+class _NotRegular(OSError):
+    """A local path that is not a regular file (found by stat, before or right after opening)."""
+
+
 def _cat(fs, path: str) -> bytes:
     if storage.is_local(fs):
-        with open(path, "rb") as f:
-            return f.read()
+        return _read_local(path)
     return fs.cat_file(path)
+
+
+def _read_local(path: str) -> bytes:
+    """A local regular file's bytes. A FIFO, socket or device is refused by ``os.stat`` before it
+    is opened, and again by ``fstat`` of what was opened (without blocking: a FIFO swapped in
+    between cannot hang the read)."""
+    kind = special_kind(os.stat(path).st_mode)
+    if kind is not None:
+        raise _NotRegular(f"{kind}, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    with open(fd, "rb") as f:
+        kind = special_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise _NotRegular(f"{kind}, not a regular file")
+        return f.read()
 
 
 def _read_file(url: str, where: str, fs=None) -> bytes:
@@ -361,6 +510,8 @@ def _read_file(url: str, where: str, fs=None) -> bytes:
         raise SourceError(where, f"permission denied: {url}") from None
     except IsADirectoryError:
         raise SourceError(where, f"is a directory: {url}") from None
+    except _NotRegular as exc:
+        raise SourceError(where, f"{printable(url)} is {exc}: not read") from None
 
 
 def _load_dir(payload) -> tuple[str, dict[str, bytes]]:

@@ -19,11 +19,13 @@ again to complete it), or loses the marker too where no shard was written.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -493,9 +495,35 @@ class ShardWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+            try:
+                self.close()
+            except OSError as failed:
+                full = self._disk_full(failed)
+                if full is None:
+                    raise
+                self.abort()
+                raise full from failed
+            return
+        full = self._disk_full(exc)
+        self.abort()
+        if full is not None:
+            raise full from exc
+
+    def _disk_full(self, exc: BaseException | None) -> DestinationError | None:
+        """A full disk (ENOSPC, EDQUOT) met while writing, said as a DestinationError naming the
+        destination, the local folder that filled up and its free space (measured before ``abort``
+        frees what this pack wrote); None for anything else."""
+        if not isinstance(exc, OSError) or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+        folder = self.root if self._local else tempfile.gettempdir()  # (a remote pack stages each shard there)
+        try:
+            usage = shutil.disk_usage(folder)
+            free = f"{usage.free:,} bytes free of {usage.total:,}"
+        except OSError:
+            free = "free space unknown"
+        what = "quota exceeded" if exc.errno == errno.EDQUOT else "no space left on device"
+        staged = "" if self._local else " (shards are staged there before upload: set TMPDIR to a larger disk)"
+        return DestinationError(f"cannot write {self.dest}: {what} in {folder}{staged}, {free}; no manifest was written")
 
 
 def reclaim_temp_partials(tmpdir: str | None = None) -> int:
