@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from conftest import scaled, write_dataset
 
@@ -91,22 +92,17 @@ def test_a_killed_job_leaves_no_semaphore_in_dev_shm(tmp_path, point):
 
 
 # Runs inside the namespace: mounts the private /dev/shm, starts `shardstream pack --workers 2` in its
-# own group over a source holding a FIFO, and waits for the point: a pool worker opened the FIFO to
-# load it (the pool and its named semaphores are up, the pack is mid-way). The group is killed there.
+# own group over a source of many files, and waits for the point: its first shard is written (the
+# pool and its named semaphores are up, the pack is mid-way). The group is killed there.
 PACK_HARNESS = textwrap.dedent("""
-    import errno, glob, json, os, signal, subprocess, sys, time
+    import glob, json, os, signal, subprocess, sys, time
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"], check=True)
-    bound, fifo = float(sys.argv[1]), sys.argv[2]
+    bound, out = float(sys.argv[1]), sys.argv[2]
     job = subprocess.Popen([sys.executable, "-m", "shardstream", *sys.argv[3:]], start_new_session=True)
     deadline, reached = time.monotonic() + bound, False
     while not reached and job.poll() is None and time.monotonic() < deadline:
-        try:  # opens only once a reader has it open: a pool worker, loading the sample
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-            reached = True
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:
-                raise
-            time.sleep(0.05)
+        reached = bool(glob.glob(os.path.join(out, "shard-*.tar")))  # written by the pool's loads
+        time.sleep(0.01)
     before = len(glob.glob("/dev/shm/sem.*"))
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
@@ -120,14 +116,13 @@ PACK_HARNESS = textwrap.dedent("""
 def test_a_killed_pack_with_a_process_pool_leaves_no_semaphore_in_dev_shm(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for i in range(40):
-        (src / f"s{i:03d}.txt").write_text(f"sample {i}")
-    fifo = src / "s020.bin"  # s020's second file: a worker that loads it waits for a writer
-    os.mkfifo(fifo)
+    rng = np.random.default_rng(0)
+    for i in range(1500):  # ~75 shards of 10: the kill comes at the first, mid-way
+        (src / f"s{i:04d}.bin").write_bytes(rng.bytes(20_000))
     (tmp_path / "harness.py").write_text(PACK_HARNESS)
     pack = ["pack", str(src), str(tmp_path / "out"), "--workers", "2", "--max-count", "10", "--no-progress"]
     out = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", sys.executable, str(tmp_path / "harness.py"), str(scaled(60)), str(fifo), *pack],
+        ["unshare", "-m", "--propagation", "private", sys.executable, str(tmp_path / "harness.py"), str(scaled(60)), str(tmp_path / "out"), *pack],
         capture_output=True,
         text=True,
         timeout=scaled(240),

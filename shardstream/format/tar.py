@@ -154,7 +154,7 @@ def _parse_size(field: bytes, url: str, offset: int) -> int:
     try:
         return int(text, 8) if text else 0
     except ValueError:
-        raise ShardFormatError(url, offset, f"size field is not octal: {field!r}") from None
+        raise ShardFormatError(url, offset, f"size field is not octal: {bytes(field)!r}") from None  # bytes, read into a reused block or not
 
 
 def _parse_pax(data: bytes, url: str, offset: int) -> dict[str, str]:
