@@ -38,6 +38,7 @@ _EXPORTS = {
     "to_device": "loader.device",
     "DevicePrefetcher": "loader.device",
     "World": "plan.topology",
+    "get_worker_info": "plan.topology",
     "RandomResizedCrop": "pipeline.augment",
     "plan_epoch": "plan.epoch",
     "EpochPlan": "plan.epoch",
@@ -74,6 +75,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
     "DestinationError",
     "DevicePrefetcher",
     "EpochPlan",
+    "get_worker_info",
     "load_manifest",
     "make_loader",
     "Manifest",
@@ -147,7 +149,7 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.pipeline.table import Batched
     from shardstream.plan.epoch import EpochPlan, plan_epoch
     from shardstream.plan.mix import MixPlan, plan_mix
-    from shardstream.plan.topology import World
+    from shardstream.plan.topology import World, get_worker_info
     from shardstream.sources import Source
     from shardstream.storage.config import StorageConfig
     from shardstream.write.pack import PackResult, pack

@@ -17,7 +17,6 @@ as usual), and the pool lives as long as the pass that made it.
 
 from __future__ import annotations
 
-import mmap
 import sys
 import threading
 from collections.abc import Iterator
@@ -90,31 +89,6 @@ def active_pool() -> BufferPool | None:
     return getattr(_active, "pool", None)
 
 
-def new_shared(nbytes: int) -> Any:
-    """A new shared-memory ``torch.UntypedStorage`` of ``nbytes`` (what a DataLoader worker sends
-    as a handle), with its pages mapped up front.
-
-    Filling a fresh shared segment takes one page fault per 4 KiB page, and in this VM each is
-    dear: 128 MiB took 104-114 ms to fill, against 16 ms once its pages are mapped. One
-    ``madvise(MADV_POPULATE_WRITE)`` call maps them all for 52-61 ms (Linux 5.14 and later;
-    elsewhere, or if it is refused, the pages fault in as before)."""
-    from shardstream.private import new_shared_storage
-
-    storage = new_shared_storage(nbytes)
-    populate(storage)
-    return storage
-
-
-def populate(storage: Any) -> None:
-    """Map every page of a shared storage in this process with one ``madvise`` call, where one
-    page fault each would follow (a new segment; a segment inherited over fork, whose pages exist
-    but are not mapped in the child: 52 ms per 128 MiB here, against 66-88 ms of faults)."""
-    nbytes = storage.nbytes()
-    if nbytes >= _POPULATE_MIN and _madvise is not None:
-        start = storage.data_ptr() & ~(PAGE - 1)  # the mapping may start before the data (a header)
-        _madvise(start, storage.data_ptr() + nbytes - start, _MADV_POPULATE_WRITE)  # a refusal only costs the faults
-
-
 def uninitialized_bytearray(nbytes: int) -> bytearray:
     """A ``bytearray`` of ``nbytes`` whose contents are whatever the allocator handed out, for a
     buffer that is about to be filled completely (a GET's body). ``bytearray(n)`` writes n zeros
@@ -138,54 +112,25 @@ def _bytearray_constructor() -> Any:
 
 _new_bytearray = _bytearray_constructor()
 
-_POPULATE_MIN = 1 << 20
-_MADV_POPULATE_WRITE = 23  # linux/mman.h
-PAGE = mmap.PAGESIZE
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise()
-
-
-# In a DataLoader worker, the loader's segment pool (loader/segments.py) hands out the shared
-# storages of batch buffers, so that the main process can hand them back for reuse; it registers
-# itself here when the worker starts, and the pipeline asks here (it never imports the loader).
+# In a worker process of make_loader's loader, the hand-off's segment pool (loader/handoff.py)
+# hands out the memory of large batch buffers, so that the batch reaches the loop's process
+# without a copy; the worker registers it here when it starts, and the pipeline asks here (it
+# never imports the loader).
 _shared_allocator: Any = None
 
 
 def set_shared_allocator(take: Any) -> None:
-    """Where ``take_shared`` gets storages in this process (None: fresh ones)."""
+    """Where ``shared_allocator()`` points in this process (None: nowhere)."""
     global _shared_allocator
     _shared_allocator = take
 
 
-def take_shared(nbytes: int) -> Any:
-    """A shared storage for a batch buffer made in a worker: from the worker's segment pool where
-    there is one, else a fresh one (``new_shared``)."""
-    return _shared_allocator(nbytes) if _shared_allocator is not None else new_shared(nbytes)
+def shared_allocator() -> Any:
+    """``take(nbytes) -> uint8 ndarray`` of this worker process's segment pool, None elsewhere."""
+    return _shared_allocator
 
 
-def pooled_shared(nbytes: int) -> Any:
-    """A shared storage of at least ``nbytes`` from this worker's segment pool, None where there is
-    none (the main process, a worker with no pool): torch's own stacking in a worker asks here
-    (``private.worker_new_shared``)."""
-    return _shared_allocator(nbytes) if _shared_allocator is not None else None
-
-
-# In a DataLoader worker under make_loader whose batches are its samples as stored (no decoding,
+# In a worker process of make_loader's loader whose batches are its samples as stored (no decoding,
 # no transform, no collate of the user's: nothing between the read and the hand-off sees a field),
 # a large member's pieces are joined straight into the batch's shared segment by the hand-off
 # (format.tar's ``Unjoined``), not into ``bytes`` first. The worker's start says so here. The

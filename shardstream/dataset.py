@@ -15,6 +15,7 @@ process opens each pass (``open_pass``) and every worker checks its plan against
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -55,7 +56,7 @@ from shardstream.plan.mix import MixPlan
 from shardstream.plan.requests import with_requests
 from shardstream.plan.run import PassPlan, RunPlan, RunSettings
 from shardstream.plan.state import State, furthest
-from shardstream.plan.topology import World, current_worker
+from shardstream.plan.topology import World, current_worker, get_worker_info
 from shardstream.policy import ErrorPolicy
 from shardstream.portable import reduce_portable
 from shardstream.redact import get_logger
@@ -200,6 +201,22 @@ class ShardStream(torch.utils.data.IterableDataset):
         # could not import them (a notebook's, a lambda, a closure: portable.py).
         return reduce_portable(self)
 
+    def thread_view(self) -> ShardStream:
+        """A view of this dataset for one thread worker (loader/threads.py): the same plan, epoch
+        clock, counters, storage and cache; its own place in a pass, and its own copies of the
+        decoders and transform where they carry state (a seeded augmentation's ``bind``)."""
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view._place = Place()
+        view._place.loader_workers = self._place.loader_workers
+        view._place.own_state = self._place.own_state
+        for name in ("decoder", "_transform"):
+            try:
+                setattr(view, name, copy.deepcopy(getattr(self, name)))
+            except Exception:  # noqa: BLE001 - what cannot be copied is shared (a stateless function is)
+                pass
+        return view
+
     def _check_tokens(self, manifests: Sequence[Manifest], mode: str) -> bool:
         """Whether the sources are token corpora (``Tokens``): all of them or none, of one
         ``seq_len``, in drop mode, with no per-sample work (a batch is cut from their tokens whole)."""
@@ -270,7 +287,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _workers(self) -> int:
         """Workers per rank a plan assumes when not told: in a DataLoader worker, its loader's; in
         a pass, the pass's; between passes, those of the loader make_loader built, else the last pass's."""
-        info = torch.utils.data.get_worker_info()
+        info = get_worker_info()
         if info is not None:
             return info.num_workers
         return self._clock.workers if self._clock.started or self.loader_workers is None else self.loader_workers
@@ -295,7 +312,7 @@ class ShardStream(torch.utils.data.IterableDataset):
     def _workers_unknown(self) -> bool:
         """Whether the worker count a plan assumes is a guess: no loader built over this dataset,
         no pass run yet, not in a worker."""
-        return torch.utils.data.get_worker_info() is None and not self._clock.started and self.loader_workers is None
+        return get_worker_info() is None and not self._clock.started and self.loader_workers is None
 
     def _token_note(self, plan: EpochPlan | MixPlan) -> str:
         """What a plan of token corpora means in tokens: used, dropped, left over past the last sequence."""
@@ -557,7 +574,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         cursor = self._place.cursor
         if cursor is not None and num_workers in (None, cursor.plan.topology.num_workers) and self._clock.current == cursor.plan.loader_epoch:
             return cursor.state(batches)  # the pass this process iterates
-        if not self._clock.started or (cursor is None and (self._place.iterated or torch.utils.data.get_worker_info() is not None)):
+        if not self._clock.started or (cursor is None and (self._place.iterated or get_worker_info() is not None)):
             return self.pass_plan(num_workers).state_after(batches or 0)  # the next pass, not started
         if batches is None:
             raise ConfigError(
@@ -586,7 +603,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if "_snapshot" in state or "_num_yielded" in state:
             state = self._from_stateful_dataloader(state)
         loaded = self._loaded = self._run.load(state)
-        info = torch.utils.data.get_worker_info()
+        info = get_worker_info()
         self._place.cursor, self._place.own_state = None, info is not None
         if info is not None:  # StatefulDataLoader's snapshot of this worker: it goes on with its own batches
             self._load_in_worker(loaded, info.id, info.num_workers)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from shardstream.errors import ManifestError
-from shardstream.plan.topology import World
+from shardstream.plan.topology import World, get_worker_info
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +40,8 @@ def handover_group(world: World | None) -> bool:
     if world is not None:
         return False
     import torch.distributed as dist
-    import torch.utils.data
 
-    if torch.utils.data.get_worker_info() is not None:
+    if get_worker_info() is not None:
         return False
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

@@ -14,7 +14,7 @@ collate_fn, its worker_init_fn) say in their ``__reduce__`` that their state goe
 reductions still apply) whose ``reducer_override`` hands cloudpickle only what plain pickle
 could not send. A state that cannot be rebuilt in the worker (a module-level function the worker's
 module lacks, a ``__setstate__`` that fails) does not kill the worker before it can speak: it is
-rebuilt as a stand-in that raises the worker's own error when used, which DataLoader then
+rebuilt as a stand-in that raises the worker's own error when used, which the loop then
 re-raises in the main process with the worker's traceback.
 """
 
@@ -49,11 +49,31 @@ def by_reference(obj: Any) -> bool:
 
 class _Pickler(ForkingPickler):
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj).__name__ == "Generator" and type(obj).__module__ == "torch._C":
+            return _reduce_generator(obj)
         if isinstance(obj, (types.FunctionType, type)) and not by_reference(obj):
             if isinstance(obj, type) and obj.__module__ == "builtins":
                 return NotImplemented
             return cloudpickle.loads, (cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL),)
         return NotImplemented
+
+
+def _reduce_generator(gen: Any) -> Any:
+    """A CPU ``torch.Generator`` as its state's bytes, for workers that are not forked. torch pickles
+    it with its state tensor, which multiprocessing's pickler sends as a shared-memory file that
+    the worker then fails to map ("unable to resize file ... Invalid argument"): a transform
+    holding a generator (as ``bind`` suggests) killed every forkserver or spawn worker."""
+    if gen.device.type != "cpu":
+        return gen.__reduce__()
+    return _rebuild_generator, (gen.get_state().numpy().tobytes(),)
+
+
+def _rebuild_generator(state: bytes) -> Any:
+    import torch
+
+    gen = torch.Generator()
+    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen
 
 
 def dumps(obj: Any) -> bytes:
@@ -66,7 +86,7 @@ def dumps(obj: Any) -> bytes:
 class Unreceived:
     """What a worker has in place of an object whose state it could not rebuild: it raises the
     worker's own error (type and message as the worker saw them) when iterated or called, where
-    DataLoader's worker loop catches it and hands it to the main process."""
+    the worker's loop catches it and hands it to the loop's process."""
 
     def __init__(self, what: str, error: BaseException):
         self.what, self.error = what, error
@@ -99,8 +119,8 @@ def rebuild(cls: Any, state: bytes) -> Any:
     that raises why it could not be rebuilt."""
     try:
         values = pickle.loads(state)
-    except Exception as exc:  # noqa: BLE001 - said by the worker, where DataLoader reports it
-        exc.args = (f"{cls.__name__} could not be rebuilt in the DataLoader worker: {type(exc).__name__}: {exc}",)
+    except Exception as exc:  # noqa: BLE001 - said by the worker, where the loop reports it
+        exc.args = (f"{cls.__name__} could not be rebuilt in the worker: {type(exc).__name__}: {exc}",)
         return Unreceived(cls.__name__, exc)
     obj = cls.__new__(cls)
     obj.__dict__.update(values)

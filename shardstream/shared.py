@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any
 
-from shardstream.private import dup_fd, resource_tracker_in_own_session, spawning
+from shardstream.private import dup_fd, spawning
 
 _locks: weakref.WeakSet[ProcessLock] = weakref.WeakSet()
 
@@ -67,13 +67,3 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# multiprocessing's named semaphores (a DataLoader's queues for workers that are not forked, a
-# spawn pool's) are unlinked by its resource tracker when the process that made them is gone. A
-# kill -9 of the job's process group killed the tracker with it and left every name in /dev/shm.
-def isolate_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker now, if it is not running, in a new session (not in
-    this process's group), so that a kill of the job's process group leaves it to clean up after the
-    job. Where it already runs (started by anything else), it is left alone."""
-    resource_tracker_in_own_session()

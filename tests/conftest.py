@@ -333,7 +333,7 @@ def no_leaks():
 # the server started, so the rank takes this process's environment as it is at the rank's start.
 def rank_context():
     """The multiprocessing context ranks start from: the forkserver, preloading torch and shardstream."""
-    from shardstream.loader.workers import context
+    from shardstream.loader.start import context
 
     return context("forkserver")
 

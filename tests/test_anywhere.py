@@ -129,5 +129,5 @@ def test_a_worker_that_cannot_rebuild_the_dataset_says_its_own_attribute_error(r
     (tmp_path / "gone_mod.py").write_text("# to_label is set here at run time only\n")
     done = _run(["-c", textwrap.dedent(MISSING.format(where=str(tmp_path), root=root, method=method))])
     assert "RAISED AttributeError" in done.stdout, done.stdout + done.stderr
-    assert "AttributeError: ShardStream could not be rebuilt in the DataLoader worker: AttributeError: Can't get attribute 'to_label'" in done.stdout
+    assert "ShardStream could not be rebuilt in the worker: AttributeError: Can't get attribute 'to_label'" in done.stdout
     assert "__name__" not in done.stdout + done.stderr  # no main-guard advice: it does not apply here

@@ -89,22 +89,17 @@ def test_batches_and_fields_kept_by_the_user_are_never_overwritten(tmp_path, mon
     assert len(pools) == 2 and all(p.reused > 0 for p in pools)
 
 
-def test_new_shared_segments_are_mapped_up_front():
+def test_a_workers_segments_are_mapped_up_front():
     import resource
     import sys
 
-    from shardstream.buffers import new_shared
+    from shardstream.loader.handoff import SegmentPool
 
     size = 8 << 20
-    storage = new_shared(size)
-    assert storage.is_shared() and storage.nbytes() == size
+    array = SegmentPool().take(size)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    filled = torch.empty(0, dtype=torch.uint8).set_(storage).fill_(7)
+    array.fill(7)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    assert int(filled.sum()) == 7 * size
+    assert int(array.sum(dtype="int64")) == 7 * size
     if sys.platform.startswith("linux"):  # one madvise call mapped every page: filling takes no page faults
         assert faults < 64, f"{faults} page faults filling {size // 4096} pages"
-    plain = torch.UntypedStorage._new_shared(size)  # what torch gives: a fault per page on first touch
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(0, dtype=torch.uint8).set_(plain).fill_(7)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults > size // 4096 // 2

@@ -166,7 +166,7 @@ def test_stateful_dataloader_state_resumes_on_other_workers(root, old, new):
             assert max(seen.values()) == 1 and set(seen) <= set(flat(ref))  # drop mode: nothing twice
             assert len(flat(ref)) - len(seen) < BATCH  # every unseen sample but a leftover under one batch
         assert keys(resumed) == ref_next  # then the next epoch runs normally on the new topology
-        shut(resumed.pipeline[0] if client == "make_loader" else resumed)
+        resumed.close() if client == "make_loader" else shut(resumed)
 
 
 # -- torch's own DataLoader ------------------------------------------------------------------------

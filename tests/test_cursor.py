@@ -14,7 +14,6 @@ from conftest import write_dataset
 
 from shardstream import ShardStream, Shuffle, World, make_loader
 from shardstream.errors import StateError
-from shardstream.loader import ORIGIN, PACKED, pack_batch, unpack_batch
 from shardstream.plan.cursor import Cursor, Origin, Place, plan_id
 
 BATCH = 4
@@ -69,23 +68,10 @@ def test_a_producer_gives_each_batch_its_origin_and_its_position(root):
     assert cursor.received == 1 + 2 * 2 + 1  # worker 1's third batch is batch 5 of the pass
 
 
-def test_the_origin_travels_beside_the_batch_and_never_in_it():
-    batch = {"__key__": ["a", "b"], "x": torch.arange(4)}
-    origin = Origin(1, 0, 99, 2)
-    packed = pack_batch(batch, origin=origin)
-    assert packed[ORIGIN] == origin and PACKED in packed
-    out = unpack_batch(packed)
-    assert set(out) == {"__key__", "x"} and torch.equal(out["x"], batch["x"])
-    bare = pack_batch([b"x", 3], origin=origin)  # nothing to pack: only the origin beside it
-    assert unpack_batch(bare) == [b"x", 3]
-    assert pack_batch([b"x", 3]) == [b"x", 3]  # no origin (not a ShardStream's worker): as before
-
-
 def test_make_loader_counts_from_origins_and_users_see_only_their_batches(root):
     ds = stream(root)
     loader = make_loader(ds, num_workers=2, log_interval=None, start_method="fork", persistent_workers=False)
     plain = list(torch.utils.data.DataLoader(stream(root), batch_size=None, num_workers=2))
-    assert not any(ORIGIN in b or PACKED in b for b in plain)  # a plain DataLoader sees the batches as ever
     got = []
     for batch in loader:
         assert set(batch) == set(plain[0])  # what the dataset makes, nothing more
@@ -122,19 +108,6 @@ def test_a_copy_keeps_the_loaded_state_kind_but_not_this_process_pass(root):
     place.cursor, place.iterated, place.own_state, place.loader_workers = Cursor(stream(root).pass_plan(1)), True, True, 2
     copy = pickle.loads(pickle.dumps(place))
     assert (copy.cursor, copy.iterated, copy.own_state, copy.loader_workers) == (None, False, True, 2)
-
-
-def test_a_stage_that_yields_more_items_than_batches_leaves_the_position_unknown_not_wrong(root):
-    ds = stream(root)
-    expected = ds.pass_plan(1).state_after(2)
-    samples = make_loader(ds, num_workers=0, log_interval=None).unbatched()  # webdataset's stage: one item per sample
-    it = iter(samples)
-    for _ in range(10):
-        next(it)
-    with pytest.raises(StateError, match="yields more items than the batches it receives"):
-        samples.state_dict()
-    assert samples.state_dict(batches=2) == expected  # the loop's own count still works
-    del it
 
 
 def test_after_a_loader_pass_a_plain_dataloader_over_the_same_dataset_takes_the_next_epoch(root):

@@ -1,11 +1,12 @@
-"""loader.py: make_loader leaves the dataset as it was; the worker hand-off keeps every batch
-structure and sends small tensors inline."""
+"""The loader: make_loader leaves the dataset as it was; the hand-off from worker processes
+(loader/handoff.py) keeps every batch structure, sends small tensors inline and large ones on
+reused anonymous segments; thread and process workers give the same batches."""
 
 from __future__ import annotations
 
 import collections
 import os
-import sys
+import pickle
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 from conftest import write_dataset
 
 from shardstream import ShardStream, World, make_loader
-from shardstream.loader import INLINE_MAX_BYTES, PACKED, SHARED, SHARED_FIELD_MIN_BYTES, pack_batch, unpack_batch
+from shardstream.loader.handoff import INLINE_MAX_BYTES, SHARED_FIELD_MIN_BYTES, Mappings, SegmentPool, _Inline, _OnSegment, pack
 
 Pair = collections.namedtuple("Pair", "x y")
 
@@ -44,33 +45,66 @@ STRUCTURES = [
 ]
 
 
+def round_trip(batch, pool=None, mappings=None, pin=False):
+    """``batch`` packed as a worker packs it and unpacked as the loop does (one process: the
+    descriptors are duplicated, as sending them would)."""
+    pool = pool or SegmentPool()
+    mappings = mappings or Mappings(1)
+    packed, fds, dropped = pack(batch, pool)
+    sent = pickle.loads(pickle.dumps(packed))  # as the socket carries it
+    return mappings.unpack(0, sent, [os.dup(fd) for fd in fds], dropped, pin), packed
+
+
 @pytest.mark.parametrize("batch", STRUCTURES)
 def test_pack_and_unpack_keep_every_structure(batch):
-    packed = pack_batch(batch)
-    assert same(unpack_batch(packed), batch)
+    assert same(round_trip(batch)[0], batch)
 
 
-def test_small_tensors_travel_as_arrays_large_ones_as_tensors():
-    packed = pack_batch({"cls": small, "img": large})
-    assert isinstance(packed["batch"]["cls"], np.ndarray) and packed["batch"]["img"] is large
-    assert packed[PACKED] == {"cls": True}
-    assert pack_batch({"img": large, "k": ["a"]}) == {"img": large, "k": ["a"]}  # nothing small: unchanged
-    user_arrays = {"arr": np.ones(2)}
-    assert isinstance(unpack_batch(pack_batch(user_arrays))["arr"], np.ndarray)  # the user's own arrays stay arrays
+def test_small_tensors_travel_as_arrays_large_ones_on_segments():
+    _, packed = round_trip({"cls": small, "img": large, "arr": np.ones(2)})
+    assert type(packed["cls"]) is _Inline and type(packed["img"]) is _OnSegment
+    assert isinstance(packed["arr"], np.ndarray)  # the user's own arrays stay arrays
+    got, packed = round_trip({"raw": b"r" * SHARED_FIELD_MIN_BYTES, "ba": bytearray(SHARED_FIELD_MIN_BYTES), "s": b"small"})
+    assert type(packed["raw"]) is _OnSegment and packed["s"] == b"small"
+    assert type(got["raw"]) is bytes and type(got["ba"]) is bytearray and got["s"] == b"small"
 
 
-def test_large_bytes_cross_in_shared_memory_and_arrive_as_the_same_type():
-    data = bytes(range(256)) * (SHARED_FIELD_MIN_BYTES // 256 + 1)
-    other = bytearray(b"\x07" * (SHARED_FIELD_MIN_BYTES + 5))
-    packed = pack_batch({"raw": [data, b"tiny", data[::-1]], "k": ["a", "b", "c"], "ba": other})
-    # every large field of the batch in one shared segment (one handle to pass), none left in the structure
-    sent = packed[SHARED]
-    assert sent.tensor.is_shared() and sent.tensor.numel() == 2 * len(data) + len(other)
-    assert packed["batch"]["raw"] == [None, b"tiny", None] and packed["batch"]["ba"] is None
-    assert not any(isinstance(v, torch.Tensor) for v in packed.values())  # the pin-memory thread has nothing to pin
-    back = unpack_batch(packed)
-    assert type(back["raw"][0]) is bytes and back["raw"] == [data, b"tiny", data[::-1]]
-    assert type(back["ba"]) is bytearray and back["ba"] == other and back["k"] == ["a", "b", "c"]
+def test_a_segment_is_written_again_only_once_the_loop_let_go():
+    pool, mappings = SegmentPool(), Mappings(1)
+    a, _ = round_trip({"img": torch.full((1 << 18,), 1.0)}, pool, mappings)
+    assert len(pool._segments) == 1
+    b, _ = round_trip({"img": torch.full((1 << 18,), 2.0)}, pool, mappings)  # the first is held: a second segment
+    assert len(pool._segments) == 2 and a["img"].eq(1.0).all() and b["img"].eq(2.0).all()
+    pool.release(mappings.take_released(0))  # nothing released yet: both still held
+    assert all(s.out for s in pool._segments)
+    del a
+    released = mappings.take_released(0)
+    assert released == [0]  # the first batch's tensors are gone: its segment comes back
+    pool.release(released)
+    c, _ = round_trip({"img": torch.full((1 << 18,), 3.0)}, pool, mappings)
+    assert len(pool._segments) == 2 and b["img"].eq(2.0).all() and c["img"].eq(3.0).all()  # reused, b untouched
+
+
+def test_a_batch_buffer_made_on_a_segment_crosses_without_a_copy():
+    pool, mappings = SegmentPool(), Mappings(1)
+    buffer = torch.from_numpy(pool.take(1 << 20)).view(torch.float32)  # as the default collate makes it in a worker
+    buffer.fill_(7.0)
+    _, packed = round_trip({"x": buffer[:100_000].view(1000, 100)}, pool, mappings)
+    assert packed["x"].offset == 0 and len(pool._segments) == 1  # found on its segment, not copied into another
+
+
+def test_pinned_or_copied_fields_release_their_segment_at_once():
+    pool, mappings = SegmentPool(), Mappings(1)
+    got, _ = round_trip({"raw": b"r" * SHARED_FIELD_MIN_BYTES}, pool, mappings)
+    assert got["raw"] == b"r" * SHARED_FIELD_MIN_BYTES and mappings.take_released(0) == [0]
+
+
+def test_segments_have_no_name_in_dev_shm():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    pool = SegmentPool()
+    got, _ = round_trip({"img": large, "raw": b"r" * SHARED_FIELD_MIN_BYTES}, pool)
+    assert len(pool._segments) >= 1 and same(got["img"], large)
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) == before
 
 
 def _raw_fields(tmp_path):
@@ -84,15 +118,27 @@ def _raw_fields(tmp_path):
     return str(tmp_path / "raw"), fields
 
 
-def test_large_undecoded_fields_cross_real_workers_as_bytes(tmp_path):
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_large_undecoded_fields_cross_real_workers_as_bytes(tmp_path, workers):
     root, fields = _raw_fields(tmp_path)
     ds = ShardStream(root, batch_size=2, shuffle=False, decode=False, world=World(0, 1))
     got = {}
-    for batch in make_loader(ds, num_workers=2):
+    for batch in make_loader(ds, num_workers=2, workers=workers):
         for key, value in zip(batch["__key__"], batch["bin"]):
             assert type(value) is bytes
             got[int(key)] = value
     assert got == dict(enumerate(fields))
+
+
+def test_large_batches_held_across_passes_keep_their_values(tmp_path):
+    root, fields = _raw_fields(tmp_path)
+    decoder = {"bin": lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+    ds = ShardStream(root, batch_size=2, shuffle=False, decode=decoder, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, workers="processes", start_method="fork")
+    held = [b for _ in range(2) for b in loader]  # every batch of two passes kept: no segment written under them
+    for batch in held:
+        for key, value in zip(batch["__key__"], batch["bin"]):
+            assert bytes(value.numpy()) == fields[int(key)]
 
 
 def to_tuple(samples):
@@ -103,12 +149,13 @@ def to_bare_tensor(samples):
     return torch.tensor([s["cls"] for s in samples])
 
 
+@pytest.mark.parametrize("workers", ["threads", "processes"])
 @pytest.mark.parametrize("collate", [to_tuple, to_bare_tensor, torch.utils.data.default_collate])
-def test_user_collate_results_cross_real_workers_intact(tmp_path, collate):
+def test_user_collate_results_cross_real_workers_intact(tmp_path, collate, workers):
     root = write_dataset(tmp_path / "d", 40, max_count=10)
     ds = ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1), collate=collate)
     in_process = list(make_loader(ds, num_workers=0))
-    through_workers = list(make_loader(ds, num_workers=2))
+    through_workers = list(make_loader(ds, num_workers=2, workers=workers))
     assert len(through_workers) == len(in_process) == 10
     key = (lambda b: b[1]) if collate is to_tuple else (lambda b: b.tolist() if isinstance(b, torch.Tensor) else b["__key__"])
     order = sorted(range(10), key=lambda i: str(key(through_workers[i])))
@@ -137,56 +184,3 @@ def test_loader_map_sees_batches_as_the_dataset_made_them(tmp_path):
     ds = ShardStream(root, batch_size=4, world=World(0, 1))
     loader = make_loader(ds, num_workers=2).map(lambda b: (type(b["cls"]).__name__, len(b["__key__"])))
     assert list(loader) == [("Tensor", 4)] * 10
-
-
-def _faults_reallocating() -> int:
-    """Minor page faults of allocating 16 MiB in 4 MiB buffers again right after freeing the same."""
-    import resource
-
-    held = [bytearray(4 << 20) for _ in range(4)]
-    del held
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    held = [bytearray(4 << 20) for _ in range(4)]
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    del held
-    return faults
-
-
-def _with_faults(sample):
-    sample["faults"] = _faults_reallocating()
-    return sample
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_workers_keep_the_memory_they_free_for_their_next_samples(tmp_path):
-    """A loader's workers reuse the heap memory they freed (glibc keeps it rather than unmapping or
-    trimming it): 16 MiB of large buffers allocated again after a free take no new pages, where a
-    process left to glibc's defaults maps (and the kernel zeroes) every page afresh, 4,096 faults."""
-    import subprocess
-
-    url = write_dataset(tmp_path / "ds", n=4, max_count=2)
-    ds = ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), transform=_with_faults)
-    loader = make_loader(ds, num_workers=2, pin_memory=False, log_interval=None)
-    in_workers = [f for batch in loader for f in batch["faults"].tolist()]
-    assert len(in_workers) == 4 and max(in_workers) < 256, in_workers
-    here = os.path.dirname(__file__)
-    plain = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); import test_loader; print(test_loader._faults_reallocating())"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    assert int(plain.stdout) > 2048  # (the same in a process of its own, glibc's defaults)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_workers_keep_glibcs_defaults_when_asked(tmp_path, monkeypatch):
-    """SHARDSTREAM_KEEP_FREED_MEMORY=0 in the rank's environment: the workers leave glibc's malloc as
-    it is, so the same reallocation maps its pages afresh (a user short of memory keeps it low)."""
-    monkeypatch.setenv("SHARDSTREAM_KEEP_FREED_MEMORY", "0")
-    url = write_dataset(tmp_path / "ds", n=4, max_count=2)
-    ds = ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), transform=_with_faults)
-    loader = make_loader(ds, num_workers=2, pin_memory=False, log_interval=None)
-    in_workers = [f for batch in loader for f in batch["faults"].tolist()]
-    assert len(in_workers) == 4 and min(in_workers) > 2048, in_workers

@@ -166,16 +166,14 @@ def test_packing_to_a_new_prefix_keeps_no_frame_of_the_caller(s3):
     import gc
     import weakref
 
-    from shardstream.private import iterator_workers, loader_iterator
-
     bucket, options, _ = s3
 
     def pack_and_read() -> tuple[weakref.ref, list]:
         url = write_dataset(f"s3://{bucket}/fresh", n=20, max_count=10, storage_options=options)
         ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, read=Read(readahead_bytes=0)))
-        loader = make_loader(ds, num_workers=2, start_method="fork", pin_memory=False, log_interval=None)
+        loader = make_loader(ds, num_workers=2, workers="processes", start_method="fork", pin_memory=False, log_interval=None)
         assert sum(len(batch["__key__"]) for batch in loader) == 20
-        workers = iterator_workers(loader_iterator(loader.pipeline[0]))  # persistent: alive after the pass
+        workers = list(loader._runtime.procs)  # persistent: alive after the pass
         assert workers and all(w.is_alive() for w in workers)
         return weakref.ref(loader), workers
 

@@ -16,7 +16,8 @@ from shardstream import Read, ShardStream, ShardWriter, Store, World, make_loade
 from shardstream.errors import ShardFormatError
 from shardstream.format import tar
 from shardstream.format.tar import BLOCK, END_OF_ARCHIVE, Unjoined, iter_sample_dicts, member_header, padding
-from shardstream.loader import SHARED, pack_batch, unpack_batch
+from shardstream.loader import _as_stored
+from shardstream.loader.handoff import Mappings, SegmentPool, pack
 
 KB = 1 << 10
 MB = 1 << 20
@@ -210,15 +211,16 @@ def test_pack_joins_unjoined_fields_into_the_batch_segment_as_bytes_arrive():
     blobs = [rng.bytes(MB + 7 * i) for i in range(3)]
     pieces = [Unjoined([memoryview(b)[i : i + 100 * KB] for i in range(0, len(b), 100 * KB)], len(b)) for b in blobs]
     small = Unjoined([b"tiny"], 4)  # (smaller than a member read on its own: in shared memory all the same)
-    packed = pack_batch({"bin": [pieces[0], blobs[1], pieces[2]], "other": [small]})
-    assert SHARED in packed
-    out = unpack_batch(packed)
+    pool = SegmentPool()
+    packed, fds, dropped = pack({"bin": [pieces[0], blobs[1], pieces[2]], "other": [small]}, pool)
+    assert len(pool._segments) == 4  # each field copied once, into a segment (a member read on its own, however small)
+    out = Mappings(1).unpack(0, packed, [os.dup(fd) for fd in fds], dropped, False)
     assert out["bin"] == blobs and [type(b) for b in out["bin"]] == [bytes, bytes, bytes]
     assert out["other"] == [b"tiny"] and type(out["other"][0]) is bytes
 
 
-# -- real DataLoader workers: the new path (make_loader's workers hand over as stored) against the
-# old one (reuse_shared_memory=False: no pool, members joined into bytes as ever) -------------------
+# -- real workers: worker processes that hand over as stored (members joined straight into their
+# segments) against thread workers (members joined into bytes, handed over as they are) ------------
 
 
 def write_blobs(url: str, n: int, seed: int, storage_options=None) -> dict[str, bytes]:
@@ -286,7 +288,7 @@ def test_workers_hand_over_the_same_batches_and_states_with_members_joined_in_pl
 
     def loader(new: bool):
         ds = ShardStream(str(tmp_path / "b"), batch_size=2, seed=5, decode=False, world=World(0, 1))
-        kwargs = {"worker_init_fn": RecordStored(str(tmp_path))} if new else {"reuse_shared_memory": False}
+        kwargs = {"worker_init_fn": RecordStored(str(tmp_path)), "workers": "processes"} if new else {"workers": "threads"}
         return make_loader(ds, num_workers=2, start_method=method, log_interval=None, pin_memory=False, **kwargs)
 
     new_loader = loader(True)
@@ -312,22 +314,19 @@ def test_only_batches_of_samples_as_stored_take_the_new_path(tmp_path):
     url = str(tmp_path / "b")
 
     def as_stored(**kwargs) -> bool:
-        loader_kwargs = {k: kwargs.pop(k) for k in ("collate_fn", "reuse_shared_memory") if k in kwargs}
-        ds = ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), **{"decode": False, **kwargs})
-        channels = make_loader(ds, num_workers=2, log_interval=None, **loader_kwargs).channels
-        return channels is not None and channels.as_stored
+        return _as_stored(ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), **{"decode": False, **kwargs}))
 
     assert as_stored()
     assert not as_stored(decode=True)
     assert not as_stored(decode={"bin": bytes})
     assert not as_stored(transform=_identity)
-    assert not as_stored(collate_fn=_identity)
-    assert not as_stored(reuse_shared_memory=False)
-    # and in a real worker of a loader whose dataset decodes: the flag is off, the bytes as ever
-    ds = ShardStream(url, batch_size=2, shuffle=False, decode={"cls": int}, world=World(0, 1))
-    loader = make_loader(ds, num_workers=2, log_interval=None, worker_init_fn=RecordStored(str(tmp_path)))
-    assert sum(len(b["__key__"]) for b in loader) == 4
-    assert recorded(tmp_path) == ["False", "False"] and joined_in_place(tmp_path) == 0
+    # and in a real worker of a loader whose dataset decodes, or with a collate_fn: the flag is off, the bytes as ever
+    for decode, collate in (({"cls": int}, None), (False, _identity)):
+        ds = ShardStream(url, batch_size=2, shuffle=False, decode=decode, world=World(0, 1))
+        kwargs = {"collate_fn": collate, "worker_init_fn": RecordStored(str(tmp_path))}
+        loader = make_loader(ds, num_workers=2, workers="processes", log_interval=None, **kwargs)
+        assert sum(len(b["__key__"]) for b in loader) == 4
+        assert recorded(tmp_path) == ["False", "False"] and joined_in_place(tmp_path) == 0
 
 
 def _identity(x):
@@ -352,7 +351,7 @@ def test_a_corrupt_shard_fails_the_same_way_after_the_same_batches(tmp_path):
     write_blobs(str(tmp_path / "b"), 12, seed=3)
     shard = corrupt_third_shard(str(tmp_path / "b"))
     outcomes = []
-    for kwargs in ({}, {"reuse_shared_memory": False}):
+    for kwargs in ({"workers": "processes"}, {"workers": "threads"}):
         ds = ShardStream(str(tmp_path / "b"), batch_size=2, shuffle=False, decode=False, world=World(0, 1))
         got = []
         with pytest.raises(ShardFormatError) as info:
@@ -370,7 +369,7 @@ def test_skipped_samples_and_the_repeats_that_fill_their_batches_are_the_same(tm
     blobs = write_blobs(str(tmp_path / "b"), 12, seed=6)
     corrupt_third_shard(str(tmp_path / "b"))
     runs = []
-    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path))}, {"reuse_shared_memory": False}):
+    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path)), "workers": "processes"}, {"workers": "threads"}):
         ds = ShardStream(str(tmp_path / "b"), batch_size=2, seed=2, decode=False, on_error="skip", world=World(0, 1))
         loader = make_loader(ds, num_workers=2, log_interval=None, pin_memory=False, **kwargs)
         runs.append(batches_of(loader)[0])
@@ -386,7 +385,7 @@ def test_a_mix_of_two_sources_hands_over_the_same_batches(tmp_path):
     a = write_blobs(str(tmp_path / "a"), 9, seed=7)
     b = write_blobs(str(tmp_path / "b"), 6, seed=8)
     runs = []
-    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path))}, {"reuse_shared_memory": False}):
+    for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path)), "workers": "processes"}, {"workers": "threads"}):
         sources = [Source(str(tmp_path / "a"), weight=0.6, name="a"), Source(str(tmp_path / "b"), weight=0.4, name="b")]
         ds = ShardStream(sources, batch_size=2, seed=3, decode=False, world=World(0, 1))
         loader = make_loader(ds, num_workers=2, log_interval=None, pin_memory=False, **kwargs)
@@ -412,11 +411,10 @@ def test_s3_workers_hand_over_the_same_batches_a_body_cut_mid_member_included(s3
     config = StorageConfig(backoff_base=0.001, backoff_cap=0.01)
     runs = []
     with FaultProxy(options["endpoint_url"], reset_after=700_000 if cut else None, cut=cut or "rst") as proxy:
-        for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path))}, {"reuse_shared_memory": False}):
+        for kwargs in ({"worker_init_fn": RecordStored(str(tmp_path)), "workers": "processes"}, {"workers": "threads"}):
             store = Store(options={"endpoint_url": proxy.url}, config=config, read=Read(readahead_bytes=8 << 20))
             ds = ShardStream(url, batch_size=2, seed=1, decode=False, world=World(0, 1), store=store)
             loader = make_loader(ds, num_workers=2, log_interval=None, pin_memory=False, **kwargs)
-            assert loader.channels is None or loader.channels.as_stored
             got, state = batches_of(loader, stop=2)
             rest, _ = batches_of(loader)
             runs.append((got, state, rest))
@@ -437,6 +435,6 @@ def test_small_samples_come_through_as_ever_under_the_new_path(tmp_path):
     """Small members are never read on their own: the flag is on, nothing reaches the hand-off unjoined."""
     url = write_dataset(tmp_path / "s", 12, max_count=5)
     ds = ShardStream(url, batch_size=3, shuffle=False, decode=False, world=World(0, 1))
-    loader = make_loader(ds, num_workers=2, log_interval=None)
-    assert loader.channels is not None and loader.channels.as_stored
+    assert _as_stored(ds)
+    loader = make_loader(ds, num_workers=2, workers="processes", log_interval=None)
     assert sum(len(b["__key__"]) for b in loader) == 12

@@ -28,7 +28,7 @@ def kill_worker_1(samples):
     import os
     import signal
 
-    from torch.utils.data import get_worker_info
+    from shardstream import get_worker_info
 
     info = get_worker_info()
     if info is not None and info.id == 1:
@@ -44,7 +44,7 @@ def test_a_worker_killed_by_a_signal_is_worker_died_naming_it(root, monkeypatch,
 
     monkeypatch.setenv("SHARDSTREAM_TEST_SIGNAL", sig)  # forked and forkserver workers see the rank's environment
     ds = ShardStream(root, batch_size=4, world=World(0, 1), shuffle=False, transform=kill_worker_1)
-    loader = make_loader(ds, num_workers=2, start_method=method, log_interval=None)
+    loader = make_loader(ds, num_workers=2, workers="processes", start_method=method, log_interval=None)
     with pytest.raises(WorkerDied) as info:
         for _ in loader:
             pass
@@ -65,7 +65,7 @@ from shardstream import ShardStream, make_loader
 
 print("ran as", __name__, flush=True)
 ds = ShardStream(sys.argv[1], batch_size=4)
-loader = make_loader(ds, num_workers=2, start_method=sys.argv[2], log_interval=None)
+loader = make_loader(ds, num_workers=2, workers="processes", start_method=sys.argv[2], log_interval=None)
 for batch in loader:
     pass
 print("done", flush=True)
@@ -79,7 +79,7 @@ from shardstream import ShardStream, make_loader
 
 def main():
     ds = ShardStream(sys.argv[1], batch_size=4)
-    loader = make_loader(ds, num_workers=2, start_method=sys.argv[2], log_interval=None)
+    loader = make_loader(ds, num_workers=2, workers="processes", start_method=sys.argv[2], log_interval=None)
     print("batches", sum(1 for _ in loader), flush=True)
 
 
@@ -122,8 +122,7 @@ def test_a_guarded_script_runs_its_workers_from_forkserver(root, tmp_path):
 def test_a_loader_dropped_mid_pass_goes_with_its_last_reference(root):
     """Starting workers from forkserver looks up the caller's frames (the main-guard check) and
     lets them go: no reference cycle holds the loader, so dropped mid-pass it goes at once, its
-    workers stopped by its DataLoader iterator, not at the garbage collector's next pass (where
-    that iterator's queues are finalized first and its shutdown waits 5 s for each worker)."""
+    workers stopped with it, not at the garbage collector's next pass."""
     import gc
     import weakref
 
@@ -131,7 +130,7 @@ def test_a_loader_dropped_mid_pass_goes_with_its_last_reference(root):
     gc.collect()
     gc.disable()  # the collector's own passes (any allocation may start one) would hide a cycle
     try:
-        loader = make_loader(ds, num_workers=2, start_method="forkserver", log_interval=None, pin_memory=False)
+        loader = make_loader(ds, num_workers=2, workers="processes", start_method="forkserver", log_interval=None, pin_memory=False)
         for n, _ in enumerate(loader):
             if n == 3:
                 break
@@ -149,13 +148,15 @@ def raise_in_worker_1(worker_id):
 
 
 def test_a_workers_own_runtime_error_stays_itself_not_worker_died(root):
-    """A dead worker is told by its exit code (DataLoader's error is a bare RuntimeError too), so a
-    worker's own RuntimeError, its worker alive, reaches the loop as itself."""
+    """A worker's own RuntimeError, its worker alive, reaches the loop as itself, with the worker
+    named in a note; a dead worker is a WorkerDied."""
     from shardstream import WorkerDied
 
     ds = ShardStream(root, batch_size=4, world=World(0, 1), shuffle=False)
-    loader = make_loader(ds, num_workers=2, start_method="fork", worker_init_fn=raise_in_worker_1, log_interval=None)
-    with pytest.raises(RuntimeError, match="worker 1's own error") as info:
-        for _ in loader:
-            pass
-    assert not isinstance(info.value, WorkerDied)
+    for workers in ("processes", "threads"):
+        loader = make_loader(ds, num_workers=2, workers=workers, start_method="fork", worker_init_fn=raise_in_worker_1, log_interval=None)
+        with pytest.raises(RuntimeError, match="worker 1's own error") as info:
+            for _ in loader:
+                pass
+        assert type(info.value) is RuntimeError and not isinstance(info.value, WorkerDied)
+        assert "worker 1" in info.value.__notes__[0]

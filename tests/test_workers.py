@@ -1,6 +1,6 @@
-"""Workers that start safely and die cleanly (shardstream/workers.py): the start method chosen by
-whether a fork could deadlock, the watchdog's WorkerTimeout, workers that die with their rank,
-no named semaphore left in /dev/shm, and a persistent worker that died replaced on the next pass."""
+"""Worker processes that start safely and die cleanly (loader/start.py, loader/procs.py): the
+start method, the bounded waits' WorkerTimeout (thread workers' too), workers that die with their
+rank, no named semaphore made at all, and a persistent worker that died replaced on the next pass."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from conftest import scaled, write_dataset
 
 from shardstream import ShardStream, make_loader
 from shardstream.errors import ConfigError, WorkerDied, WorkerTimeout
-from shardstream.loader import workers
-from shardstream.loader.workers import resolve_start_method
+from shardstream.loader import start as workers
+from shardstream.loader.start import resolve_start_method
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
@@ -95,7 +95,7 @@ _seen = [0]
 def stall_in_worker_0_after_2_batches(batch):
     """A collate_fn (it runs in the worker on each batch) that stalls worker 0 at its third batch
     (module level: it pickles for forkserver workers)."""
-    from torch.utils.data import get_worker_info
+    from shardstream import get_worker_info
 
     info = get_worker_info()
     if info is not None and info.id == 0:
@@ -113,11 +113,11 @@ def hang_at_start(worker_id):
 def test_auto_is_forkserver_and_the_first_loader_fixes_it_for_the_process(dataset, caplog):
     ds = ShardStream(dataset, batch_size=10)
     with a_native_thread():  # threads no longer choose anything
-        loader = make_loader(ds, num_workers=2)
+        loader = make_loader(ds, num_workers=2, workers="processes")
     assert loader.start_method == "forkserver"
     assert _keys(loader) == sorted(f"s{i:06d}" for i in range(120))
-    assert loader.pipeline[0].multiprocessing_context.get_start_method() == "forkserver"
-    assert make_loader(ds, num_workers=1).start_method == "forkserver"
+    assert loader._context.get_start_method() == "forkserver"
+    assert make_loader(ds, num_workers=1, workers="processes").start_method == "forkserver"
     assert resolve_start_method("spawn") == ("spawn", "asked for")  # asked: given, with a warning
     assert "one start method per process" in caplog.text
     assert resolve_start_method("auto")[0] == "forkserver"  # "auto" stays what the first loader chose
@@ -128,10 +128,10 @@ def test_auto_is_forkserver_and_the_first_loader_fixes_it_for_the_process(datase
 def test_the_environment_variable_chooses_fork_for_the_process(dataset, monkeypatch):
     monkeypatch.setenv(workers.ENV_START_METHOD, "fork")
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=2)
+    loader = make_loader(ds, num_workers=2, workers="processes")
     assert loader.start_method == "fork" and _keys(loader) == sorted(f"s{i:06d}" for i in range(120))
     monkeypatch.setenv(workers.ENV_START_METHOD, "spawn")  # read by the first loader only: fixed since
-    assert make_loader(ds, num_workers=2).start_method == "fork"
+    assert make_loader(ds, num_workers=2, workers="processes").start_method == "fork"
 
 
 def test_a_bad_environment_variable_is_a_config_error(dataset, monkeypatch):
@@ -154,12 +154,14 @@ class HoldsLock:
 
 def test_a_lambda_goes_to_forkserver_workers_and_what_cannot_travel_says_what_to_do(dataset):
     ds = ShardStream(dataset, batch_size=10, transform=lambda s: s)
-    assert len(_keys(make_loader(ds, num_workers=1))) == 120  # by value (shardstream.portable)
-    held = make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1)
+    assert len(_keys(make_loader(ds, num_workers=1, workers="processes"))) == 120  # by value (shardstream.portable)
+    held = make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1, workers="processes")
     for _epoch in range(2):  # the same error in epoch 0 as later: the method does not change
         with pytest.raises(ConfigError, match="the dataset is sent to them pickled.*lock.*start_method='fork'"):
             list(held)
-    assert len(_keys(make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1, start_method="fork"))) == 120
+    held_fork = make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1, workers="processes", start_method="fork")
+    assert len(_keys(held_fork)) == 120
+    assert len(_keys(make_loader(ShardStream(dataset, batch_size=10, transform=HoldsLock()), num_workers=1))) == 120  # threads: nothing travels
 
 
 class Jitter:
@@ -185,7 +187,7 @@ def test_a_transform_holding_a_torch_generator_reaches_workers_that_are_not_fork
     """torch sends a generator's state as a shared-memory file its workers could not map: every worker died."""
 
     def noise(how):
-        loader = make_loader(ShardStream(dataset, batch_size=10, transform=Jitter()), num_workers=2, start_method=how)
+        loader = make_loader(ShardStream(dataset, batch_size=10, transform=Jitter()), num_workers=2, workers="processes", start_method=how)
         return [n for b in loader for n in b["noise"].tolist()]
 
     fork, got = noise("fork"), noise(method)
@@ -196,7 +198,9 @@ def test_a_transform_holding_a_torch_generator_reaches_workers_that_are_not_fork
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_a_worker_that_stalls_mid_pass_raises_worker_timeout_naming_it_and_its_step(dataset, method):
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=2, timeout=3, first_batch_timeout=60, start_method=method, collate_fn=stall_in_worker_0_after_2_batches)
+    loader = make_loader(
+        ds, num_workers=2, workers="processes", timeout=3, first_batch_timeout=60, start_method=method, collate_fn=stall_in_worker_0_after_2_batches
+    )
     got = []
     with pytest.raises(WorkerTimeout) as info:
         for batch in loader:
@@ -209,9 +213,25 @@ def test_a_worker_that_stalls_mid_pass_raises_worker_timeout_naming_it_and_its_s
     assert isinstance(info.value, TimeoutError)
 
 
+def stall_thread_worker_1(batch):
+    from shardstream import get_worker_info
+
+    info = get_worker_info()
+    if info is not None and info.id == 1:
+        time.sleep(scaled(8))  # (a thread cannot be stopped: it ends by itself, after the test's wait)
+    return batch
+
+
+def test_a_thread_worker_that_stalls_raises_worker_timeout_naming_it(dataset):
+    ds = ShardStream(dataset, batch_size=10)
+    loader = make_loader(ds, num_workers=2, timeout=1, first_batch_timeout=1, collate_fn=stall_thread_worker_1)
+    with pytest.raises(WorkerTimeout, match=r"no batch from the thread workers in 1 s; thread worker 1 "):
+        list(loader)
+
+
 def test_a_worker_that_never_starts_its_pass_is_named_by_the_first_batch_bound(dataset):
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=1, first_batch_timeout=2, worker_init_fn=hang_at_start)
+    loader = make_loader(ds, num_workers=1, workers="processes", first_batch_timeout=2, worker_init_fn=hang_at_start)
     with pytest.raises(
         WorkerTimeout,
         match=r"no batch from the DataLoader workers in 2 s; worker 0 \(pid \d+\) made 0 batches"
@@ -257,52 +277,23 @@ STARTED_SCRIPT = textwrap.dedent("""
     from multiprocessing import synchronize
     from shardstream import ShardStream, make_loader
 
-    names = []  # every named semaphore this rank makes (the queues and events of its DataLoader)
+    names = []  # every named semaphore this rank makes (a multiprocessing lock, queue or event would)
     init = synchronize.SemLock.__init__
 
     def recording(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        if self._semlock.name is not None:
-            names.append(self._semlock.name)
+        names.append(self._semlock.name)
 
-    synchronize.SemLock.__init__ = recording
+    synchronize.SemLock.__init__ = recording  # (the test watches; shardstream replaces nothing)
 
     if __name__ == "__main__":
         ds = ShardStream(sys.argv[1], batch_size=10)
-        it = iter(make_loader(ds, num_workers=2, start_method=sys.argv[2], prefetch_factor=1))
+        it = iter(make_loader(ds, num_workers=2, workers="processes", start_method=sys.argv[2], prefetch_factor=1))
         next(it)
         next(it)
-        print(" ".join(["ready", *names]), flush=True)
+        print(" ".join(["ready", str(len(names))]), flush=True)
         time.sleep(600)
 """)
-
-
-WARM_SCRIPT = textwrap.dedent("""
-    import sys, time
-    from multiprocessing import forkserver
-    from shardstream import ShardStream, make_loader
-
-    if __name__ == "__main__":
-        ds = ShardStream(sys.argv[1], batch_size=10)
-        loader = make_loader(ds, num_workers=2, start_method="forkserver")
-        deadline = time.monotonic() + 120
-        while forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
-            time.sleep(0.05)  # nothing iterates the loader meanwhile
-        up = forkserver._forkserver._forkserver_pid is not None
-        print(up, len([k for b in loader for k in b["__key__"]]), flush=True)
-""")
-
-
-def test_make_loader_starts_the_forkserver_before_the_first_pass(tmp_path, dataset):
-    """Its start (a new interpreter importing torch) overlaps the script's own set-up instead of
-    the first batch; the pass then uses it. In a process of its own: none is running there yet."""
-    script = tmp_path / "warm.py"
-    script.write_text(WARM_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), dataset], capture_output=True, text=True, timeout=scaled(240), env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "120"], (out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
@@ -317,18 +308,16 @@ def test_workers_die_with_their_rank_after_kill_9_and_leave_no_semaphore(tmp_pat
         start_new_session=True,
     )
     try:
-        ready, *names = proc.stdout.readline().split()
+        ready, made = proc.stdout.readline().split()
         assert ready == "ready"
         workers = _worker_pids(proc.pid, method)
         assert len(workers) == 2
-        if method == "forkserver":
-            assert len(names) >= 6  # queues and events that forkserver workers open by name...
-        assert not [n for n in names if os.path.exists(f"/dev/shm/sem.{n.lstrip('/')}")]  # ...all unlinked by now
+        assert made == "0"  # no lock, queue or event of multiprocessing's: nothing named to leave in /dev/shm
         os.kill(proc.pid, signal.SIGKILL)  # the rank alone, as a preemption or an OOM kill does
         proc.wait()
         deadline = time.monotonic() + scaled(30)
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)  # the kernel's parent-death signal, or the workers' watch thread (1 s polls)
+            time.sleep(0.1)  # the workers' watch thread sees their socket hang up
         assert not [w for w in workers if _alive(w)]
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -339,32 +328,28 @@ def test_workers_die_with_their_rank_after_kill_9_and_leave_no_semaphore(tmp_pat
 # -- persistent workers that died -------------------------------------------------------------------------
 def test_a_persistent_worker_killed_between_passes_is_replaced_on_the_next(dataset, capfd):
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=2, persistent_workers=True)
+    loader = make_loader(ds, num_workers=2, workers="processes", persistent_workers=True)
     expected = sorted(f"s{i:06d}" for i in range(120))
     assert _keys(loader) == expected
-    it = loader.pipeline[0]._iterator
-    old = [w.pid for w in it._workers]
-    # DataLoader's SIGCHLD handler may report the death at once, wherever the main thread is
-    with contextlib.suppress(RuntimeError):
-        os.kill(old[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while it._workers[0].is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    procs = loader._runtime.procs
+    old = [w.pid for w in procs]
+    os.kill(old[0], signal.SIGKILL)
+    procs[0].join(scaled(10))
     assert _keys(loader) == expected
-    assert not set(w.pid for w in loader.pipeline[0]._iterator._workers) & set(old)
-    del loader, it
+    assert not set(w.pid for w in loader._runtime.procs) & set(old)
+    del loader, procs
     assert _keys(make_loader(ShardStream(dataset, batch_size=10), num_workers=2)) == expected
     assert "can only test a child process" not in capfd.readouterr().err
 
 
 def test_a_pass_whose_persistent_worker_dies_fails_and_the_next_pass_starts_new_workers(dataset, capfd):
     ds = ShardStream(dataset, batch_size=10)
-    loader = make_loader(ds, num_workers=2, persistent_workers=True, prefetch_factor=1)
+    loader = make_loader(ds, num_workers=2, workers="processes", persistent_workers=True, prefetch_factor=1)
     with pytest.raises(WorkerDied, match=r"DataLoader worker 1 \(pid \d+\) was killed by SIGKILL"):
         for i, _ in enumerate(loader):
             if i == 1:
-                os.kill(loader.pipeline[0]._iterator._workers[1].pid, signal.SIGKILL)
-    assert loader.pipeline[0]._iterator is None
+                os.kill(loader._runtime.procs[1].pid, signal.SIGKILL)
+    assert loader._runtime is None
     assert _keys(loader) == sorted(f"s{i:06d}" for i in range(120))
     del loader
     assert _keys(make_loader(ShardStream(dataset, batch_size=10), num_workers=2)) == sorted(f"s{i:06d}" for i in range(120))
@@ -380,7 +365,7 @@ def test_hundreds_of_passes_beside_native_threads_entering_python_all_finish(tmp
     at worst this test's timeout, with every stack)."""
     url = write_dataset(tmp_path / "ds", n=40, max_count=20)
     ds = ShardStream(url, batch_size=10)
-    loader = make_loader(ds, num_workers=1, first_batch_timeout=60, timeout=60)
+    loader = make_loader(ds, num_workers=1, workers="processes", first_batch_timeout=60, timeout=60)
     expected = sorted(f"s{i:06d}" for i in range(40))
     with a_native_thread(), native_threads_entering_python(2) as entered:  # one always alive, as gloo's are
         passes = 0
@@ -393,9 +378,11 @@ def test_hundreds_of_passes_beside_native_threads_entering_python_all_finish(tmp
 
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_workers_started_from_a_thread_outlive_that_thread(dataset, method):
-    """PR_SET_PDEATHSIG fires when the thread that started a child exits, not the process: a pass
-    begun in a thread that then ends goes on in the main thread with the same workers alive."""
-    loader = make_loader(ShardStream(dataset, batch_size=10), num_workers=2, start_method=method, persistent_workers=False, prefetch_factor=1)
+    """A pass begun in a thread that then ends goes on in the main thread with the same workers alive
+    (a worker watches its rank's socket, not the thread that started it)."""
+    loader = make_loader(
+        ShardStream(dataset, batch_size=10), num_workers=2, workers="processes", start_method=method, persistent_workers=False, prefetch_factor=1
+    )
     it = iter(loader)
     first = []
     t = threading.Thread(target=lambda: first.append(next(it)))
@@ -406,17 +393,7 @@ def test_workers_started_from_a_thread_outlive_that_thread(dataset, method):
     assert sorted(k for b in first + rest for k in b["__key__"]) == sorted(f"s{i:06d}" for i in range(120))
 
 
-# -- life: a worker's small collated tensors ---------------------------------------------------------
-def stacked_with_sharing(samples):
-    """The dataset's collate (it runs in the worker): torch's default_collate of a 1 KiB and a 96 KiB
-    tensor per sample, and whether each stacked result is in shared memory."""
-    import torch
-    from torch.utils.data import default_collate
-
-    batch = default_collate(samples)
-    return {**batch, "shared": torch.tensor([batch["small"].is_shared(), batch["large"].is_shared()])}
-
-
+# -- torch's default_collate in a worker ---------------------------------------------------------------
 def small_and_large(sample):
     import torch
 
@@ -424,18 +401,18 @@ def small_and_large(sample):
     return {"small": torch.full((1024,), i % 251, dtype=torch.uint8), "large": torch.full((96 * 1024,), i % 13, dtype=torch.uint8), "i": i}
 
 
+def torch_collate(samples):
+    from torch.utils.data import default_collate
+
+    return default_collate(samples)
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
-def test_torch_default_collate_in_a_worker_makes_small_tensors_in_private_memory_with_the_same_bytes(dataset, method):
-    """torch's default_collate makes a worker's stacked tensors in fresh shared memory; the pack step
-    sends those of at most its inline limit (64 KiB) as bytes anyway, so a worker makes them in its
-    own memory (WorkerStart: private.worker_new_shared), and larger ones stay shared. The
-    batches hold the same values as with no workers."""
-    ds = ShardStream(dataset, batch_size=8, shuffle=False, transform=small_and_large, collate=stacked_with_sharing)
-    got = list(make_loader(ds, num_workers=2, start_method=method, pin_memory=False))
+def test_torch_default_collate_in_a_worker_gives_the_batches_of_no_workers(dataset, method):
+    ds = ShardStream(dataset, batch_size=8, shuffle=False, transform=small_and_large, collate=torch_collate)
+    got = list(make_loader(ds, num_workers=2, workers="processes", start_method=method, pin_memory=False))
     inline = list(make_loader(ds, num_workers=0, pin_memory=False))
-    assert [b["shared"].tolist() for b in got] == [[False, True]] * 15
-    assert [b["shared"].tolist() for b in inline] == [[False, False]] * 15  # (no worker: torch makes no shared memory)
-    by_samples = {tuple(b["i"].tolist()): b for b in inline}  # (workers split the pass: another order of the same batches)
+    by_samples = {tuple(b["i"].tolist()): b for b in inline}
     assert sorted(by_samples) == sorted(tuple(b["i"].tolist()) for b in got)
     for a in got:
         b = by_samples[tuple(a["i"].tolist())]

@@ -21,7 +21,7 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.buffers import BufferPool, active_pool, batch_buffers, take_shared
+from shardstream.buffers import BufferPool, active_pool, batch_buffers, shared_allocator
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
 from shardstream.format.extensions import IMAGE
 
@@ -285,19 +285,18 @@ SHARED_MIN_BYTES = 64 * 1024
 def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
     """One uninitialised tensor for a whole batch field.
 
-    In a DataLoader worker it is in shared memory (as torch's own default_collate does), so the
-    hand-off to the main process sends a handle, not the bytes; under make_loader the segment is
-    one the worker used before, once the main process is done with it (loader/segments.py). Elsewhere it comes from numpy's
+    In a worker process of make_loader's loader it is on a segment of the hand-off's pool, so the
+    hand-off sends a descriptor, not the bytes, and a segment is written again once the loop's
+    process is done with it (loader/handoff.py). Elsewhere it comes from numpy's
     allocator, which asks the kernel for huge pages on large arrays (``madvise``): filling a fresh
     256 MB batch then takes ~500 page faults instead of ~65,000, about half the CPU time.
     """
     import numpy as np
     import torch
-    from torch.utils.data import get_worker_info
 
-    if nbytes >= SHARED_MIN_BYTES and get_worker_info() is not None:
-        storage = take_shared(nbytes)  # maybe larger than asked: a segment of the worker's pool
-        return torch.empty(0, dtype=dtype).set_(storage)[: nbytes // torch.empty(0, dtype=dtype).element_size()].view(shape)
+    take = shared_allocator()
+    if nbytes >= SHARED_MIN_BYTES and take is not None:
+        return torch.from_numpy(take(nbytes)).view(dtype).view(shape)  # on a segment of the worker's pool
     if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
         pool = active_pool()  # the pass's pool: memory of batches nobody holds any more
         memory = pool.take(nbytes) if pool is not None else np.empty(nbytes, np.uint8)

@@ -7,7 +7,9 @@ built in one process (tests do exactly that).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from shardstream.errors import ConfigError
 
@@ -113,9 +115,43 @@ def consumed_in(t0: int, t1: int, received: int, num_workers: int, worker: int) 
     return max(0, _upto(min(received, t1), worker, num_workers) - _upto(t0, worker, num_workers))
 
 
-def current_worker() -> tuple[int, int]:
-    """(worker id, number of workers) of the DataLoader worker we run in; (0, 1) in the main process."""
-    from torch.utils.data import get_worker_info
+class WorkerInfo(NamedTuple):
+    """The worker this code runs in, as torch's ``get_worker_info()`` describes one: its ``id``
+    (0 to ``num_workers - 1``), ``seed`` (its random generators' seed) and the ``dataset`` copy
+    it iterates."""
 
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any
+
+
+_thread_worker = threading.local()  # a thread worker's own (make_loader(workers="threads"))
+_process_worker: WorkerInfo | None = None  # a worker process of make_loader's
+
+
+def set_worker(info: WorkerInfo | None, *, thread: bool) -> None:
+    """Mark this thread (a thread worker) or this process (a worker process) as ``info``'s worker."""
+    global _process_worker
+    if thread:
+        _thread_worker.info = info
+    else:
+        _process_worker = info
+
+
+def get_worker_info() -> Any:
+    """The worker this code runs in: a worker of make_loader's loader (thread or process), else
+    torch's DataLoader worker (``torch.utils.data.get_worker_info()``), else None (the loop's own
+    process and thread). Each has ``id``, ``num_workers``, ``seed`` and ``dataset``."""
+    info = getattr(_thread_worker, "info", None) or _process_worker
+    if info is not None:
+        return info
+    from torch.utils.data import get_worker_info as torch_worker_info
+
+    return torch_worker_info()
+
+
+def current_worker() -> tuple[int, int]:
+    """(worker id, number of workers) of the worker we run in; (0, 1) in the loop's own process."""
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)

@@ -29,7 +29,6 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.private import abandon_pool
-from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
@@ -275,7 +274,6 @@ def pack_fn(
     where = getattr(fn, "__qualname__", repr(fn))
     with contextlib.ExitStack() as stack:
         if executor is None and workers > 1:
-            isolate_resource_tracker()  # its queues' semaphores are named: a kill of the job leaves none
             executor = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
         return _pack_tasks(
             units,
@@ -407,7 +405,6 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
     grouped = len(batches) < len(items) / SINGLES_PER_TASK
     window = workers * (2 if grouped else 8)
     ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
-    isolate_resource_tracker()  # the pool's semaphores are named: a kill of the job leaves none
     # Children start with SIGINT ignored (inherited through exec, before they import anything).
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGINT) if main else None

@@ -35,7 +35,6 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import check_dataset_root
 from shardstream.format.parquet import is_table_url, list_table_files
 from shardstream.format.tokens import FIELD, token_dtype
-from shardstream.shared import isolate_resource_tracker
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.pack import PackResult
@@ -238,7 +237,6 @@ def pack_tokens(
         mapped: Iterator[list[bytes]]
         chunks = _chunks(documents, CHUNK)
         if workers > 1:
-            isolate_resource_tracker()
             pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
             mapped = _in_order(pool, encoder, chunks, 4 * workers)  # in order: the same shards for any workers
         else:
