@@ -12,27 +12,22 @@ write them, the driver writes the manifest last. ``pack(fn, inputs, dest)`` pack
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import multiprocessing
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
-from shardstream.private import abandon_pool
-from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.write.procs import map_in_order
 from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
-from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
+from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
 logger = logging.getLogger(__name__)
@@ -230,13 +225,6 @@ def pack_source(
     )
 
 
-def _init_worker(storage_options, config: StorageConfig = DEFAULT_STORAGE) -> None:
-    """Pool workers leave Ctrl-C to the main process, which stops the pool and says what was
-    committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_worker_storage_options(storage_options, config)
-
-
 def pack_fn(
     fn: Callable[[Any], Any],
     inputs: Iterable[Any],
@@ -273,30 +261,27 @@ def pack_fn(
     if not units:
         raise SourceError(repr(fn), "no inputs to pack")
     where = getattr(fn, "__qualname__", repr(fn))
-    with contextlib.ExitStack() as stack:
-        if executor is None and workers > 1:
-            isolate_resource_tracker()  # its queues' semaphores are named: a kill of the job leaves none
-            executor = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
-        return _pack_tasks(
-            units,
-            fn,
-            dest,
-            src=where,
-            executor=executor,
-            max_count=max_count,
-            max_size=max_size,
-            prefix=prefix,
-            prefixes=prefixes,
-            storage_options=storage_options,
-            overwrite=overwrite,
-            on_error=on_error,
-            label_map=None,
-            errors=[],
-            progress=progress,
-            started=started,
-            in_flight=in_flight,
-            config=config,
-        )
+    return _pack_tasks(
+        units,
+        fn,
+        dest,
+        src=where,
+        executor=executor,
+        workers=workers,
+        max_count=max_count,
+        max_size=max_size,
+        prefix=prefix,
+        prefixes=prefixes,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        on_error=on_error,
+        label_map=None,
+        errors=[],
+        progress=progress,
+        started=started,
+        in_flight=in_flight,
+        config=config,
+    )
 
 
 def _pack_tasks(
@@ -319,9 +304,11 @@ def _pack_tasks(
     started: float,
     in_flight: int,
     config: StorageConfig = DEFAULT_STORAGE,
+    workers: int = 1,
 ) -> PackResult:
-    """The driver of a task pack: prepare the destination, run one task per shard, adopt the
-    results in shard order, write the manifest last (``ShardWriter.close``)."""
+    """The driver of a task pack: prepare the destination, run one task per shard (on ``executor``,
+    else on ``workers`` processes of ``write.procs``, else here), adopt the results in shard order,
+    write the manifest last (``ShardWriter.close``)."""
     options = dict(storage_options or {})
     keys: set[str] = set()
     with (
@@ -355,7 +342,11 @@ def _pack_tasks(
             for i, r in enumerate(cut_shards(len(units), max_count))
         )
         # (closed at once on an error: its running tasks end before the writer cleans up)
-        for result in stack.enter_context(contextlib.closing(run_tasks(executor, tasks, in_flight=in_flight))):
+        if executor is None and workers > 1:  # two a worker: the next is there when one ends
+            results = map_in_order(write_shard, tasks, workers=workers, ahead=2 * workers, describe=_describe_task)
+        else:
+            results = run_tasks(executor, tasks, in_flight=in_flight)
+        for result in stack.enter_context(contextlib.closing(results)):
             for where, what in result.skipped:
                 writer.skip(where, what)
             clash = next((k for k in result.keys if k in keys), None)
@@ -388,56 +379,42 @@ def _pack_tasks(
     )
 
 
+def _describe_task(task: ShardTask) -> str:
+    return f"shard {task.name} (inputs #{task.first} to #{task.first + len(task.units) - 1})"
+
+
 SINGLES_PER_TASK = 64
 
 
+def _describe_batch(batch: Sequence[Item]) -> str:
+    """A task of loads, as a WorkerDied names it."""
+    if len(batch) == 1:
+        return f"loading {batch[0][0]}"
+    return f"loading {len(batch)} samples, {batch[0][0]} to {batch[-1][0]}"
+
+
 def _load_all(items: list[Item], workers: int, storage_options, config: StorageConfig = DEFAULT_STORAGE):
-    """Yield load results in item order; with workers > 1 a process pool loads a bounded window.
-    Items are read with ``storage_options`` under ``config``, here and in every worker."""
+    """Yield load results in item order; with workers > 1 worker processes (``write.procs``) load
+    a bounded window. Items are read with ``storage_options`` under ``config``, here and in every worker."""
     set_worker_storage_options(storage_options, config)
     if workers == 1:
         yield from load_items(items)
         return
-    # Single items go 64 to a task: a task's round trip (pickling, a pipe, the pool's threads) costs
-    # more than reading a small file, so one task an item kept the workers waiting on the main process.
+    # Single items go 64 to a task: a task's round trip (pickling, a pipe) costs more than reading
+    # a small file, so one task an item kept the workers waiting on the main process.
     batches = batches_of(items, SINGLES_PER_TASK)
-    # A sliding window of batches in flight: workers * 512 single items, or two groups per worker
-    # (a Parquet row group's span: up to parquet.SPAN_BYTES each). Sliding, not window by window:
-    # the workers never wait for the main process to drain a window before the next one starts.
-    grouped = len(batches) < len(items) / SINGLES_PER_TASK
-    window = workers * (2 if grouped else 8)
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
-    isolate_resource_tracker()  # the pool's semaphores are named: a kill of the job leaves none
-    # Children start with SIGINT ignored (inherited through exec, before they import anything).
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    if main:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}), config))
-    finally:
-        if main:  # a handler installed outside Python reads as None: the default stands in for it
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    try:
-        pending: collections.deque = collections.deque()
-        for batch in batches:
-            pending.append(pool.apply_async(_load_batch, (batch,)))
-            if len(pending) >= window:
-                yield from pending.popleft().get()
-        last: list[tuple[bool, str, Any]] = []
-        while pending:
-            results = pending.popleft().get()
-            if not pending:
-                last = results  # held back: see below
-                break
-            yield from results
-        pool.close()
-    except BaseException:
-        abandon_pool(pool)
-        raise
-    # The pool ends before the last results are given: pack's loop stops at its last item and
-    # never asks again, so this generator is closed at its last yield, which must not be inside
-    # the try (a close there abandoned the finished pool: 4-5 s of its timeouts in every pack).
-    pool.terminate()
-    pool.join()
-    yield from last
+    # A sliding window of batches in flight, two a worker: the next is there when one ends, so the
+    # workers never wait for the main process to ask (a Parquet row group's span: up to
+    # parquet.SPAN_BYTES each, so two a worker is also the memory bound).
+    results = map_in_order(
+        _load_batch,
+        batches,
+        workers=workers,
+        ahead=2 * workers,
+        initializer=set_worker_storage_options,
+        initargs=(dict(storage_options or {}), config),
+        describe=_describe_batch,
+    )
+    with contextlib.closing(results):
+        for batch in results:
+            yield from batch
