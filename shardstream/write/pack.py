@@ -25,10 +25,10 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.write.procs import map_in_order
+from shardstream.write.procs import Workers, map_in_order
 from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, encode_members, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,17 @@ class PackResult:
     hidden: int = 0
 
 
-def _load_batch(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
-    return list(load_items(items))
+def _load_encoded(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
+    """``load_items``, each sample encoded as its tar members: ``(True, key, (members, extensions,
+    cls))`` or ``(False, where, what)``. Run where the loading runs (a worker), so the process that
+    writes the shards only writes: building the headers there was a third of its time."""
+    out: list[tuple[bool, str, Any]] = []
+    for ok, a, b in load_items(items):
+        if ok:
+            pieces, _ = encode_members(a, b)
+            b = (b"".join(pieces), sorted(b), b.get("cls"))
+        out.append((ok, a, b))
+    return out
 
 
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
@@ -126,6 +135,67 @@ def pack_source(
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        loaders: int | Workers = workers
+        if workers > 1 and executor is None:  # started first: their imports overlap the listing
+            loaders = _start_loaders(workers, storage_options, config)
+            stack.callback(loaders.stop)  # (ended already when the pack went through)
+        return _pack_listed(
+            src,
+            dest,
+            loaders,
+            kind=kind,
+            max_count=max_count,
+            max_size=max_size,
+            shuffle=shuffle,
+            seed=seed,
+            label_from_dir=label_from_dir,
+            columns=columns,
+            key=key,
+            overwrite=overwrite,
+            policy=policy,
+            on_error=on_error,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            progress=progress,
+            executor=executor,
+            in_flight=in_flight,
+            config=config,
+            on_listed=on_listed,
+            allow_outside=allow_outside,
+            started=started,
+        )
+
+
+def _pack_listed(
+    src: str,
+    dest: str,
+    loaders: int | Workers,
+    *,
+    kind: str,
+    max_count: int,
+    max_size: int,
+    shuffle: bool,
+    seed: int,
+    label_from_dir: bool,
+    columns: Sequence[str] | None,
+    key: str | None,
+    overwrite: bool,
+    policy: ErrorPolicy,
+    on_error: str,
+    prefix: str,
+    prefixes: int,
+    storage_options: Mapping[str, Any] | None,
+    progress: Callable[[int, int], None] | None,
+    executor: Executor | None,
+    in_flight: int,
+    config: StorageConfig,
+    on_listed: Callable[[int], None] | None,
+    allow_outside: Sequence[str],
+    started: float,
+) -> PackResult:
+    """``pack_source`` once its loaders are started (``Workers``, or a count: 1 loads here)."""
     listing = list_source(
         src,
         kind,
@@ -190,7 +260,7 @@ def pack_source(
         ) as writer,
         # closed first on an error or Ctrl-C: its pool is stopped (and collected) before the writer
         # cleans up, not whenever the generator happens to be collected (at exit its pipes were gone)
-        contextlib.closing(_load_all(items, workers, storage_options, config)) as loaded,
+        contextlib.closing(_load_all(items, loaders, storage_options, config)) as loaded,
     ):
         for where, what in listing.errors:
             writer.skip(where, what)
@@ -199,7 +269,7 @@ def pack_source(
                 if not ok:
                     raise SourceError(a, b)
                 try:
-                    writer.write_encoded(a, b)
+                    writer.write_members(a, *b)
                 except SourceError as exc:  # the writer knows the key; the listing knows the file or line
                     raise SourceError(f"{where} ({exc.where})", exc.what) from None
             except SourceError as exc:
@@ -393,12 +463,19 @@ def _describe_batch(batch: Sequence[Item]) -> str:
     return f"loading {len(batch)} samples, {batch[0][0]} to {batch[-1][0]}"
 
 
-def _load_all(items: list[Item], workers: int, storage_options, config: StorageConfig = DEFAULT_STORAGE):
-    """Yield load results in item order; with workers > 1 worker processes (``write.procs``) load
-    a bounded window. Items are read with ``storage_options`` under ``config``, here and in every worker."""
+def _start_loaders(workers: int, storage_options, config: StorageConfig) -> Workers:
+    """The processes that load and encode items (``_load_encoded``), reading under ``config``."""
+    return Workers(_load_encoded, workers, initializer=set_worker_storage_options, initargs=(dict(storage_options or {}), config))
+
+
+def _load_all(items: list[Item], workers: int | Workers, storage_options, config: StorageConfig = DEFAULT_STORAGE):
+    """Yield load results in item order; with workers (> 1, or ``Workers`` already started by
+    ``_start_loaders``) worker processes (``write.procs``) load a bounded window. Items are read
+    with ``storage_options`` under ``config``, here and in every worker."""
     set_worker_storage_options(storage_options, config)
     if workers == 1:
-        yield from load_items(items)
+        for batch in batches_of(items, SINGLES_PER_TASK):
+            yield from _load_encoded(batch)
         return
     # Single items go 64 to a task: a task's round trip (pickling, a pipe) costs more than reading
     # a small file, so one task an item kept the workers waiting on the main process.
@@ -406,15 +483,8 @@ def _load_all(items: list[Item], workers: int, storage_options, config: StorageC
     # A sliding window of batches in flight, two a worker: the next is there when one ends, so the
     # workers never wait for the main process to ask (a Parquet row group's span: up to
     # parquet.SPAN_BYTES each, so two a worker is also the memory bound).
-    results = map_in_order(
-        _load_batch,
-        batches,
-        workers=workers,
-        ahead=2 * workers,
-        initializer=set_worker_storage_options,
-        initargs=(dict(storage_options or {}), config),
-        describe=_describe_batch,
-    )
+    pool = workers if isinstance(workers, Workers) else _start_loaders(workers, storage_options, config)
+    results = map_in_order(_load_encoded, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
     with contextlib.closing(results):
         for batch in results:
             yield from batch

@@ -256,17 +256,18 @@ def map_in_order(
     fn: Callable[[Any], Any],
     tasks: Iterable[Any],
     *,
-    workers: int,
+    workers: int | Workers,
     ahead: int,
     initializer: Callable[..., Any] | None = None,
     initargs: tuple = (),
     describe: Callable[[Any], str] = lambda task: "a task",
     name: str = "pack worker",
 ) -> Generator[Any, None, None]:
-    """``fn(task)`` for each task on ``workers`` processes, results in the tasks' order (see
+    """``fn(task)`` for each task on ``workers`` processes (or on ``Workers`` started already, for
+    ``fn``: their start then overlaps the caller's work), results in the tasks' order (see
     ``Workers.map``). Close it (``contextlib.closing``) to stop the workers early; once the last
     result is taken the workers are already ended, before it is given."""
-    pool = Workers(fn, workers, initializer=initializer, initargs=initargs, name=name)
+    pool = workers if isinstance(workers, Workers) else Workers(fn, workers, initializer=initializer, initargs=initargs, name=name)
     try:
         results = pool.map(tasks, ahead=ahead, describe=describe)
         last: list[Any] = []
