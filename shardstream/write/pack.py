@@ -94,6 +94,8 @@ def pack_source(
     max_size: int = DEFAULT_MAX_SIZE,
     shuffle: bool = False,
     seed: int = 0,
+    # 1: a worker is a new process that imports shardstream (~0.5 CPU-s), more than loading 20k
+    # small local files costs in all; 2 workers were 0.56-0.69x of 1 (BENCHMARKS.md, 2 CPUs)
     workers: int = 1,
     label_from_dir: bool = False,
     columns: Sequence[str] | None = None,
@@ -314,8 +316,8 @@ def pack_fn(
     config: StorageConfig = DEFAULT_STORAGE,
 ) -> PackResult:
     """Pack the samples ``fn(input)`` returns (a dict) or yields (dicts) for every input, in the
-    order of ``inputs``, whatever runs it: here (``workers=1``), a spawned process pool
-    (``workers=N``; ``fn`` must be importable, i.e. defined at module level) or ``executor``.
+    order of ``inputs``, whatever runs it: here (``workers=1``), N spawned processes
+    (``workers=N``, ``write.procs``; ``fn`` must be importable, i.e. defined at module level) or ``executor``.
 
     Shard ``i`` holds the samples of inputs ``[i * max_count, (i + 1) * max_count)``, so the
     output is byte-identical for any engine and worker count. An exception from ``fn`` names the
