@@ -231,12 +231,17 @@ def _list_dir(
     never opened."""
     fs, root = storage.get_fs(src, storage_options, config)  # (names the files: no request)
     local = storage.is_local(fs)
-    found = storage_call(src, _tree, storage_options, config) if not (local and fs.isdir(root)) else None
+    found: list[str] | str | None = None
+    plain: dict[str, str] = {}
+    if local and fs.isdir(root):
+        try:
+            found, plain = _local_tree(root.rstrip("/") or "/")
+        except OSError:  # (a folder that cannot be read: said as fsspec's listing says it)
+            found = None
+    if found is None:
+        found = storage_call(src, _tree, storage_options, config)
     if isinstance(found, str):
         raise SourceError(src, found)
-    plain: dict[str, str] = {}
-    if found is None:
-        found, plain = _local_tree(root.rstrip("/") or "/")
     root = root.rstrip("/")
     files: list[str] = found
     real_root = _root_of(root) if local else ""
