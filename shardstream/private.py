@@ -41,11 +41,6 @@ NAMES: dict[str, tuple[str, str, str]] = {
         "a file descriptor pickled for a new process as it starts (the epoch clock's lock, shared.py): the one way to "
         "hand a descriptor to a spawned or forkserver process through its start",
     ),
-    "multiprocessing.pool.Pool._outqueue": (
-        "multiprocessing.pool",
-        "Pool._help_stuff_finish",
-        "a pool given up on (Ctrl-C, an error) stopped without joining its result thread, which never returns when a worker died mid-result",
-    ),
     # s3fs, fsspec
     "s3fs.S3FileSystem._call_s3": (
         "s3fs",
@@ -106,58 +101,6 @@ def dup_fd(fd: int) -> Any:
     """``fd`` for the new process being pickled for (``spawning()``): the unpickled object's
     ``detach()`` is a descriptor of the same open file in that process."""
     return resolve("multiprocessing.reduction.DupFd")(fd)
-
-
-def abandon_pool(pool: Any) -> None:
-    """Stop a ``multiprocessing`` pool that is being given up on (Ctrl-C, an error) without waiting on
-    it for good. ``terminate()`` joins the pool's result thread, and that thread never returns when a
-    worker died halfway through writing a result (the rest of the message never comes): pack then
-    hung after Ctrl-C. The workers are killed (none in the middle of sending a result: see below) and
-    the pool's exit-time clean-up (the same join) is cancelled. Its two threads are then ended: the
-    task thread at a sentinel, the result thread at the end of its pipe (the workers held its other
-    write ends), each waited for a moment at most; left running, they could last until the
-    interpreter's exit. The pool itself is marked terminated, as ``terminate()`` marks it: the pool is
-    in reference cycles (its cache holds the imap iterator, which holds the pool), so it is collected
-    whenever the garbage collector runs, at exit perhaps, where ``Pool.__del__`` of a pool still
-    marked running wrote to its change notifier's pipe, already closed, and printed an ignored
-    ``OSError: [Errno 9] Bad file descriptor`` traceback under pack's one line (8 of 15 Ctrl-C runs)."""
-    from multiprocessing.pool import TERMINATE
-
-    resolve("multiprocessing.pool.Pool._outqueue")
-    pool._state = TERMINATE
-    handler = getattr(pool, "_worker_handler", None)
-    if handler is not None:
-        handler._state = TERMINATE  # no replacement workers for the ones killed below
-        handler.join(5)
-    # Killed while sending a result, a worker would keep the result queue's write lock for good (the
-    # task thread's last message waits on it): the kill comes while this process holds the lock.
-    lock: Any = getattr(getattr(pool, "_outqueue", None), "_wlock", None)
-    held = lock is not None and lock.acquire(timeout=2)
-    try:
-        for proc in list(getattr(pool, "_pool", [])):
-            proc.kill()
-        for proc in list(getattr(pool, "_pool", [])):
-            proc.join(5)
-    finally:
-        if held:
-            lock.release()
-    finalizer = getattr(pool, "_terminate", None)
-    if finalizer is not None:
-        finalizer.cancel()
-    threads = [t for t in (getattr(pool, "_task_handler", None), getattr(pool, "_result_handler", None)) if t is not None]
-    for thread in threads:
-        thread._state = TERMINATE
-    taskqueue = getattr(pool, "_taskqueue", None)
-    if taskqueue is not None:
-        taskqueue.put(None)
-    writer = getattr(getattr(pool, "_outqueue", None), "_writer", None)
-    if writer is not None:
-        try:
-            writer.close()  # the result thread's read ends: EOFError, and it returns
-        except OSError:
-            pass
-    for thread in threads:
-        thread.join(2)
 
 
 # -- s3fs, fsspec ----------------------------------------------------------------------------------

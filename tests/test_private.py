@@ -26,19 +26,6 @@ def test_a_name_that_is_gone_raises_one_line_naming_it_and_the_versions(monkeypa
         private.resolve("sys._gone_for_good")
 
 
-def test_a_pool_given_up_on_stops_and_says_nothing_when_collected(capfd):
-    pool = multiprocessing.get_context("spawn").Pool(1)
-    assert pool.apply(abs, (-3,)) == 3
-    workers = list(pool._pool)
-    private.abandon_pool(pool)
-    assert not any(w.is_alive() for w in workers)
-    del pool
-    import gc
-
-    gc.collect()
-    assert "Exception ignored" not in capfd.readouterr().err
-
-
 def test_s3_names(s3):
     import s3fs
     from fsspec.asyn import sync
@@ -94,7 +81,7 @@ def test_a_descriptor_travels_to_a_spawned_process_only_while_it_starts():
 
 
 def test_at_most_five_names_and_none_of_torch():
-    assert len(private.NAMES) <= 5
+    assert len(private.NAMES) <= 5 and len(private.NAMES) == 4  # each one's reason: private.NAMES
     assert not any(module.startswith("torch") for module, _, _ in private.NAMES.values())
 
 

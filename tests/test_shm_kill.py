@@ -3,10 +3,9 @@ private /dev/shm (a mount namespace with a tmpfs of its own: ``unshare -m``, as 
 the point it reached through its stdout, and every process of the job (its descendants found in
 /proc, whatever their session: a forkserver, a resource tracker, the workers) is killed at once,
 as a cgroup, SLURM or a container runtime kills a job. A training loader's worker processes make
-no named object at all (their segments are anonymous memory: loader/handoff.py), so nothing can
-be left, with no one left to clean up. ``shardstream pack --workers 2``
-(a spawn process pool, whose queues' locks are named semaphores too) is killed the same way while
-a pool worker loads a sample."""
+no named object at all (their segments are anonymous memory: loader/handoff.py), and
+``shardstream pack --workers 2``'s workers talk over pipes only (``write/procs.py``), so nothing
+can be left, with no one left to clean up."""
 
 from __future__ import annotations
 
@@ -117,8 +116,11 @@ def test_a_killed_job_leaves_nothing_in_dev_shm(tmp_path, point, method):
 
 
 # Runs inside the namespace: mounts the private /dev/shm, starts `shardstream pack --workers 2` in its
-# own group over a source of many files, and waits for the point: its first shard is written (the
-# pool and its named semaphores are up, the pack is mid-way). The group is killed there.
+# own session over a source of many files, and waits for the point: its first shard is written (the
+# workers are up, the pack is mid-way). Then every process of the job is killed at once, as a cgroup,
+# SLURM or a container runtime kills a job: all of its descendants (multiprocessing's resource
+# tracker too, wherever it would run) are found in /proc, stopped (SIGSTOP: none can react to the
+# others' deaths), then killed. Nothing is left to clean up after them: /dev/shm must be empty.
 PACK_HARNESS = textwrap.dedent("""
     import glob, json, os, signal, subprocess, sys, time
     subprocess.run(["mount", "-t", "tmpfs", "tmpfs", "/dev/shm"], check=True)
@@ -126,19 +128,47 @@ PACK_HARNESS = textwrap.dedent("""
     job = subprocess.Popen([sys.executable, "-m", "shardstream", *sys.argv[3:]], start_new_session=True)
     deadline, reached = time.monotonic() + bound, False
     while not reached and job.poll() is None and time.monotonic() < deadline:
-        reached = bool(glob.glob(os.path.join(out, "shard-*.tar")))  # written by the pool's loads
+        reached = bool(glob.glob(os.path.join(out, "shard-*.tar")))  # written from the workers' loads
         time.sleep(0.01)
-    before = len(glob.glob("/dev/shm/sem.*"))
-    os.killpg(job.pid, signal.SIGKILL)
+
+    def parents():
+        found = {}
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    found[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (ValueError, OSError):
+                pass
+        return found
+
+    def job_processes():
+        ppid, tree = parents(), {job.pid}
+        grew = True
+        while grew:
+            more = {pid for pid, parent in ppid.items() if parent in tree} - tree
+            tree |= more
+            grew = bool(more)
+        return tree
+
+    before = sorted(os.listdir("/dev/shm"))
+    procs = job_processes()
+    for pid in procs:  # frozen first: no process of the job outlives another to clean up after it
+        os.kill(pid, signal.SIGSTOP)
+    procs |= job_processes()  # (one started in the meantime is frozen too)
+    for pid in procs:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in procs:
+        os.kill(pid, signal.SIGKILL)
     job.wait()
     deadline = time.monotonic() + bound
-    while glob.glob("/dev/shm/sem.*") and time.monotonic() < deadline:
-        time.sleep(0.1)  # the resource tracker sees the job's end and unlinks what it left
-    print(json.dumps({"reached": reached, "before": before, "after": sorted(glob.glob("/dev/shm/sem.*"))}))
+    while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+              for pid in procs if pid != job.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel takes the killed processes down (their parent reaps them)
+    print(json.dumps({"reached": reached, "processes": len(procs), "before": before, "after": sorted(os.listdir("/dev/shm"))}))
 """)
 
 
-def test_a_killed_pack_with_a_process_pool_leaves_no_semaphore_in_dev_shm(tmp_path):
+def test_a_killed_pack_with_workers_leaves_nothing_in_dev_shm(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     rng = np.random.default_rng(0)
@@ -156,5 +186,5 @@ def test_a_killed_pack_with_a_process_pool_leaves_no_semaphore_in_dev_shm(tmp_pa
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["reached"], out.stderr
-    assert result["before"] >= 2  # the pool's queues' locks, named while it runs
-    assert result["after"] == []
+    assert result["processes"] >= 3  # the pack and its two workers, killed together
+    assert result["after"] == [], result  # on main: the pool's sem.mp-* (their unlinker, the resource tracker, died too)

@@ -62,7 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-from-dir", action="store_true", help="add 'cls' from the first-level folder name (ImageFolder layout)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order at pack time")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default 0)")
-    p.add_argument("--workers", type=int, default=1, help="processes loading samples; output is the same for any N")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes loading samples; output is the same for any N (default 1: the fastest on local files, docs/packing.md#workers)",
+    )
     p.add_argument("--dask", metavar="ADDRESS", help="run shard tasks on this Dask scheduler (tcp://host:8786)")
     p.add_argument("--retries", type=int, default=2, help="with --dask: times a failed task is retried (default 2)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset or files already at DEST")

@@ -12,27 +12,23 @@ write them, the driver writes the manifest last. ``pack(fn, inputs, dest)`` pack
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import multiprocessing
 import random
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
-from shardstream.private import abandon_pool
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.write.procs import Workers, map_in_order
 from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
-from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
+from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, encode_members, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +58,17 @@ class PackResult:
     hidden: int = 0
 
 
-def _load_batch(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
-    return list(load_items(items))
+def _load_encoded(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
+    """``load_items``, each sample encoded as its tar members: ``(True, key, (members, extensions,
+    cls))`` or ``(False, where, what)``. Run where the loading runs (a worker), so the process that
+    writes the shards only writes: building the headers there was a third of its time."""
+    out: list[tuple[bool, str, Any]] = []
+    for ok, a, b in load_items(items):
+        if ok:
+            pieces, _ = encode_members(a, b)
+            b = (b"".join(pieces), sorted(b), b.get("cls"))
+        out.append((ok, a, b))
+    return out
 
 
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
@@ -89,6 +94,8 @@ def pack_source(
     max_size: int = DEFAULT_MAX_SIZE,
     shuffle: bool = False,
     seed: int = 0,
+    # 1: a worker is a new process that imports shardstream (~0.5 CPU-s), more than loading 20k
+    # small local files costs in all; 2 workers were 0.56-0.69x of 1 (BENCHMARKS.md, 2 CPUs)
     workers: int = 1,
     label_from_dir: bool = False,
     columns: Sequence[str] | None = None,
@@ -130,6 +137,67 @@ def pack_source(
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
     started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        loaders: int | Workers = workers
+        if workers > 1 and executor is None:  # started first: their imports overlap the listing
+            loaders = _start_loaders(workers, storage_options, config)
+            stack.callback(loaders.stop)  # (ended already when the pack went through)
+        return _pack_listed(
+            src,
+            dest,
+            loaders,
+            kind=kind,
+            max_count=max_count,
+            max_size=max_size,
+            shuffle=shuffle,
+            seed=seed,
+            label_from_dir=label_from_dir,
+            columns=columns,
+            key=key,
+            overwrite=overwrite,
+            policy=policy,
+            on_error=on_error,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            progress=progress,
+            executor=executor,
+            in_flight=in_flight,
+            config=config,
+            on_listed=on_listed,
+            allow_outside=allow_outside,
+            started=started,
+        )
+
+
+def _pack_listed(
+    src: str,
+    dest: str,
+    loaders: int | Workers,
+    *,
+    kind: str,
+    max_count: int,
+    max_size: int,
+    shuffle: bool,
+    seed: int,
+    label_from_dir: bool,
+    columns: Sequence[str] | None,
+    key: str | None,
+    overwrite: bool,
+    policy: ErrorPolicy,
+    on_error: str,
+    prefix: str,
+    prefixes: int,
+    storage_options: Mapping[str, Any] | None,
+    progress: Callable[[int, int], None] | None,
+    executor: Executor | None,
+    in_flight: int,
+    config: StorageConfig,
+    on_listed: Callable[[int], None] | None,
+    allow_outside: Sequence[str],
+    started: float,
+) -> PackResult:
+    """``pack_source`` once its loaders are started (``Workers``, or a count: 1 loads here)."""
     listing = list_source(
         src,
         kind,
@@ -194,7 +262,7 @@ def pack_source(
         ) as writer,
         # closed first on an error or Ctrl-C: its pool is stopped (and collected) before the writer
         # cleans up, not whenever the generator happens to be collected (at exit its pipes were gone)
-        contextlib.closing(_load_all(items, workers, storage_options, config)) as loaded,
+        contextlib.closing(_load_all(items, loaders, storage_options, config)) as loaded,
     ):
         for where, what in listing.errors:
             writer.skip(where, what)
@@ -203,7 +271,7 @@ def pack_source(
                 if not ok:
                     raise SourceError(a, b)
                 try:
-                    writer.write_encoded(a, b)
+                    writer.write_members(a, *b)
                 except SourceError as exc:  # the writer knows the key; the listing knows the file or line
                     raise SourceError(f"{where} ({exc.where})", exc.what) from None
             except SourceError as exc:
@@ -229,13 +297,6 @@ def pack_source(
     )
 
 
-def _init_worker(storage_options, config: StorageConfig = DEFAULT_STORAGE) -> None:
-    """Pool workers leave Ctrl-C to the main process, which stops the pool and says what was
-    committed in one line (otherwise every worker prints its own KeyboardInterrupt traceback)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_worker_storage_options(storage_options, config)
-
-
 def pack_fn(
     fn: Callable[[Any], Any],
     inputs: Iterable[Any],
@@ -255,8 +316,8 @@ def pack_fn(
     config: StorageConfig = DEFAULT_STORAGE,
 ) -> PackResult:
     """Pack the samples ``fn(input)`` returns (a dict) or yields (dicts) for every input, in the
-    order of ``inputs``, whatever runs it: here (``workers=1``), a spawned process pool
-    (``workers=N``; ``fn`` must be importable, i.e. defined at module level) or ``executor``.
+    order of ``inputs``, whatever runs it: here (``workers=1``), N spawned processes
+    (``workers=N``, ``write.procs``; ``fn`` must be importable, i.e. defined at module level) or ``executor``.
 
     Shard ``i`` holds the samples of inputs ``[i * max_count, (i + 1) * max_count)``, so the
     output is byte-identical for any engine and worker count. An exception from ``fn`` names the
@@ -272,29 +333,27 @@ def pack_fn(
     if not units:
         raise SourceError(repr(fn), "no inputs to pack")
     where = getattr(fn, "__qualname__", repr(fn))
-    with contextlib.ExitStack() as stack:
-        if executor is None and workers > 1:
-            executor = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
-        return _pack_tasks(
-            units,
-            fn,
-            dest,
-            src=where,
-            executor=executor,
-            max_count=max_count,
-            max_size=max_size,
-            prefix=prefix,
-            prefixes=prefixes,
-            storage_options=storage_options,
-            overwrite=overwrite,
-            on_error=on_error,
-            label_map=None,
-            errors=[],
-            progress=progress,
-            started=started,
-            in_flight=in_flight,
-            config=config,
-        )
+    return _pack_tasks(
+        units,
+        fn,
+        dest,
+        src=where,
+        executor=executor,
+        workers=workers,
+        max_count=max_count,
+        max_size=max_size,
+        prefix=prefix,
+        prefixes=prefixes,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        on_error=on_error,
+        label_map=None,
+        errors=[],
+        progress=progress,
+        started=started,
+        in_flight=in_flight,
+        config=config,
+    )
 
 
 def _pack_tasks(
@@ -317,9 +376,11 @@ def _pack_tasks(
     started: float,
     in_flight: int,
     config: StorageConfig = DEFAULT_STORAGE,
+    workers: int = 1,
 ) -> PackResult:
-    """The driver of a task pack: prepare the destination, run one task per shard, adopt the
-    results in shard order, write the manifest last (``ShardWriter.close``)."""
+    """The driver of a task pack: prepare the destination, run one task per shard (on ``executor``,
+    else on ``workers`` processes of ``write.procs``, else here), adopt the results in shard order,
+    write the manifest last (``ShardWriter.close``)."""
     options = dict(storage_options or {})
     keys: set[str] = set()
     with (
@@ -353,7 +414,11 @@ def _pack_tasks(
             for i, r in enumerate(cut_shards(len(units), max_count))
         )
         # (closed at once on an error: its running tasks end before the writer cleans up)
-        for result in stack.enter_context(contextlib.closing(run_tasks(executor, tasks, in_flight=in_flight))):
+        if executor is None and workers > 1:  # two a worker: the next is there when one ends
+            results = map_in_order(write_shard, tasks, workers=workers, ahead=2 * workers, describe=_describe_task)
+        else:
+            results = run_tasks(executor, tasks, in_flight=in_flight)
+        for result in stack.enter_context(contextlib.closing(results)):
             for where, what in result.skipped:
                 writer.skip(where, what)
             clash = next((k for k in result.keys if k in keys), None)
@@ -386,55 +451,42 @@ def _pack_tasks(
     )
 
 
+def _describe_task(task: ShardTask) -> str:
+    return f"shard {task.name} (inputs #{task.first} to #{task.first + len(task.units) - 1})"
+
+
 SINGLES_PER_TASK = 64
 
 
-def _load_all(items: list[Item], workers: int, storage_options, config: StorageConfig = DEFAULT_STORAGE):
-    """Yield load results in item order; with workers > 1 a process pool loads a bounded window.
-    Items are read with ``storage_options`` under ``config``, here and in every worker."""
+def _describe_batch(batch: Sequence[Item]) -> str:
+    """A task of loads, as a WorkerDied names it."""
+    if len(batch) == 1:
+        return f"loading {batch[0][0]}"
+    return f"loading {len(batch)} samples, {batch[0][0]} to {batch[-1][0]}"
+
+
+def _start_loaders(workers: int, storage_options, config: StorageConfig) -> Workers:
+    """The processes that load and encode items (``_load_encoded``), reading under ``config``."""
+    return Workers(_load_encoded, workers, initializer=set_worker_storage_options, initargs=(dict(storage_options or {}), config))
+
+
+def _load_all(items: list[Item], workers: int | Workers, storage_options, config: StorageConfig = DEFAULT_STORAGE):
+    """Yield load results in item order; with workers (> 1, or ``Workers`` already started by
+    ``_start_loaders``) worker processes (``write.procs``) load a bounded window. Items are read
+    with ``storage_options`` under ``config``, here and in every worker."""
     set_worker_storage_options(storage_options, config)
     if workers == 1:
-        yield from load_items(items)
+        for batch in batches_of(items, SINGLES_PER_TASK):
+            yield from _load_encoded(batch)
         return
-    # Single items go 64 to a task: a task's round trip (pickling, a pipe, the pool's threads) costs
-    # more than reading a small file, so one task an item kept the workers waiting on the main process.
+    # Single items go 64 to a task: a task's round trip (pickling, a pipe) costs more than reading
+    # a small file, so one task an item kept the workers waiting on the main process.
     batches = batches_of(items, SINGLES_PER_TASK)
-    # A sliding window of batches in flight: workers * 512 single items, or two groups per worker
-    # (a Parquet row group's span: up to parquet.SPAN_BYTES each). Sliding, not window by window:
-    # the workers never wait for the main process to drain a window before the next one starts.
-    grouped = len(batches) < len(items) / SINGLES_PER_TASK
-    window = workers * (2 if grouped else 8)
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process holding event-loop threads
-    # Children start with SIGINT ignored (inherited through exec, before they import anything).
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    if main:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(dict(storage_options or {}), config))
-    finally:
-        if main:  # a handler installed outside Python reads as None: the default stands in for it
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    try:
-        pending: collections.deque = collections.deque()
-        for batch in batches:
-            pending.append(pool.apply_async(_load_batch, (batch,)))
-            if len(pending) >= window:
-                yield from pending.popleft().get()
-        last: list[tuple[bool, str, Any]] = []
-        while pending:
-            results = pending.popleft().get()
-            if not pending:
-                last = results  # held back: see below
-                break
-            yield from results
-        pool.close()
-    except BaseException:
-        abandon_pool(pool)
-        raise
-    # The pool ends before the last results are given: pack's loop stops at its last item and
-    # never asks again, so this generator is closed at its last yield, which must not be inside
-    # the try (a close there abandoned the finished pool: 4-5 s of its timeouts in every pack).
-    pool.terminate()
-    pool.join()
-    yield from last
+    # A sliding window of batches in flight, two a worker: the next is there when one ends, so the
+    # workers never wait for the main process to ask (a Parquet row group's span: up to
+    # parquet.SPAN_BYTES each, so two a worker is also the memory bound).
+    pool = workers if isinstance(workers, Workers) else _start_loaders(workers, storage_options, config)
+    results = map_in_order(_load_encoded, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
+    with contextlib.closing(results):
+        for batch in results:
+            yield from batch

@@ -19,14 +19,11 @@ tokenizer: any object with ``encode_batch(list[str])`` (returning ``Encoding``s 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import io
 import json
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,6 +35,7 @@ from shardstream.format.tokens import FIELD, token_dtype
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.pack import PackResult
+from shardstream.write.procs import map_in_order
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
 
 CHUNK = 256  # documents per tokenizer call (and per task of a worker)
@@ -236,9 +234,12 @@ def pack_tokens(
     with contextlib.ExitStack() as stack:
         mapped: Iterator[list[bytes]]
         chunks = _chunks(documents, CHUNK)
-        if workers > 1:
-            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
-            mapped = _in_order(pool, encoder, chunks, 4 * workers)  # in order: the same shards for any workers
+        if workers > 1:  # in order: the same shards for any workers; two chunks a worker in flight
+            mapped = stack.enter_context(
+                contextlib.closing(
+                    map_in_order(encoder, chunks, workers=workers, ahead=2 * workers, describe=_describe_chunk, name="tokenizer worker")
+                )
+            )
         else:
             mapped = map(encoder, chunks)
         writer = stack.enter_context(
@@ -277,16 +278,8 @@ def pack_tokens(
     )
 
 
-def _in_order(pool: ProcessPoolExecutor, fn: Callable[[Any], Any], items: Iterator[Any], ahead: int) -> Iterator[Any]:
-    """``fn`` of each item on ``pool``, results in the items' order, at most ``ahead`` in flight
-    (``Executor.map`` would submit the whole corpus at once)."""
-    pending: collections.deque[Future[Any]] = collections.deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= ahead:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+def _describe_chunk(chunk: list[tuple[str, str]]) -> str:
+    return f"tokenizing {len(chunk)} documents, {chunk[0][0]} to {chunk[-1][0]}"
 
 
 def _header_size(data: bytes) -> int:

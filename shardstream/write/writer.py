@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 from shardstream.errors import AccessDenied, ConfigError, DestinationError, ManifestError, SourceError
@@ -302,13 +302,22 @@ class ShardWriter:
     def write_encoded(self, key: str, fields: Mapping[str, bytes], tokens: int = 0) -> None:
         """Append a sample whose fields are already bytes (``tokens``: a token corpus's document's
         tokens, counted in its shard's manifest entry)."""
+        pieces, size = encode_members(key, fields)
+        self._append(key, pieces, size, fields, fields.get("cls"), tokens)
+
+    def write_members(self, key: str, members: bytes, extensions: Sequence[str], cls: bytes | None = None) -> None:
+        """Append a sample already encoded as its tar members (``encode_members``' pieces, joined),
+        with its fields' extensions and its ``cls`` field's bytes: what pack's workers hand over,
+        so the tar headers are built there and the process that writes only writes."""
+        self._append(key, [members], len(members), extensions, cls, 0)
+
+    def _append(self, key: str, pieces: list[bytes], size: int, extensions: Iterable[str], cls: bytes | None, tokens: int) -> None:
         if self._closed:
             raise ValueError("ShardWriter is closed")
         if self._keys is not None:
             if key in self._keys:
                 raise SourceError(f"key {key!r}", "duplicate key: two samples would share one key")
             self._keys.add(key)
-        pieces, size = encode_members(key, fields)
         if self._file is not None and (self._count >= self.max_count or self._size + size + len(END_OF_ARCHIVE) > self.max_size):
             self._finish_shard()
         if self._file is None:
@@ -322,10 +331,10 @@ class ShardWriter:
         self.tokens_written += tokens
         if self._pending_bytes >= _FLUSH_BYTES:
             self._flush()
-        for ext in fields:
+        for ext in extensions:
             self.extensions[ext] = self.extensions.get(ext, 0) + 1
-        if self.label_map is not None and "cls" in fields:
-            label = int(fields["cls"])
+        if self.label_map is not None and cls is not None:
+            label = int(cls)
             self._label_counts[label] = self._label_counts.get(label, 0) + 1
         self.samples_written += 1
         self.bytes_written += size
