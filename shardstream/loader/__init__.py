@@ -69,6 +69,7 @@ from shardstream.plan.requests import is_remote
 from shardstream.plan.run import PassPlan
 from shardstream.portable import reduce_portable
 from shardstream.private import drop_loader_iterator, iterator_workers, loader_iterator, pin_memory, shutdown_workers
+from shardstream.ranks import WaitMeter, gather
 from shardstream.shared import isolate_resource_tracker
 from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
 
@@ -412,6 +413,8 @@ class ShardLoader(webdataset.WebLoader):
         self._cursor: Cursor | None = None  # the last pass's plan, and the batches the loop received in it
         self._in_pass = False  # a pass of this loader is being iterated (its generator is open)
         dataset.loader_workers = self.num_workers  # what dataset.plan() and its summary assume
+        self.rank_meter = WaitMeter(interval_s=log_interval)  # every rank's data wait, gathered (ranks.py)
+        self._rank_report: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         """Batches per rank of the pass in progress, else of the next, counted from the pass's
@@ -473,8 +476,13 @@ class ShardLoader(webdataset.WebLoader):
         self._watch["semaphores"] = False
         if self.num_workers > 0 and (not self.persistent_workers or loader_iterator(self.pipeline[0]) is None):
             self._start_workers()
+        meter = self.rank_meter
+        meter.begin()
         try:
             for batch in super().__iter__():
+                meter.arrived()
+                if meter.due():  # at the same batch count on every rank: a collective they all join
+                    self._rank_report = gather(meter, self.dataset.stats(), self.dataset.world, self.num_workers, log=bool(interval))
                 if arrived:
                     cursor.see(arrived.popleft())
                 elif cursor.lost is None:
@@ -483,6 +491,7 @@ class ShardLoader(webdataset.WebLoader):
                         "take state_dict(batches=...) with your own count, or resume from a loader without such stages"
                     )
                 yield batch
+                meter.ask()
                 if interval and next_log is not None and time.monotonic() >= next_log:
                     next_log = time.monotonic() + interval
                     logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
@@ -575,6 +584,12 @@ class ShardLoader(webdataset.WebLoader):
             shutdown_workers(it)
         if self.channels is not None:
             self.channels.forget(set(self.channels.mapped))
+
+    def rank_report(self) -> dict[str, Any] | None:
+        """The last report of every rank's data wait (``shardstream.ranks.report``: per rank p50/p99
+        wait, its share of step time, what it waited on; the slowest rank), None before the first;
+        the same dict on every rank. A plain dict to log (TensorBoard, W&B)."""
+        return self._rank_report
 
     def stats(self) -> dict[str, int]:
         """This rank's stream counters, summed over its workers since the dataset was built (the
