@@ -42,6 +42,7 @@ CAUSES = ("storage", "decode", "transform", "worker")
 _STAGES = {"storage": "storage_wait_us", "decode": "decode_us", "transform": "transform_us"}
 # The rank's stream counters a report carries (deltas since the last report).
 REPORTED = ("storage_wait_us", "decode_us", "transform_us", "requests", "bytes_read", "retries", "throttles", "cache_hits", "cache_misses")
+QUIET = 0.05  # a slowest rank waiting less than this share of its step time: no rank waits on data
 EXPLAINED = 0.25  # the workers' stage times must explain this share of the wait to be its cause
 
 # Wait histogram: 10 bins a decade from 10 µs to 1,000 s (each bin's upper edge 26% above its
@@ -297,6 +298,11 @@ def describe(out: Mapping[str, Any]) -> str:
     if not s:
         return "no batches to report"
     where = f" on {s['host']}" if s["host"] else ""
+    if s["wait_share"] < QUIET:
+        return (
+            f"no rank waits on data: the slowest, rank {s['rank']}{where} of {out['world']}, "
+            f"{s['wait_share']:.0%} of its step time (p99 {s['wait_p99_s']:.3g} s)"
+        )
     line = (
         f"slowest rank {s['rank']}{where} of {out['world']} waited {s['wait_share']:.0%} of its step time for data "
         f"(p50 {s['wait_p50_s']:.3g} s, p99 {s['wait_p99_s']:.3g} s over {s['batches']} batches)"

@@ -35,15 +35,17 @@ def cluster(s3, tmp_path):
         yield hosts, proxy, f"s3://{bucket}/hosts"
 
 
-def torchrun(hosts: Hosts, nodes: int, source: str, endpoint: str, work: str, phase: str) -> list:
-    """``phase`` of hosts_train.py on hosts 0..nodes-1, 2 ranks each, rendezvous on host 0."""
+def torchrun(hosts: Hosts, nodes: int, source: str, endpoint: str | list[str], work: str, phase: str) -> list:
+    """``phase`` of hosts_train.py on hosts 0..nodes-1, 2 ranks each, rendezvous on host 0;
+    ``endpoint``: the S3 server's, or one per host."""
+    endpoints = [endpoint] * nodes if isinstance(endpoint, str) else endpoint
     port = str(free_port())
     env = dict(os.environ, GLOO_SOCKET_IFNAME=hosts.ifname, HOSTS_TIMEOUT=str(scaled(60)), OMP_NUM_THREADS="1")
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "2", "--master-addr", hosts.addrs[0]]
     return [
         hosts.start(
             n,
-            [*argv, "--node-rank", str(n), "--master-port", port, TRAIN, source, endpoint, work, phase],
+            [*argv, "--node-rank", str(n), "--master-port", port, TRAIN, source, endpoints[n], work, phase],
             env,
             os.path.join(work, f"{phase}.log.{n}"),
         )
@@ -115,3 +117,24 @@ def test_a_lost_host_and_the_job_resuming_on_the_other_alone(cluster, tmp_path):
     assert len(flat) == len(set(flat)) == TOTAL  # the next epoch whole, on 2 ranks
     assert all(b == n for b, n in ends[1]) and len(set(ends[1])) == 1
     assert manifest_gets(proxy) == 2  # one per job start: the 4-rank one and the 2-rank one
+
+
+def test_a_host_behind_a_slow_link_is_named_the_straggler_with_storage_its_cause(s3, cluster, tmp_path):
+    hosts, proxy, _ = cluster
+    bucket, options, _ = s3
+    source = write_dataset(f"s3://{bucket}/wide", 384, max_count=4, size=20_000, storage_options=options)  # 4 ranks x 24 batches
+    work = str(tmp_path)
+    with FaultProxy(options["endpoint_url"], host=hosts.gateway, bandwidth=250_000) as slow:  # host 1's link: 0.16 s a shard
+        wait_all(torchrun(hosts, 2, source, [proxy.url, slow.url], work, "straggler"), work, "straggler")
+    with open(os.path.join(work, "straggler.reports.json")) as f:
+        reports = json.load(f)
+    assert len(reports) == 3
+    middle = reports[1]  # the pass's steady middle: after the workers' start, before its end
+    assert middle["world"] == 4 and middle["slowest_rank"] in (2, 3) and middle["slowest_cause"] == "storage", middle
+    by_rank = {e["rank"]: e for e in middle["ranks"]}
+    # In DDP the slowest rank alone waits for data (the others, their batches made ahead, wait in the
+    # all-reduce), so host 1's other rank may wait little; its workers' time reading shows the link.
+    assert max(by_rank[r]["wait_s"] for r in (0, 1)) < middle["slowest"]["wait_s"] / 2
+    assert min(by_rank[r]["storage_s"] for r in (2, 3)) > 3 * max(by_rank[r]["storage_s"] for r in (0, 1))
+    logged = open(os.path.join(work, "straggler.log.0")).read()
+    assert "shardstream: slowest rank" in logged and "mostly on storage (GETs)" in logged

@@ -208,3 +208,10 @@ def test_bins_cover_waits_from_microseconds_to_minutes():
     for wait in (0.0, 1e-6, 30.0, 5000.0):
         meter.record(wait, wait)
     assert sum(meter.hist) == 4 and meter.hist[0] == 2 and meter.hist[BINS - 1] == 1
+
+
+def test_a_report_where_no_rank_waits_says_so():
+    meter = WaitMeter(every=4)
+    for _ in range(4):
+        meter.record(0.001, 0.1)
+    assert describe(report([meter.row({}, 2)])).startswith("no rank waits on data: the slowest, rank 0 of 1, 1% of its step time")
