@@ -1,6 +1,7 @@
 """A rank of the multi-host tests (tests/test_hosts.py), started by torchrun in a network
-namespace: gloo DDP over the namespace's interface (GLOO_SOCKET_IFNAME), the dataset on the moto
-S3 server across the link, 2 DataLoader workers, 2 epochs. Writes every batch's keys to
+namespace: gloo DDP over the namespace's interface (GLOO_SOCKET_IFNAME), the data (SOURCE: a
+dataset, a weighted mix or a Parquet table, see ``sources``) on the moto S3 server across the
+link, 2 DataLoader workers, 2 epochs. Writes every batch's keys to
 ``WORK/PHASE.keys.RANK``. In phase ``crash`` rank 0 checkpoints after STOP steps of epoch 0, then
 every rank says so in ``WORK/ready.RANK`` and waits to be killed; a later phase resumes from the
 checkpoint on whatever world it is started with. Phase ``straggler`` runs one epoch with reports
@@ -28,6 +29,24 @@ from shardstream.ranks import WaitMeter
 STOP = 3  # steps of epoch 0 before the checkpoint, in phase crash
 
 
+def sources(spec: str):
+    """SOURCE: a dataset URL; ``mix:URL=WEIGHT,URL=WEIGHT``, a weighted mix; ``table:URL``, a
+    Parquet table (columns id and x)."""
+    if spec.startswith("mix:"):
+        parts = [item.rsplit("=", 1) for item in spec[4:].split(",")]
+        return [shardstream.Source(url, weight=float(w), name=url.rstrip("/").rsplit("/", 1)[-1]) for url, w in parts]
+    if spec.startswith("table:"):
+        return shardstream.Table(spec[6:], columns=["id", "x"])
+    return spec
+
+
+def keys_of(batch) -> list:
+    """What names each sample of a batch: its source and key (a mix's sources may share keys), or a row's id."""
+    if "__key__" not in batch:
+        return [str(i) for i in batch["id"].tolist()]
+    return [f"{s}/{k}" for s, k in zip(batch.get("__source__", [""] * len(batch["__key__"])), batch["__key__"])]
+
+
 def main(source: str, endpoint: str, work: str, phase: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("HOSTS_TIMEOUT", "60"))))
@@ -39,7 +58,7 @@ def main(source: str, endpoint: str, work: str, phase: str) -> None:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the reports' log lines, to the log
     read = shardstream.Read(readahead_bytes=0) if straggler else shardstream.Read()
     store = shardstream.Store(options={"endpoint_url": endpoint}, read=read)
-    dataset = shardstream.ShardStream(source, batch_size=4, seed=5, shuffle=shardstream.Shuffle(16), store=store)
+    dataset = shardstream.ShardStream(sources(source), batch_size=4, seed=5, shuffle=shardstream.Shuffle(16), store=store)
     loader = shardstream.make_loader(dataset, num_workers=2, log_interval=60.0 if straggler else None)
     if straggler:
         loader.rank_meter = WaitMeter(every=len(loader) // 3)
@@ -58,12 +77,12 @@ def main(source: str, endpoint: str, work: str, phase: str) -> None:
             loader.set_epoch(epoch)
             batches = 0
             for step, batch in enumerate(loader):
-                loss = model(batch["cls"].float().unsqueeze(1)).sum()
+                loss = model((batch["cls"] if "cls" in batch else batch["x"]).float().unsqueeze(1)).sum()
                 optimizer.zero_grad()
                 loss.backward()  # all-reduce across hosts: unequal batch counts would hang here
                 optimizer.step()
                 batches += 1
-                out.write(json.dumps({"epoch": epoch, "keys": batch["__key__"]}) + "\n")
+                out.write(json.dumps({"epoch": epoch, "keys": keys_of(batch)}) + "\n")
                 if loader.rank_report() is not (reports[-1] if reports else None):
                     reports.append(loader.rank_report())
                 out.flush()

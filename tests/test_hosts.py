@@ -76,21 +76,51 @@ def results(work: str, phase: str, world: int) -> tuple[dict, dict]:
     return keys, ends
 
 
-def manifest_gets(proxy: FaultProxy) -> int:
-    return sum(1 for method, path, _ in proxy.log if method == "GET" and path.split("?")[0].endswith("/hosts/index.json"))
+def manifest_gets(proxy: FaultProxy, name: str = "hosts") -> int:
+    return sum(1 for method, path, _ in proxy.log if method == "GET" and path.split("?")[0].endswith(f"/{name}/index.json"))
 
 
-def test_two_hosts_each_sample_once_per_epoch_and_the_manifest_read_once(cluster, tmp_path):
+def table_source(s3, tmp_path) -> str:
+    """A Parquet table of 96 rows (ids 0-95) in 2 files of row groups of 8, on moto."""
+    from test_parquet import write_table
+
+    bucket, _, client = s3
+    root = write_table(tmp_path / "table", rows=(40, 56), group=8)
+    for name in sorted(os.listdir(root)):
+        client.upload_file(os.path.join(root, name), bucket, f"table/{name}")
+    return f"table:s3://{bucket}/table/"
+
+
+@pytest.mark.parametrize("kind", ["tar", "mix", "table"])
+def test_two_hosts_each_sample_once_per_epoch_and_the_manifest_read_once(kind, s3, cluster, tmp_path):
     hosts, proxy, source = cluster
+    bucket, options, _ = s3
+    total = TOTAL
+    if kind == "mix":  # 0.75 : 0.25 of 72 and 40 samples: web read whole (72), books 24 of its 40
+        for name, n in (("web", 72), ("books", 40)):
+            write_dataset(f"s3://{bucket}/{name}", n, max_count=8, storage_options=options)
+        source, total = f"mix:s3://{bucket}/web=0.75,s3://{bucket}/books=0.25", 96
+    elif kind == "table":
+        source = table_source(s3, tmp_path)
     work = str(tmp_path)
     wait_all(torchrun(hosts, 2, source, proxy.url, work, "run"), work, "run")
     keys, ends = results(work, "run", 4)
     for epoch in (0, 1):
         assert len(set(ends[epoch])) == 1 and ends[epoch][0][0] == ends[epoch][0][1]  # equal batches, len() exact
         flat = [k for rank in keys[epoch] for k in rank]
-        assert len(flat) == len(set(flat)) == TOTAL  # each sample once, none dropped (96 = 4 ranks x 2 workers x 3 x 4)
+        assert len(flat) == len(set(flat)) == total  # each sample once, none dropped (96 = 4 ranks x 2 workers x 3 x 4)
+        if kind == "mix":
+            assert sum(k.startswith("web/") for k in flat) == 72 and sum(k.startswith("books/") for k in flat) == 24
+        if kind == "table":
+            assert sorted(int(k) for k in flat) == list(range(96))
     assert keys[0] != keys[1]
-    assert manifest_gets(proxy) == 1  # one GET of index.json for 4 ranks and 8 workers on 2 hosts
+    if kind == "tar":
+        assert manifest_gets(proxy) == 1  # one GET of index.json for 4 ranks and 8 workers on 2 hosts
+    if kind == "mix":  # each source's manifest once, for the whole job
+        assert manifest_gets(proxy, "web") == 1 and manifest_gets(proxy, "books") == 1
+    if kind == "table":  # listed once and probed for an index.json once, for the whole job (workers read their footers)
+        listings = [p for m, p, _ in proxy.log if m == "GET" and p.split("?")[0].rstrip("/") == f"/{bucket}"]
+        assert len(listings) == 1 and manifest_gets(proxy, "table") == 1
 
 
 def test_a_lost_host_and_the_job_resuming_on_the_other_alone(cluster, tmp_path):
