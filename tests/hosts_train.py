@@ -6,7 +6,8 @@ link, 2 DataLoader workers, 2 epochs. Writes every batch's keys to
 every rank says so in ``WORK/ready.RANK`` and waits to be killed; a later phase resumes from the
 checkpoint on whatever world it is started with. Phase ``straggler`` runs one epoch with reports
 of every rank's data wait (shardstream/ranks.py) and rank 0 writes them to
-``WORK/straggler.reports.json``.
+``WORK/straggler.reports.json``. Phase ``cache`` reads through a cache on each host's own
+directory (``WORK/cache.NODE``), shared by that host's ranks.
 
     python -m torch.distributed.run ... hosts_train.py SOURCE ENDPOINT WORK PHASE
 """
@@ -57,7 +58,10 @@ def main(source: str, endpoint: str, work: str, phase: str) -> None:
     if straggler:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the reports' log lines, to the log
     read = shardstream.Read(readahead_bytes=0) if straggler else shardstream.Read()
-    store = shardstream.Store(options={"endpoint_url": endpoint}, read=read)
+    cache = None
+    if phase == "cache":  # node-local: one directory per host (torchrun's GROUP_RANK), shared by its ranks
+        cache = shardstream.Cache(os.path.join(work, f"cache.{os.environ['GROUP_RANK']}"), 1 << 30)
+    store = shardstream.Store(options={"endpoint_url": endpoint}, read=read, cache=cache)
     dataset = shardstream.ShardStream(sources(source), batch_size=4, seed=5, shuffle=shardstream.Shuffle(16), store=store)
     loader = shardstream.make_loader(dataset, num_workers=2, log_interval=60.0 if straggler else None)
     if straggler:

@@ -168,3 +168,21 @@ def test_a_host_behind_a_slow_link_is_named_the_straggler_with_storage_its_cause
     assert min(by_rank[r]["storage_s"] for r in (2, 3)) > 3 * max(by_rank[r]["storage_s"] for r in (0, 1))
     logged = open(os.path.join(work, "straggler.log.0")).read()
     assert "shardstream: slowest rank" in logged and "mostly on storage (GETs)" in logged
+
+
+def test_a_node_local_cache_fetches_each_shard_once_per_node(s3, cluster, tmp_path):
+    hosts, _, source = cluster
+    _, options, _ = s3
+    work = str(tmp_path)
+    with FaultProxy(options["endpoint_url"], host=hosts.gateway) as one, FaultProxy(options["endpoint_url"], host=hosts.gateway) as two:
+        wait_all(torchrun(hosts, 2, source, [one.url, two.url], work, "cache"), work, "cache")
+    keys, _ = results(work, "cache", 4)
+    for epoch in (0, 1):
+        flat = [k for rank in keys[epoch] for k in rank]
+        assert len(flat) == len(set(flat)) == TOTAL
+    shards = [f"shard-{i:06d}.tar" for i in range(TOTAL // 12)]
+    for proxy in (one, two):  # each host through its own proxy: what that node fetched
+        gets = [p.split("?")[0].rsplit("/", 1)[-1] for m, p, _ in proxy.log if m == "GET" and ".tar" in p]
+        assert gets and all(gets.count(shard) <= 1 for shard in shards), sorted(gets)  # 2 ranks x 2 workers, 2 epochs: once
+    fetched = {p.split("?")[0].rsplit("/", 1)[-1] for proxy in (one, two) for m, p, _ in proxy.log if m == "GET" and ".tar" in p}
+    assert fetched == set(shards)
