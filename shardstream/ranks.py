@@ -50,7 +50,21 @@ EXPLAINED = 0.25  # the workers' stage times must explain this share of the wait
 _LOW, _PER_DECADE, _DECADES = 1e-5, 10, 8
 BINS = _PER_DECADE * _DECADES + 2
 _HEAD = ("batches", "waited", "stepped", "longest", "workers")
-ROW = len(_HEAD) + len(REPORTED) + BINS
+# The rank's host name travels in its row (no collective of its own): 6 bytes a number, exact in a
+# float64's 53-bit mantissa, 66 bytes in all (a Linux host name has at most 64).
+_HOST_BYTES, _HOST_SLOTS = 6, 11
+ROW = len(_HEAD) + len(REPORTED) + BINS + _HOST_SLOTS
+
+
+def _host_numbers(name: str) -> list[float]:
+    data = name.encode("utf-8", "replace")[: _HOST_BYTES * _HOST_SLOTS].ljust(_HOST_BYTES * _HOST_SLOTS, b"\0")
+    return [float(int.from_bytes(data[i : i + _HOST_BYTES], "big")) for i in range(0, len(data), _HOST_BYTES)]
+
+
+def _host_name(numbers: list[float]) -> str:
+    data = b"".join(int(n).to_bytes(_HOST_BYTES, "big") for n in numbers)
+    return data.rstrip(b"\0").decode("utf-8", "replace")
+
 
 FIRST_REPORT = 20  # batches before the first report, where the interval is given in seconds
 MAX_EVERY = 100_000
@@ -97,7 +111,8 @@ class WaitMeter:
         self.interval_s = interval_s if interval_s else 60.0
         self.batches = 0  # batches recorded since the meter was made, on every pass
         self.next_due = every if every is not None else FIRST_REPORT
-        self.hosts: list[str] | None = None  # each rank's host name, gathered once
+        self.host = socket.gethostname()
+        self.held: Any = None  # the last collective's tensors: they outlive it (see _all_rows)
         self.last_counters: dict[str, int] | None = None
         self._asked: float | None = None
         self._last: float | None = None
@@ -146,7 +161,7 @@ class WaitMeter:
         """This rank's figures since the last report, as the fixed row ``gather`` sends."""
         last = self.last_counters or {}
         deltas = [float(counters.get(name, 0) - last.get(name, 0)) for name in REPORTED]
-        return [float(self.window), self.waited, self.stepped, self.longest, float(workers), *deltas, *self.hist]
+        return [float(self.window), self.waited, self.stepped, self.longest, float(workers), *deltas, *self.hist, *_host_numbers(self.host)]
 
     def reported(self, rows: list[list[float]], counters: Mapping[str, int]) -> None:
         """After a report: start the next window, and set when it is due (from ``rows``, the
@@ -175,7 +190,11 @@ def _group(world: Any) -> bool:
     return world.world_size == dist.get_world_size() and world.rank == dist.get_rank()
 
 
-def _all_rows(row: list[float]) -> list[list[float]]:
+def _all_rows(meter: WaitMeter, row: list[float]) -> list[list[float]]:
+    """Every rank's row, by one all_gather. Its tensors stay referenced by ``meter`` until the next
+    report: gloo's thread drops its own references a moment after the call returns, and where that
+    is the last reference as the interpreter exits, the rank aborts (docs/training.md, "Collectives
+    just before exit")."""
     import torch
     import torch.distributed as dist
 
@@ -185,15 +204,8 @@ def _all_rows(row: list[float]) -> list[list[float]]:
     mine = torch.tensor(row, dtype=torch.float64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
+    meter.held = (mine, rows)
     return [r.cpu().tolist() for r in rows]
-
-
-def _hosts() -> list[str]:
-    import torch.distributed as dist
-
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    return [str(h) for h in hosts]
 
 
 def gather(meter: WaitMeter, counters: Mapping[str, int], world: Any = None, workers: int = 0, *, log: bool = False) -> dict[str, Any]:
@@ -203,20 +215,16 @@ def gather(meter: WaitMeter, counters: Mapping[str, int], world: Any = None, wor
     ``stats()``), ``workers``: its DataLoader workers. Returns the report (``report``'s dict) on
     every rank; with ``log``, rank 0 logs the slowest rank at INFO level."""
     mine = meter.row(counters, workers)
+    rank = 0
     if _group(world):
         import torch.distributed as dist
 
-        rows = _all_rows(mine)
-        if meter.hosts is None:
-            meter.hosts = _hosts()  # once: a name per rank, not per report
+        rows = _all_rows(meter, mine)
         rank = dist.get_rank()
     else:
         rows = [mine]
-        if meter.hosts is None:
-            meter.hosts = [socket.gethostname()]
-        rank = 0
     meter.reported(rows, counters)
-    out = report(rows, meter.hosts, meter.batches)
+    out = report(rows, meter.batches)
     if log and rank == 0:
         logger.info("shardstream: %s", describe(out))
     return out
@@ -232,7 +240,7 @@ def _cause(stage_s: dict[str, float], waited: float, workers: int) -> str | None
     return name
 
 
-def report(rows: list[list[float]], hosts: list[str] | None = None, batches: int = 0) -> dict[str, Any]:
+def report(rows: list[list[float]], batches: int = 0) -> dict[str, Any]:
     """The report from every rank's row (``WaitMeter.row``), rank by rank: a plain dict of numbers
     and strings, to log as it is.
 
@@ -250,12 +258,12 @@ def report(rows: list[list[float]], hosts: list[str] | None = None, batches: int
     for r, row in enumerate(rows):
         n, waited, stepped, longest, workers = row[:head]
         deltas = dict(zip(REPORTED, row[head : head + len(REPORTED)]))
-        hist = row[head + len(REPORTED) :]
+        hist = row[head + len(REPORTED) : head + len(REPORTED) + BINS]
         stage_s = {name: deltas[key] / 1e6 for name, key in _STAGES.items()}
         ranks.append(
             {
                 "rank": r,
-                "host": hosts[r] if hosts and r < len(hosts) else "",
+                "host": _host_name(row[head + len(REPORTED) + BINS :]),
                 "batches": int(n),
                 "wait_p50_s": _quantile(hist, 0.5, longest),
                 "wait_p99_s": _quantile(hist, 0.99, longest),
