@@ -32,6 +32,11 @@ class ErrorPolicy:
         self._counters = counters
         self._log = log
 
+    @property
+    def counters(self):
+        """The stream counters failures are counted in (None: not counted)."""
+        return self._counters
+
     def ok(self) -> None:
         self._consecutive = 0
 

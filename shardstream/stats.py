@@ -25,6 +25,8 @@ COUNTERS = (
     "resumes",  # of those, reads resumed mid-range (from the exact byte reached)
     "throttles",  # of those, throttling answers (503 SlowDown, 429)
     "storage_wait_us",  # time spent waiting on storage reads
+    "decode_us",  # time spent decoding samples (the decoders, built-in or the user's)
+    "transform_us",  # time spent in the user's per-sample transform
     "samples_skipped",  # samples left out under on_error="skip"
     "samples_filtered",  # samples the transform dropped (returned None)
     "cache_hits",  # shard ranges served from the local cache

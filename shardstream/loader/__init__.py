@@ -38,6 +38,7 @@ from shardstream.pipeline.batch import default_collate
 from shardstream.plan.cursor import Cursor
 from shardstream.plan.requests import is_remote
 from shardstream.plan.run import PassPlan
+from shardstream.ranks import WaitMeter, gather
 from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class ShardLoader:
         # count and sets it here after load_state_dict (which leaves it); None: the state's count.
         self.counted_before: int | None = None
         self._stages: list[Callable[[Any], Any]] = []
+        self.rank_meter = WaitMeter(interval_s=log_interval)  # the data wait of each batch, for rank_report()
+        self._rank_report: dict[str, Any] | None = None
         self.sampler: Any = None  # (a client's epoch hook: ShardDataModule sets one Lightning calls)
         self._runtime: ProcessWorkers | ThreadWorkers | None = None
         self._checked = False  # the dataset was found picklable for the worker processes
@@ -155,13 +158,19 @@ class ShardLoader:
             logger.info("%s", cursor.plan.summary())
         self._in_pass = True
         stages = self._stages
+        meter = self.rank_meter
+        meter.begin()
         try:
             for origin, batch in self._batches():
+                meter.arrived()
+                if meter.due():  # (a collective at the same batch on every rank, before the yield: none waits for a rank that stopped)
+                    self._rank_report = gather(meter, self.dataset.stats(), self.dataset.world, self.num_workers, log=bool(interval))
                 if origin is not None:
                     cursor.see(origin)
                 for stage in stages:
                     batch = stage(batch)
                 yield batch
+                meter.ask()
                 if next_log is not None and time.monotonic() >= next_log:
                     next_log = time.monotonic() + (interval or 0)
                     logger.info("shardstream: %s", " ".join(f"{k}={v}" for k, v in self.dataset.stats().items()))
@@ -238,6 +247,12 @@ class ShardLoader:
         self.dataset.load_state_dict(state)
         self._cursor = None
         self._forget_workers()
+
+    def rank_report(self) -> dict[str, Any] | None:
+        """The last report across ranks (shardstream/ranks.py): each rank's data wait (p50, p99,
+        share of step time), the slowest rank and what it waited on; a plain dict to log (TensorBoard,
+        W&B). None before the first report."""
+        return self._rank_report
 
     def close(self) -> None:
         """Stop the loader's worker processes now (persistent ones included); the next pass starts

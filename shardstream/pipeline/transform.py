@@ -7,6 +7,7 @@ the sample, counted).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -48,11 +49,13 @@ def transform_samples(
     chunks: Iterable[list[dict[str, Any]]], transform: Callable[[dict[str, Any]], Any], counters: Any, filtered: list[int], policy: ErrorPolicy
 ) -> Iterator[list[Any]]:
     """Apply the user's transform to lists of samples; a None result drops the sample (counted).
-    A transform that raises fails its sample under the user's policy, as a decode error does: a
-    SampleError naming the shard and key, raised, or skipped, counted and logged (``policy``, with
-    its tolerance of consecutive failures counted across chunks here)."""
+        A transform that raises fails its sample under the user's policy, as a decode error does: a
+        SampleError naming the shard and key, raised, or skipped, counted and logged (``policy``, with
+        its tolerance of consecutive failures counted across chunks here). The time spent in it is
+    counted (``transform_us``), a list at a time."""
     run = 0  # consecutive samples whose transform failed
     for chunk in chunks:
+        began = time.perf_counter()
         out = []
         for x in chunk:
             url, key = x.get("__url__", "?"), x.get("__key__", "?")  # before the transform changes the sample
@@ -70,6 +73,7 @@ def transform_samples(
                 policy.failed(error, consecutive=run)
                 continue
             run = 0
+        counters.add("transform_us", int((time.perf_counter() - began) * 1e6))
         kept = [y for y in out if y is not None]
         if len(kept) != len(out):
             counters.add("samples_filtered", len(out) - len(kept))
