@@ -13,8 +13,9 @@ Where they run
     ``id``, ``x``, ``label``, ``text``), ``corpus.jsonl`` (400 documents, ``{"id", "text"}``) with
     ``tokenizer.json`` trained on it and ``./tokens`` and ``./code-tokens`` (it, packed with that
     tokenizer), its token ids as ``./tokenized/train-0.parquet`` (an ``input_ids`` list<int32>
-    column) and ``./npy-tokens/shard-0000.tar`` ... ``-0003.tar`` (webdataset, ``.npy``, no manifest), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
-    by ``tarfile`` with ``./wds/index.json`` over them, and so on;
+    column) and ``./npy-tokens/shard-0000.tar`` ... ``-0003.tar`` (webdataset, ``.npy``, no
+    manifest), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written by ``tarfile`` with
+    ``./wds/index.json`` over them, and so on;
     ``examples/`` and ``benchmarks/`` link to the repository's. A moto S3 server (this module's
     own, reset before each block) holds the buckets the docs name: ``s3://bucket/train`` (the
     same dataset), ``s3://a/train``, ``s3://b/train``, ``s3://old/train-*.tar`` ... Blocks see it
