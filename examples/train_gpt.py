@@ -81,7 +81,9 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", help="a token corpus (packed with `shardstream pack --tokenizer`), local or s3://")
+    parser.add_argument("data", help="a token corpus (packed with `shardstream pack --tokenizer`, or written by others), local or s3://")
+    parser.add_argument("--field", default=None, help="where the token ids are in a corpus written by others (a Parquet column, a .npy member)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the manifest's (a corpus packed here names it)")
     parser.add_argument("--seq-len", type=int, default=255)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps on every rank (default: one pass over the corpus)")
@@ -106,14 +108,16 @@ def main() -> None:
     torch.manual_seed(args.seed)  # the same initial model on every rank
 
     dataset = shardstream.ShardStream(
-        shardstream.Tokens(args.data, seq_len=args.seq_len),
+        shardstream.Tokens(args.data, seq_len=args.seq_len, field=args.field),
         batch_size=args.batch_size,
         seed=args.seed,
         schedule=shardstream.Schedule(steps=args.steps),
     )
     loader = shardstream.make_loader(dataset, num_workers=args.workers)
-    vocab = int((dataset.manifest.token_info or {})["vocab_size"])  # the tokenizer's, in the manifest
-    gpt = TinyGPT(vocab, args.seq_len + 1, args.dim, args.layers, args.heads).to(device)
+    vocab = args.vocab_size or (dataset.manifest.token_info or {}).get("vocab_size")  # the tokenizer's, in the manifest
+    if vocab is None:
+        parser.error(f"{args.data}: its manifest names no vocabulary size (a corpus written by others): give --vocab-size")
+    gpt = TinyGPT(int(vocab), args.seq_len + 1, args.dim, args.layers, args.heads).to(device)
     model = nn.parallel.DistributedDataParallel(gpt, device_ids=[local_rank] if use_cuda else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step = 0

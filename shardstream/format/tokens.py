@@ -48,7 +48,14 @@ class Tokens:
     """A token corpus (``url``: its root, index.json URL or Manifest) streamed as sequences of
     ``seq_len + 1`` tokens, packed across documents: ``ShardStream(Tokens(root, seq_len=2048),
     batch_size=8)`` yields ``input_ids`` and ``position_ids``, int64 ``[8, 2049]`` (docs/tokens.md).
-    A mix takes it as any source: ``Source(Tokens(root, seq_len=2048), weight=0.7)``."""
+    A mix takes it as any source: ``Source(Tokens(root, seq_len=2048), weight=0.7)``.
+
+    Token ids written by others too: ``url`` a Parquet table (a ``.parquet`` file, glob or
+    folder) whose ``field`` column (default ``"input_ids"``) is ``list<int>``, one row per
+    document; or tar shards (URLs, a pattern, or a root indexed by ``shardstream index --tokens
+    FIELD``) with one 1-D integer ``.npy`` member ``field`` per sample (``"npy"`` as
+    ``webdataset.TarWriter`` names it). ``field`` defaults to ``"tokens.npy"`` for tar shards,
+    what ``pack_tokens`` writes, or to what the manifest says."""
 
     url: str | Sequence[str] | Manifest
     seq_len: int
