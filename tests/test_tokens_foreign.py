@@ -161,3 +161,21 @@ def test_index_writes_the_token_counts_of_foreign_shards_once(corpora, tmp_path,
     indexed = shardstream.ShardStream(shardstream.Tokens(dest, seq_len=15), batch_size=4, seed=1, world=shardstream.World(0, 1))
     direct = shardstream.ShardStream(_sources(corpora)["own"], batch_size=4, seed=1, world=shardstream.World(0, 1))
     assert _equal(list(indexed), list(direct))
+
+
+def test_a_table_without_statistics_or_through_its_index_streams_the_same(corpora, tmp_path):
+    """A footer without null counts (``write_statistics=False``): its row groups' tokens are counted
+    by reading the column once; a table indexed by ``shardstream index`` streams from its manifest."""
+    column = pa.array([d.astype(np.int32).tolist() for d in corpora["docs"]], pa.list_(pa.int32()))
+    (tmp_path / "plain").mkdir()
+    pq.write_table(pa.table({"input_ids": column}), tmp_path / "plain" / "all.parquet", row_group_size=PER_SHARD, write_statistics=False)
+    assert pq.ParquetFile(tmp_path / "plain" / "all.parquet").metadata.row_group(0).column(0).statistics is None
+    assert main(["index", str(tmp_path / "plain"), str(tmp_path / "plain")]) == 0
+
+    def batches(tokens):
+        ds = shardstream.ShardStream(tokens, batch_size=4, seed=5, shuffle=shardstream.Shuffle(64), world=shardstream.World(0, 1))
+        return list(ds)
+
+    own = batches(_sources(corpora)["own"])
+    assert _equal(batches(shardstream.Tokens(str(tmp_path / "plain" / "all.parquet"), seq_len=15)), own)
+    assert _equal(batches(shardstream.Tokens(str(tmp_path / "plain"), seq_len=15)), own)  # its index.json, a table manifest
