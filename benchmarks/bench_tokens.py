@@ -13,7 +13,10 @@ Contenders:
   plan, no shuffle, no workers;
 - ``shardstream`` / ``shardstream-shuffled``: ``ShardStream(Tokens(root, seq_len), batch_size,
   shuffle=False | Shuffle(1000))`` through ``make_loader(num_workers=W)``: the shards read from
-  /dev/shm (a warm page cache), parsed, planned and cut into the same batches.
+  /dev/shm (a warm page cache), parsed, planned and cut into the same batches;
+- ``parquet``: the same documents as a Parquet table written by pyarrow (a ``list<uint16>``
+  ``input_ids`` column, row groups of 1,000 rows: what a tokenizer's ``datasets.map`` writes),
+  ``ShardStream(Tokens(table, seq_len))``, no shuffle.
 
 The corpus: ``--tokens`` uint16 tokens in documents of 50..4000 tokens (seeded), in shards of
 1,000 documents, written with ``ShardWriter`` as ``pack_tokens`` writes them (no tokenizer is run:
@@ -76,6 +79,15 @@ def floor(docs: list[np.ndarray], seq_len: int, batch: int) -> tuple[int, float]
     return got, cpu_seconds() - began
 
 
+def write_table(path: str, docs: list[np.ndarray]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int32)
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(docs)))
+    pq.write_table(pa.table({"input_ids": column}), path, row_group_size=1000)
+
+
 def stream(root: str, seq_len: int, batch: int, workers: int, shuffled: bool) -> tuple[int, float]:
     shuffle = shardstream.Shuffle(1000) if shuffled else False
     ds = shardstream.ShardStream(shardstream.Tokens(root, seq_len=seq_len), batch_size=batch, shuffle=shuffle, world=shardstream.World(0, 1))
@@ -99,6 +111,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-tokens-", dir=base)
     try:
         docs = write_corpus(os.path.join(root, "corpus"), args.tokens)
+        write_table(os.path.join(root, "table.parquet"), docs)
         runs: dict[str, list[float]] = {}
         for _ in range(args.repeats):  # interleaved: each repeat runs every contender once
             got, cpu = floor(docs, args.seq_len, args.batch)
@@ -107,6 +120,8 @@ def main() -> None:
                 for shuffled in (False, True):
                     got, cpu = stream(os.path.join(root, "corpus"), args.seq_len, args.batch, w, shuffled)
                     runs.setdefault(f"shardstream{'-shuffled' if shuffled else ''} workers={w}", []).append(got / cpu)
+                got, cpu = stream(os.path.join(root, "table.parquet"), args.seq_len, args.batch, w, False)
+                runs.setdefault(f"parquet workers={w}", []).append(got / cpu)
         best = statistics.median(runs["floor"])
         print(f"{args.tokens} tokens, seq_len {args.seq_len}, batch {args.batch}: tokens per CPU second (median of {args.repeats})")
         for name, rates in runs.items():

@@ -533,6 +533,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Where source i is read from: its own storage options (a mix's Source) or the stream's, and its read-ahead."""
         own = self.sources.sources[i].storage_options
         manifest = self.sources.manifests[i]
+        if isinstance(manifest, TokenManifest):  # a token corpus's shards are read as its documents: tar shards or row groups
+            manifest = manifest.docs
         if isinstance(manifest, TableManifest):
             return TableSource(
                 manifest,
@@ -545,7 +547,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 cache=self.cache,
             )
         return RangeSource(
-            manifest.docs if isinstance(manifest, TokenManifest) else manifest,  # a token corpus's shards are read as its documents
+            manifest,
             storage_options=dict(own) if own is not None else self.storage_options,
             read_size=self.read.read_size,
             counters=counters,

@@ -25,18 +25,34 @@ maps that source's decoded samples to the mix's common shape before the stream's
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import io
 import json
 import posixpath
+import re
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardstream.errors import ConfigError, ManifestError, StorageError, StorageNotFound, restated
+import numpy as np
+
+from shardstream.errors import ConfigError, ManifestError, ShardFormatError, StorageError, StorageNotFound, restated
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, load_manifest
-from shardstream.format.parquet import Table, TableManifest, check_columns, check_table_files, is_table_url, list_table_files, open_table
-from shardstream.format.scan import scan_shards
-from shardstream.format.tokens import TokenManifest, Tokens
+from shardstream.format.parquet import (
+    Table,
+    TableManifest,
+    check_columns,
+    check_table_files,
+    footer_for,
+    is_table_url,
+    list_table_files,
+    open_table,
+    read_group,
+)
+from shardstream.format.scan import scan_shards, scan_url
+from shardstream.format.tokens import FIELD, TABLE_FIELD, TokenManifest, Tokens
 from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan
 from shardstream.plan.run import RunPlan, RunSettings, Sources
@@ -371,9 +387,126 @@ def load_source(source: Any, storage_options: Mapping[str, Any] | None, config: 
 
 
 def load_tokens(source: Tokens, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> TokenManifest:
-    """A token corpus's manifest with its sequences of ``seq_len + 1`` tokens as samples (format/tokens.py)."""
-    docs = source.url if isinstance(source.url, Manifest) else load_manifest(source.url, storage_options, config=config)
-    return TokenManifest(docs, source.seq_len)
+    """A token corpus's manifest with its sequences of ``seq_len + 1`` tokens as samples
+    (format/tokens.py): a corpus packed with a tokenizer (its manifest counts the tokens), a Parquet
+    table with a ``list<int>`` column (counted from the footers), or tar shards of ``.npy`` token
+    arrays written by others (shard URLs, or a root indexed without tokens, given ``field=``:
+    every shard read once here to count them; ``shardstream index --tokens FIELD`` writes the
+    counts once)."""
+    url = source.url
+    docs: Manifest | None
+    if isinstance(url, Manifest):
+        docs = url
+    else:
+        docs = load_table(url, storage_options, config)
+        if docs is None and isinstance(url, str) and not is_shard_pattern(url):
+            docs = load_root(url, storage_options, config)
+    if isinstance(docs, TableManifest):
+        return TokenManifest(
+            table_tokens(docs, source.field or TABLE_FIELD, storage_options, config), source.seq_len, field=source.field or TABLE_FIELD
+        )
+    known = (docs.token_info or {}).get("field") if docs is not None else None  # what `index --tokens` counted
+    field = source.field or known or FIELD
+    if docs is None or (docs.tokens is None and source.field is not None):
+        if docs is None:
+            patterns = [url] if isinstance(url, str) else list(url)  # type: ignore[arg-type]  # (a Manifest is docs)
+            urls = [u for p in patterns for u in expand_urls(p, storage_options)]
+        else:
+            urls = [docs.shard_url(i) for i in range(len(docs.paths))]
+        if not urls:
+            raise ConfigError(f"no shards match {url!r}")
+        logger.info("counting the tokens of %d shards (one full read each)", len(urls))
+        docs = index_token_shards(urls, field, storage_options, config=config)
+    return TokenManifest(docs, source.seq_len, field=field)
+
+
+def list_int_dtype(arrow_type: str) -> str | None:
+    """The integer dtype of a ``list<int>`` column's values, from its Arrow type's name
+    (``list<element: int32>``, ``large_list<item: uint16>``); None for any other type."""
+    match = re.fullmatch(r"(?:large_)?list<[^:<>]+: (u?int(?:8|16|32|64))(?: not null)?>", arrow_type)
+    return match.group(1) if match else None
+
+
+def table_tokens(table: TableManifest, column: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> TableManifest:
+    """``table`` reading ``column`` alone, with the tokens of each row group (a shard to the
+    planner) counted from the files' footers: a list column's leaf values less its nulls (which
+    Parquet counts for every empty or null list). A row group whose footer has no null count is
+    read to count them; the reader checks every count against the ids it reads."""
+    where = table.base_url or (table.file_url(0) if table.files else "table")
+    types = dict(table.columns)
+    if column not in types:
+        raise ConfigError(f"{where}: no column {column!r} of token ids; the table has {list(types)} (Tokens(..., field=COLUMN) names it)")
+    dtype = list_int_dtype(types[column])
+    if dtype is None:
+        raise ConfigError(f"{where}: column {column!r} is {types[column]}, not a list of integer token ids (list<int>): Tokens cannot read it")
+    docs = table.select([column])
+    counts = np.zeros(len(docs.counts), dtype=np.int64)
+    for g in range(len(docs.counts)):
+        f, index = int(docs.group_file[g]), int(docs.group_index[g])
+        metadata = footer_for(docs, f, storage_options, config=config)
+        group = metadata.row_group(index)
+        leaf = next(j for j in range(group.num_columns) if group.column(j).path_in_schema.split(".")[0] == column)
+        chunk = group.column(leaf)
+        stats = chunk.statistics
+        if stats is not None and stats.has_null_count:
+            counts[g] = chunk.num_values - stats.null_count
+        else:  # no count in the footer: read the column's offsets
+            lists = read_group(docs, g, storage_options, config=config).column(0)
+            counts[g] = sum(len(c.flatten()) for c in lists.chunks)
+    docs.tokens = counts
+    docs.token_info = {"dtype": dtype, "field": column}
+    return docs
+
+
+def npy_header(data: bytes | memoryview) -> tuple[tuple[int, ...], np.dtype]:
+    """A ``.npy`` member's shape and dtype, from its header alone; ValueError if it is not one."""
+    stream = io.BytesIO(memoryview(data)[:4096].tobytes())
+    version = np.lib.format.read_magic(stream)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(stream)
+    return tuple(shape), np.dtype(dtype)
+
+
+def index_token_shards(
+    urls: Sequence[str], field: str, storage_options: Mapping[str, Any] | None, *, config: StorageConfig = DEFAULT_STORAGE, threads: int = 8
+) -> Manifest:
+    """Tar shards with one 1-D integer ``.npy`` array of token ids per sample (member ``field``),
+    written by anyone (``webdataset.TarWriter``, numpy's ``np.save``), indexed with their tokens
+    counted: each shard read end to end once, its samples' offsets found and their arrays' headers
+    read. The corpus's dtype is the one every array's fits (``np.result_type`` of theirs)."""
+
+    def one(url: str) -> tuple[Any, int, set[str]]:
+        tokens, dtypes = [0], set()
+
+        def on_sample(key: str, start: int, end: int, fields: dict[str, bytes]) -> None:
+            data = fields.get(field)
+            if data is None:
+                raise ShardFormatError(
+                    url, start, f"sample {key!r} has no {field!r} member of token ids (it has {sorted(fields)}; Tokens(field=...) names one)"
+                )
+            try:
+                shape, dtype = npy_header(data)
+            except ValueError as exc:
+                raise ShardFormatError(url, start, f"sample {key!r}: {field} is not a .npy array ({exc})") from exc
+            if len(shape) != 1 or dtype.kind not in "iu":
+                raise ShardFormatError(url, start, f"sample {key!r}: {field} is {dtype}{list(shape)}, not a 1-D array of integer token ids")
+            tokens[0] += shape[0]
+            dtypes.add(dtype.name)
+
+        return scan_url(url, storage_options, config=config, on_sample=on_sample), tokens[0], dtypes
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
+        results = list(pool.map(one, urls))
+    dtypes = {d for _, _, seen in results for d in seen}
+    dtype = np.result_type(*dtypes) if dtypes else np.dtype("int64")
+    if dtype.kind not in "iu":  # uint64 and a signed dtype: no integer holds both
+        raise ConfigError(f"{urls[0]}: token arrays of {sorted(dtypes)}: no one integer dtype holds them all")
+    extensions: dict[str, int] = {}
+    for scan, _, _ in results:
+        for ext, n in scan.extensions.items():
+            extensions[ext] = extensions.get(ext, 0) + n
+    shards = [dataclasses.replace(scan.info(), tokens=n) for scan, n, _ in results]
+    return Manifest(shards=shards, extensions=extensions, token_info={"dtype": dtype.name, "field": field})
 
 
 def load_table(source: Any, storage_options: Mapping[str, Any] | None, config: StorageConfig = DEFAULT_STORAGE) -> Manifest | None:

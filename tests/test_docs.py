@@ -12,8 +12,10 @@ Where they run
     ``captions.jsonl`` (+ ``img/``), ``./table`` (a Parquet table: 4 files of 2,000 rows, columns
     ``id``, ``x``, ``label``, ``text``), ``corpus.jsonl`` (400 documents, ``{"id", "text"}``) with
     ``tokenizer.json`` trained on it and ``./tokens`` and ``./code-tokens`` (it, packed with that
-    tokenizer), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written
-    by ``tarfile`` with ``./wds/index.json`` over them, and so on;
+    tokenizer), its token ids as ``./tokenized/train-0.parquet`` (an ``input_ids`` list<int32>
+    column) and ``./npy-tokens/shard-0000.tar`` ... ``-0003.tar`` (webdataset, ``.npy``, no
+    manifest), ``wds/train-000000.tar`` ... ``-000099.tar`` shards written by ``tarfile`` with
+    ``./wds/index.json`` over them, and so on;
     ``examples/`` and ``benchmarks/`` link to the repository's. A moto S3 server (this module's
     own, reset before each block) holds the buckets the docs name: ``s3://bucket/train`` (the
     same dataset), ``s3://a/train``, ``s3://b/train``, ``s3://old/train-*.tar`` ... Blocks see it
@@ -348,6 +350,18 @@ def build_world(seed: Path) -> None:
 
     for name in ("tokens", "code-tokens"):
         pack_tokens(str(seed / "corpus.jsonl"), str(seed / name), tokenizer=str(seed / "tokenizer.json"), eos=True, max_count=100)
+    # the same documents' token ids written by others: a Parquet table (list<int32>, as Hugging Face
+    # datasets write it) and webdataset tar shards of .npy arrays, with no manifest
+    import webdataset
+
+    ids = [tokenizer.encode(t).ids + [1] for t in texts]
+    (seed / "tokenized").mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32()))}), seed / "tokenized" / "train-0.parquet", row_group_size=100)
+    (seed / "npy-tokens").mkdir()
+    for k in range(4):
+        with webdataset.TarWriter(str(seed / "npy-tokens" / f"shard-{k:04d}.tar")) as writer:
+            for i in range(k * 100, (k + 1) * 100):
+                writer.write({"__key__": f"doc{i:05d}", "npy": np.array(ids[i], dtype=np.int64)})
 
 
 def _env(cwd: Path, s3: str) -> dict[str, str]:
@@ -401,11 +415,13 @@ LOCAL_WORLD = (
     "tokenizer.json",
     "tokens",
     "code-tokens",
+    "tokenized",
+    "npy-tokens",
 )
 # Folders whose contents are a block's input even where the block writes a manifest into them (shards
 # written by others, which `index` indexes in place; `days`, whose parts `merge` combines): such a
 # block finds them without a manifest of their own.
-FOREIGN = ("wds", "downloads", "days", "table")
+FOREIGN = ("wds", "downloads", "days", "table", "npy-tokens")
 LOCAL_NEEDS = {"captions.jsonl": ("img",), "urls.txt": ("extra",)}  # files the named ones point to
 ADDRESSES = ("http://127.0.0.1:9000", "https://s3.example.com")
 

@@ -24,6 +24,9 @@ writes a Parquet table's manifest (kind "parquet") from the files' footers alone
 read): inputs all .parquet URLs or globs, or one folder holding .parquet files and no tar shards.
   shardstream index --upgrade s3://bucket/old-dataset
 turns a version-1 manifest (offsets inline) into version 2 in place, without reading the shards.
+  shardstream index './tokenized/shard-{0000..0099}.tar' ./tokenized --tokens npy
+counts the token ids of shards written by others (one 1-D integer .npy member per sample) in the
+manifest: Tokens('./tokenized', seq_len=2048) streams them as sequences (docs/tokens.md).
 """
 
 
@@ -37,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upgrade", action="store_true", help="rewrite a version-1 manifest (the one input) as version 2")
     p.add_argument("--threads", type=int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing manifest at DEST")
+    p.add_argument(
+        "--tokens",
+        metavar="FIELD",
+        default=None,
+        help="the shards hold token ids, one 1-D integer .npy member FIELD per sample (npy, input_ids.npy): count them per shard (docs/tokens.md)",
+    )
     add_storage_arguments(p, deadline_help=writer_deadline_help("a listing or read (the inputs, each shard, the manifest, the check of DEST)"))
 
 
@@ -56,10 +65,13 @@ def run(args: argparse.Namespace) -> int:
         if len(args.shards) < 2:
             raise ValueError("index needs SHARDS... DEST")
         args.dest = args.shards.pop()
-    manifest, url = write_index(args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config)
+    manifest, url = write_index(
+        args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config, tokens=args.tokens
+    )
     files = getattr(manifest, "files", None)  # a Parquet table (format/parquet.py)
     if files is not None:
         print(f"indexed a Parquet table: {len(files)} files, {len(manifest.counts)} row groups, {manifest.total_samples} rows; manifest: {url}")
     else:
-        print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples; manifest: {url}")
+        tokens = f", {manifest.total_tokens} tokens ({(manifest.token_info or {}).get('dtype')})" if manifest.total_tokens is not None else ""
+        print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples{tokens}; manifest: {url}")
     return 0

@@ -11,10 +11,18 @@ Planning needs only a count per shard, so a ``TokenManifest`` is the corpus's ma
 sequences as its samples: shard i "holds" the sequences that start inside it (a sequence may run
 on into the next shards). The plan, the shuffle, the resume state and a mix's weights then work
 on sequences, that is on tokens, exactly as they do on samples (plan/run.py). Pure: no I/O.
+
+Token corpora written by others are sources too (sources.py counts their tokens): a Parquet table
+with a ``list<int>`` column (``field``, "input_ids" by default: Hugging Face datasets' name),
+whose row groups are the shards and rows the documents, and tar shards with one 1-D integer
+``.npy`` array per sample (``field``, the member's extension: "npy", "input_ids.npy", ...). Any
+integer dtype is kept as it is (``INT_DTYPES``); ``check_ids`` refuses ids that are negative or
+beyond the corpus's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +32,10 @@ from shardstream.errors import ConfigError, ManifestError
 from shardstream.format.manifest import Manifest
 
 FIELD = "tokens.npy"  # each document's member: its token ids
-DTYPES = ("uint16", "uint32")
+TABLE_FIELD = "input_ids"  # a Parquet table's column of token ids by default (as Hugging Face datasets name it)
+DTYPES = ("uint16", "uint32")  # what pack_tokens writes
+INT_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")  # what a corpus may hold
+INT64_MAX = np.iinfo(np.int64).max
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -37,18 +48,47 @@ class Tokens:
     """A token corpus (``url``: its root, index.json URL or Manifest) streamed as sequences of
     ``seq_len + 1`` tokens, packed across documents: ``ShardStream(Tokens(root, seq_len=2048),
     batch_size=8)`` yields ``input_ids`` and ``position_ids``, int64 ``[8, 2049]`` (docs/tokens.md).
-    A mix takes it as any source: ``Source(Tokens(root, seq_len=2048), weight=0.7)``."""
+    A mix takes it as any source: ``Source(Tokens(root, seq_len=2048), weight=0.7)``.
 
-    url: str | Manifest
+    Token ids written by others too: ``url`` a Parquet table (a ``.parquet`` file, glob or
+    folder) whose ``field`` column (default ``"input_ids"``) is ``list<int>``, one row per
+    document; or tar shards (URLs, a pattern, or a root indexed by ``shardstream index --tokens
+    FIELD``) with one 1-D integer ``.npy`` member ``field`` per sample (``"npy"`` as
+    ``webdataset.TarWriter`` names it). ``field`` defaults to ``"tokens.npy"`` for tar shards,
+    what ``pack_tokens`` writes, or to what the manifest says."""
+
+    url: str | Sequence[str] | Manifest
     seq_len: int
+    field: str | None = None  # where each document's ids are: a tar member's extension, or a Parquet column
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"Tokens(seq_len=...) must be a positive integer, got {self.seq_len!r}")
+        if self.field is not None and (not isinstance(self.field, str) or not self.field):
+            raise ConfigError(f"Tokens(field=...) must be a non-empty string (a .npy member's extension or a Parquet column), got {self.field!r}")
 
     @property
     def label(self) -> str:
-        return self.url if isinstance(self.url, str) else (self.url.base_url or "tokens")
+        if isinstance(self.url, Manifest):
+            return self.url.base_url or "tokens"
+        return self.url if isinstance(self.url, str) else (self.url[0] if self.url else "tokens")
+
+
+def check_ids(array: np.ndarray, dtype: np.dtype) -> str | None:
+    """What is wrong with a document's token ids for a corpus of ``dtype`` (None: nothing): an id
+    below 0, or beyond ``dtype`` (an array of a wider dtype than the corpus's), or beyond int64
+    (the batches' dtype). O(n), once per document read."""
+    if array.dtype.kind not in "iu":
+        return f"token ids must be integers, got {array.dtype}"
+    if not len(array):
+        return None
+    low, high = int(array.min()), int(array.max())
+    if low < 0:
+        return f"token id {low} is negative"
+    top = min(int(np.iinfo(dtype).max), INT64_MAX)
+    if high > top:
+        return f"token id {high} is beyond {'int64' if top == INT64_MAX else dtype} (at most {top})"
+    return None
 
 
 class TokenManifest(Manifest):
@@ -58,7 +98,7 @@ class TokenManifest(Manifest):
     is T); ``first[i]``: the first sequence that starts in shard i; ``sequences``: T // W. Paths,
     sizes and digests are the corpus's shards'; ``counts`` are sequences."""
 
-    def __init__(self, docs: Manifest, seq_len: int):
+    def __init__(self, docs: Manifest, seq_len: int, field: str = FIELD):
         super().__init__(extensions=docs.extensions, base_url=docs.base_url, token_info=docs.token_info)
         if docs.tokens is None or docs.token_info is None:
             where = docs.base_url or "this dataset"
@@ -67,9 +107,9 @@ class TokenManifest(Manifest):
                 "`shardstream pack corpus.jsonl DEST --tokenizer tokenizer.json` (docs/tokens.md)"
             )
         dtype = docs.token_info.get("dtype")
-        if dtype not in DTYPES:
-            raise ManifestError(f"{docs.base_url or 'manifest'}: token dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        self.docs, self.seq_len, self.window = docs, seq_len, seq_len + 1
+        if dtype not in INT_DTYPES:
+            raise ManifestError(f"{docs.base_url or 'manifest'}: token dtype {dtype!r} is not one of {', '.join(INT_DTYPES)}")
+        self.docs, self.seq_len, self.window, self.field = docs, seq_len, seq_len + 1, field
         self.dtype = np.dtype(dtype)
         self.token_starts = np.concatenate([[0], np.cumsum(docs.tokens)]).astype(np.int64)
         total = int(self.token_starts[-1])

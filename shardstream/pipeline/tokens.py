@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 
 from shardstream.errors import ShardFormatError
-from shardstream.format.tokens import FIELD, TokenManifest
+from shardstream.format.parquet import TableManifest
+from shardstream.format.tokens import TokenManifest, check_ids
 from shardstream.pipeline.decode import load_npy
 from shardstream.pipeline.read import RangeSource, read_ranges
+from shardstream.pipeline.table import TableSource, read_groups
 from shardstream.plan.mix import Range
 from shardstream.policy import ErrorPolicy
 
@@ -42,7 +44,9 @@ class _Shard:
 class TokenReader:
     """The sequences of a worker's sources (``TokenManifest`` each, read through ``sources``)."""
 
-    def __init__(self, manifests: Sequence[TokenManifest], sources: Sequence[RangeSource], names: Sequence[str] | None, policy: ErrorPolicy):
+    def __init__(
+        self, manifests: Sequence[TokenManifest], sources: Sequence[RangeSource | TableSource], names: Sequence[str] | None, policy: ErrorPolicy
+    ):
         self.manifests, self.sources, self.names, self.policy = list(manifests), list(sources), names, policy
         self.held: dict[tuple[int, int], _Shard] = {}
         self.waiting = [np.zeros(len(m.paths), dtype=np.int64) for m in self.manifests]  # refs not yet gathered, by the shard they start in
@@ -100,32 +104,67 @@ class TokenReader:
             return held
         m = self.manifests[i]
         docs = m.docs
-        parts, lengths = [], []
-        for chunk in read_ranges(self.sources[i], [Range(s, 0, int(docs.counts[s]))], policy=self.policy):
-            for sample in chunk:
-                data = sample.get(FIELD)
-                if data is None:
-                    raise ShardFormatError(f"{docs.shard_url(s)}: sample {sample.get('__key__')!r} has no {FIELD} (not a token corpus's shard)")
-                try:
-                    array = load_npy(data)
-                except ValueError as exc:
-                    raise ShardFormatError(f"{docs.shard_url(s)}: sample {sample.get('__key__')!r}: {FIELD} is not a .npy array ({exc})") from exc
-                if array.ndim != 1 or array.dtype != m.dtype:
-                    raise ShardFormatError(
-                        f"{docs.shard_url(s)}: sample {sample.get('__key__')!r}: {FIELD} is {array.dtype}{list(array.shape)}, "
-                        f"the manifest says 1-D {m.dtype}"
-                    )
-                parts.append(array)
-                lengths.append(len(array))
-        tokens = np.concatenate(parts) if parts else np.empty(0, dtype=m.dtype)
+        source = self.sources[i]
+        tokens, lengths = self._table_shard(m, s, source) if isinstance(source, TableSource) else self._tar_shard(m, s, source)
         if len(tokens) != int(docs.tokens[s]):  # type: ignore[index]
-            raise ShardFormatError(f"{docs.shard_url(s)}: holds {len(tokens)} tokens, the manifest says {int(docs.tokens[s])}")  # type: ignore[index]
+            raise ShardFormatError(f"{self._name(m, s)}: holds {len(tokens)} tokens, the manifest says {int(docs.tokens[s])}")  # type: ignore[index]
         doc_starts = (
-            int(m.token_starts[s]) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths else m.token_starts[s : s + 1]
+            int(m.token_starts[s]) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else m.token_starts[s : s + 1]
         )
         held = self.held[(i, s)] = _Shard(tokens, np.asarray(doc_starts, dtype=np.int64))
         self.shards_read += 1
         return held
+
+    @staticmethod
+    def _name(m: TokenManifest, s: int) -> str:
+        docs = m.docs
+        return docs.group_name(s) if isinstance(docs, TableManifest) else docs.shard_url(s)
+
+    def _tar_shard(self, m: TokenManifest, s: int, source: RangeSource) -> tuple[np.ndarray, np.ndarray]:
+        """Shard s's documents (one ``.npy`` member each, ``m.field``) end to end, in the corpus's dtype."""
+        docs, field = m.docs, m.field
+        parts, lengths = [], []
+        for chunk in read_ranges(source, [Range(s, 0, int(docs.counts[s]))], policy=self.policy):
+            for sample in chunk:
+                data = sample.get(field)
+                where = f"{docs.shard_url(s)}: sample {sample.get('__key__')!r}"
+                if data is None:
+                    raise ShardFormatError(f"{where} has no {field} (not a token corpus's shard)")
+                try:
+                    array = load_npy(data)
+                except ValueError as exc:
+                    raise ShardFormatError(f"{where}: {field} is not a .npy array ({exc})") from exc
+                if array.ndim != 1:
+                    raise ShardFormatError(f"{where}: {field} is {array.dtype}{list(array.shape)}, not a 1-D array of token ids")
+                # (ids of the corpus's own unsigned dtype below 64 bits, what pack_tokens writes, are all valid)
+                unchecked = array.dtype == m.dtype and m.dtype.kind == "u" and m.dtype.itemsize < 8
+                wrong = None if unchecked else check_ids(array, m.dtype)
+                if wrong is not None:
+                    raise ShardFormatError(f"{where}: {field}: {wrong}")
+                parts.append(array)
+                lengths.append(len(array))
+        tokens = np.concatenate(parts).astype(m.dtype, copy=False) if parts else np.empty(0, dtype=m.dtype)
+        return tokens, np.asarray(lengths, dtype=np.int64)
+
+    def _table_shard(self, m: TokenManifest, s: int, source: TableSource) -> tuple[np.ndarray, np.ndarray]:
+        """Row group s's rows of token ids (a ``list<int>`` column): its values and its lists'
+        lengths straight from Arrow's buffers, no loop per row."""
+        import pyarrow as pa
+
+        tokens, lengths = np.empty(0, dtype=m.dtype), np.empty(0, dtype=np.int64)
+        for _, table, _ in read_groups(source, [Range(s, 0, int(m.docs.counts[s]))], self.policy):
+            lists = table.column(0).combine_chunks()
+            values = lists.flatten()  # the ids of its rows, in order (null rows hold none)
+            if values.null_count:
+                raise ShardFormatError(f"{self._name(m, s)}: column {m.field!r} holds a null token id")
+            tokens = values.to_numpy(zero_copy_only=False)
+            lengths = lists.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            if not pa.types.is_integer(values.type):
+                raise ShardFormatError(f"{self._name(m, s)}: column {m.field!r} holds {values.type}, not integer token ids")
+        wrong = check_ids(tokens, m.dtype)
+        if wrong is not None:
+            raise ShardFormatError(f"{self._name(m, s)}: column {m.field!r}: {wrong}")
+        return tokens.astype(m.dtype, copy=False), lengths
 
     def _release(self, sources: list[int], seqs: np.ndarray) -> None:
         """Refs gathered: shards no waiting sequence can reach are let go."""

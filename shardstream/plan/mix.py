@@ -157,6 +157,18 @@ class Ask:
             return f"repeat {self.repeat:g}"
         return f"{self.samples} samples"
 
+    @classmethod
+    def parse(cls, text: str) -> Ask:
+        """The Ask ``describe`` wrote (what a resume state names it by); ValueError for other text."""
+        word, _, value = text.partition(" ")
+        if word == "weight":
+            return cls(weight=float(value))
+        if word == "repeat":
+            return cls(repeat=float(value))
+        if value == "samples":
+            return cls(samples=int(word))
+        raise ValueError(f"not an ask: {text!r}")
+
 
 @dataclass(frozen=True)
 class Pass:

@@ -46,6 +46,8 @@ from shardstream.plan.mix import Ask, MixPlan, mix_batches, plan_mix, quotas
 from shardstream.plan.state import Segment, State
 from shardstream.plan.topology import Topology
 
+_CURRICULUM_TAG = 0x637572  # "cur": the draw of what a curriculum's new asks keep of an epoch's rest
+
 
 @dataclass(frozen=True, eq=False)
 class Sources:
@@ -189,6 +191,7 @@ class Resumption:
     saved_on: Topology
     batches: int
     left: int = 0
+    asks: str = ""  # a curriculum: the sources' asks before -> now
 
 
 @dataclass(frozen=True, eq=False)
@@ -290,9 +293,10 @@ class PassPlan:
         extra = f"{self.dropped} dropped" if self.run.settings.mode == "drop" else f"{self.repeated} repeated"
         if r.how == "fresh":
             return f"resuming epoch {r.epoch} from its start on {now} (none of it was consumed on {old}): {r.batches} batches per rank ({extra})"
+        how, drawn = (f"with new asks ({r.asks})", " drawn by them") if r.asks else ("elastically", "")
         text = (
-            f"resuming epoch {r.epoch} elastically: {r.left} samples not yet consumed after {r.done} "
-            f"batches per rank on {old} -> {now}: {r.batches} batches per rank ({extra})"
+            f"resuming epoch {r.epoch} {how}: {r.left} samples not yet consumed after {r.done} "
+            f"batches per rank on {old}{drawn} -> {now}: {r.batches} batches per rank ({extra})"
         )
         if not self.run.by_epochs:
             text += f"; this pass yields {self.batches_per_rank} batches per rank, then fresh data epochs follow"
@@ -315,7 +319,7 @@ class RunPlan:
         self.sources, self.settings = sources, settings
         s = settings
         check_length(s.steps, s.samples_per_epoch)
-        self._layouts: dict[tuple[int, int, int], Layout] = {}
+        self._layouts: dict[tuple[int, int, int, tuple[Ask, ...] | None], Layout] = {}
         self._resumed_plan: tuple[State, Topology, PassPlan] | None = None  # the last resumed pass planned
         self._replayed: tuple[State, list[Layout]] | None = None  # the last state's segment layouts
         self.batches_per_epoch = self._epoch_batches(1)  # settings that cannot work fail here
@@ -393,13 +397,15 @@ class RunPlan:
             mode=s.mode,
         )
 
-    def plan_epoch(self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None) -> MixPlan:
+    def plan_epoch(
+        self, epoch: int, num_workers: int = 1, world_size: int | None = None, batch_size: int | None = None, asks: tuple[Ask, ...] | None = None
+    ) -> MixPlan:
         """The plan of data epoch ``epoch`` (one source or a mix: ``as_report`` gives the report);
         raises ConfigError for settings that cannot work."""
         s, src = self.settings, self.sources
         return plan_mix(
             src.counts,
-            src.asks,
+            asks if asks is not None else src.asks,
             world_size=world_size or s.world_size,
             num_workers=num_workers,
             batch_size=batch_size or s.batch_size,
@@ -411,13 +417,16 @@ class RunPlan:
             mode=s.mode,
         )
 
-    def layout(self, epoch: int, world_size: int | None = None, batch_size: int | None = None) -> Layout:
-        key = (epoch, world_size or self.settings.world_size, batch_size or self.settings.batch_size)
+    def layout(self, epoch: int, world_size: int | None = None, batch_size: int | None = None, asks: tuple[Ask, ...] | None = None) -> Layout:
+        """Data epoch ``epoch`` laid out (``asks``: what the sources asked then, a curriculum's earlier asks)."""
+        asks = asks if asks is not None and asks != self.sources.asks else None
+        key = (epoch, world_size or self.settings.world_size, batch_size or self.settings.batch_size, asks)
         found = self._layouts.get(key)
         if found is None:
             if len(self._layouts) > 8:
                 self._layouts.clear()
-            found = self._layouts[key] = epoch_layout(self.plan_epoch(epoch, 1, key[1], key[2]), self.sources.counts, seed=self.settings.seed)
+            plan = self.plan_epoch(epoch, 1, key[1], key[2], asks)
+            found = self._layouts[key] = epoch_layout(plan, self.sources.counts, seed=self.settings.seed)
         return found
 
     # -- states ---------------------------------------------------------------------------------------
@@ -430,6 +439,8 @@ class RunPlan:
         state = State.from_json(doc)
         s = self.settings
         state.check(sources=self.sources.identity, seed=s.seed, shuffle=s.shuffle, mode=s.mode, per_batch=s.per_batch, run=self.run_json)
+        if state.asks_changed(self.sources.identity):  # a curriculum: what was consumed under the old asks, the rest under these
+            state = state.asked_now(self.sources.identity)
         self._replay(state)  # a state that does not fit this data fails now, not in a worker
         return state
 
@@ -445,9 +456,9 @@ class RunPlan:
         for i, seg in enumerate(state.segments):
             t = seg.topology
             if i == 0:
-                layout = self.layout(state.epoch, t.world_size, t.batch_size)
+                layout = self.layout(state.epoch, t.world_size, t.batch_size, self.asks_of(seg))
             else:
-                layout = self._rest(layouts[-1], state.segments[i - 1], i, t)
+                layout = self._rest(layouts[-1], state.segments[i - 1], i, t, self.asks_of(seg))
             if seg.position - seg.start > layout.batches_per_rank:
                 raise StateError(
                     f"the resume state says {seg.position - seg.start} batches were received in segment {i}, "
@@ -462,11 +473,30 @@ class RunPlan:
         end = seg.pass_end if seg.pass_end is not None else seg.start + layout.batches_per_rank
         return Consumption(seg.start, seg.pass_start, end, t.num_workers, seg.batches, t.shuffle_buffer, t.shuffle_initial)
 
-    def _rest(self, layout: Layout, seg: Segment, index: int, topology: Topology) -> RestLayout:
+    def asks_of(self, seg: Segment) -> tuple[Ask, ...]:
+        """What each source asked when ``seg`` was laid out (a curriculum's earlier asks), else now."""
+        if seg.asks is None:
+            return self.sources.asks
+        try:
+            return tuple(Ask.parse(a) for a in seg.asks)
+        except (ValueError, ConfigError) as exc:
+            raise StateError(f"resume state segment asks {list(seg.asks)} are not asks ({exc}); it was not written by state_dict()") from exc
+
+    def _rest(self, layout: Layout, seg: Segment, index: int, topology: Topology, asks: tuple[Ask, ...] | None = None) -> RestLayout:
+        """What ``layout`` left after ``seg``, laid out again over ``topology`` as segment ``index``.
+        Asked other shares than ``seg`` was (a curriculum), each source's rest is cut to its
+        share of the new asks (``quotas`` of what is left: the source the new shares limit is
+        used whole), a seeded choice kept in order; what is cut is not seen this data epoch."""
         s = self.settings
-        targets = quotas([int(c.sum()) for c in self.sources.counts], self.sources.asks)[1]
+        asks = asks if asks is not None else self.sources.asks
+        targets = quotas([int(c.sum()) for c in self.sources.counts], asks)[1]
+        rest = unconsumed(layout, self._consumption(layout, seg))
+        if asks != self.asks_of(seg):
+            keep = quotas([len(r) for r in rest], asks)[0]
+            rng = np.random.default_rng([s.seed & 0xFFFFFFFF, (s.seed >> 32) & 0xFFFFFFFF, layout.epoch, index, _CURRICULUM_TAG])
+            rest = [r if q >= len(r) else r[np.sort(rng.choice(len(r), q, replace=False))] for r, q in zip(rest, keep)]
         return RestLayout(
-            unconsumed(layout, self._consumption(layout, seg)),
+            rest,
             layout.ids,
             epoch=layout.epoch,
             segment=index,
@@ -520,7 +550,8 @@ class RunPlan:
             raise StateError(f"the resume state stops at step {x}, past the end of its pass ({pass_end})")
         k, e = state.loader_epoch, state.epoch
         done = x - last.start
-        if last.topology == topology:  # exact: the same pass goes on, each worker from where it stood
+        changed = self.asks_of(last) != self.sources.asks  # a curriculum: the rest of the epoch by the new asks
+        if last.topology == topology and not changed:  # exact: the same pass goes on, each worker from where it stood
             timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, epoch_end, (layout, last.start, state.segments[:-1]))
             windows = timeline.windows(max(last.pass_start, last.start), pass_end)
             return PassPlan(
@@ -556,7 +587,7 @@ class RunPlan:
                 timeline=timeline,
                 resumption=Resumption("fresh", e, done, old, fresh.batches_per_rank),
             )
-        rest = self._rest(layout, last, len(state.segments), topology)
+        rest = self._rest(layout, last, len(state.segments), topology, self.sources.asks)
         timeline = Timeline(self.layout, self.batches_per_epoch, e + 1, x + rest.batches_per_rank, (rest, x, state.segments))
         if self.by_epochs:
             end = x + rest.batches_per_rank
@@ -572,8 +603,15 @@ class RunPlan:
             dropped=rest.dropped,
             repeated=rest.repeated,
             timeline=timeline,
-            resumption=Resumption("elastic", e, done, old, rest.batches_per_rank, rest.total + rest.left_out),
+            resumption=Resumption(
+                "elastic", e, done, old, rest.batches_per_rank, rest.total + rest.left_out, self._asks_change(last) if changed else ""
+            ),
         )
+
+    def _asks_change(self, seg: Segment) -> str:
+        before, now = self.asks_of(seg), self.sources.asks
+        names = self.sources.names or [str(i) for i in range(len(now))]
+        return ", ".join(f"{n}: {a.describe()} -> {b.describe()}" for n, a, b in zip(names, before, now) if a != b)
 
     def _pass_end(self, x: int, pass_end: int, old: Topology, new: Topology) -> int:
         """Where a resumed pass of a run by steps ends on the new topology: ``steps`` counts steps

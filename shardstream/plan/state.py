@@ -53,6 +53,9 @@ class Segment:
     pass_start: int = 0  # where the pass that consumed it started
     pass_end: int | None = None  # where that pass ends; None: with the data epoch (a run by epochs)
     batches: int = 0  # batches every rank received in that pass
+    # What each source asked when this segment was laid out, where that was not what the state's
+    # sources ask now (a mix whose weights changed at a checkpoint: a curriculum); None: theirs.
+    asks: tuple[str, ...] | None = None
 
     @property
     def position(self) -> int:
@@ -60,7 +63,16 @@ class Segment:
         return self.pass_start + self.batches
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.topology.to_json(), "start": self.start, "pass_start": self.pass_start, "pass_end": self.pass_end, "batches": self.batches}
+        doc: dict[str, Any] = {
+            **self.topology.to_json(),
+            "start": self.start,
+            "pass_start": self.pass_start,
+            "pass_end": self.pass_end,
+            "batches": self.batches,
+        }
+        if self.asks is not None:
+            doc["asks"] = list(self.asks)
+        return doc
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,20 @@ class State:
             "epoch": self.epoch,
             "segments": [s.to_json() for s in self.segments],
         }
+
+    def asks_changed(self, sources: Sequence[Mapping[str, Any]]) -> bool:
+        """A mix's state whose sources ``sources`` are the same but ask other shares now (a curriculum)."""
+        mine, theirs = [dict(s) for s in self.sources], [dict(s) for s in sources]
+        if len(mine) < 2 or len(mine) != len(theirs) or mine == theirs:
+            return False
+        return all({k: v for k, v in a.items() if k != "ask"} == {k: v for k, v in b.items() if k != "ask"} for a, b in zip(mine, theirs))
+
+    def asked_now(self, sources: Sequence[Mapping[str, Any]]) -> State:
+        """This state for a stream of the same sources asking other shares (``asks_changed``): its
+        segments keep the asks they were laid out with, the sources say what is asked now."""
+        asked = tuple(str(s["ask"]) for s in self.sources)
+        segments = tuple(seg if seg.asks is not None else replace(seg, asks=asked) for seg in self.segments)
+        return replace(self, sources=tuple(dict(s) for s in sources), segments=segments)
 
     def with_last(self, segment: Segment) -> State:
         return replace(self, segments=self.segments[:-1] + (segment,))
@@ -156,7 +182,7 @@ class State:
         """Refuse a state saved for other data, another order or another run, naming what differs."""
         mine = [dict(s) for s in self.sources]
         theirs = [dict(s) for s in sources]
-        if mine != theirs:
+        if mine != theirs and not self.asks_changed(sources):  # (new asks of a mix: a curriculum, asked_now)
             same = len(mine) == len(theirs) == 1 and all(mine[0].get(k) == theirs[0].get(k) for k in ("manifest", "samples"))
             if same:  # the same dataset, asked for another share of it per epoch
                 raise StateError(
@@ -257,6 +283,7 @@ def _read(doc: dict[str, Any], version: int) -> State:
                 _int(s["pass_start"], "pass_start"),
                 None if end is None else _int(end, "pass_end"),
                 _int(s["batches"], "batches"),
+                None if s.get("asks") is None else tuple(str(a) for a in s["asks"]),
             )
         )
     return State(

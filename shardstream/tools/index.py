@@ -29,12 +29,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardstream.errors import DestinationError, SourceError
+from shardstream.errors import ConfigError, DestinationError, SourceError
 from shardstream.format.compression import is_shard_name
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, check_dataset_root, load_manifest, manifest_url, write_manifest
 from shardstream.format.offsets import SUFFIX
 from shardstream.format.parquet import TableManifest, index_table, is_table_url, list_table_files, rebased
 from shardstream.format.scan import scan_shards
+from shardstream.sources import index_token_shards
 from shardstream.storage import fs as storage
 from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -88,10 +89,13 @@ def write_index(
     threads: int = 8,
     overwrite: bool = False,
     config: StorageConfig = DEFAULT_STORAGE,
+    tokens: str | None = None,
 ) -> tuple[Manifest | TableManifest, str]:
     """Index the shards that ``pattern`` names (one input or several) and write their manifest at
     ``dest`` (a directory or a .json path). Shards are not modified. Returns the manifest and its URL.
-    ``config``: the storage policy of every listing, read and upload (see the module docstring)."""
+    ``config``: the storage policy of every listing, read and upload (see the module docstring).
+    ``tokens``: the member holding each sample's token ids (a 1-D integer ``.npy``): the manifest
+    counts them per shard, a token corpus for ``Tokens(DEST, seq_len)`` (docs/tokens.md)."""
     check_dataset_root(dest)
     inputs = [pattern] if isinstance(pattern, str) else list(pattern)
     table = _table_inputs(inputs, storage_options, config)
@@ -101,6 +105,8 @@ def write_index(
         refuse_interrupted_pack(folder, storage_options, config=config)
     if storage_call(url, lambda fs, path: fs.exists(path), storage_options, config) and not overwrite:
         raise DestinationError(f"{url} exists; pass --overwrite to replace it")
+    if table and tokens is not None:
+        raise ConfigError("--tokens is for tar shards: a Parquet table's tokens are counted from its footers, Tokens(TABLE, seq_len, field=COLUMN)")
     if table:
         found = index_table([canonical_url(u) for u in inputs], storage_options, config=config, threads=threads)
         tm = rebased(found, canonical_url(url).rsplit("/", 1)[0])
@@ -108,7 +114,11 @@ def write_index(
         tm.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
         tm.storage_options = dict(storage_options or {})
         return tm, url
-    manifest = scan_shards([canonical_url(u) for u in urls], storage_options, threads=threads, config=config)
+    shards = [canonical_url(u) for u in urls]
+    if tokens is not None:  # a token corpus written by others: its tokens counted in the same read
+        manifest = index_token_shards(shards, tokens, storage_options, config=config, threads=threads)
+    else:
+        manifest = scan_shards(shards, storage_options, threads=threads, config=config)
     canonical = canonical_url(url)
     base = canonical.rsplit("/", 1)[0] + "/"
     manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]
