@@ -49,8 +49,8 @@ class CaptionTransform:
         self.rng = torch.Generator()
 
     def __getstate__(self) -> dict:
-        # what a worker started from forkserver or spawn receives: a pickled torch.Generator fails
-        # to load there ("unable to resize file", torch 2.13), and bind() seeds the worker's own
+        # what each worker gets (pickled for a worker process, copied for a thread worker): the
+        # size only; each worker makes its own torch.Generator, and bind() seeds it
         return {"size": self.size}
 
     def __setstate__(self, state: dict) -> None:
