@@ -23,6 +23,7 @@ SIZE = 224
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--images", type=int, default=1_500)
     p.add_argument("--per-shard", type=int, default=500)
 
@@ -112,7 +113,8 @@ def prepare(args, runner, peers: list[str]) -> list[dict]:
     if "litdata" in peers and not os.path.exists(os.path.join(chunks, "index.json")):
         runner.call("litdata", "image", "make_litdata", {"root": chunks, "n": args.images, "per_shard": args.per_shard})
     return [
-        {"workers": w, "images": args.images, "runtime": args.runtime, "_tars": tars, "_folder": folder, "_litdata": chunks} for w in args.workers
+        {"workers": w, "batch": args.batch, "images": args.images, "runtime": args.runtime, "_tars": tars, "_folder": folder, "_litdata": chunks}
+        for w in args.workers
     ]
 
 
@@ -129,7 +131,12 @@ def measure(config: dict) -> dict:
             from shardstream import RandomResizedCrop, ShardStream, Shuffle, World, make_loader
 
             ds = ShardStream(
-                config["_tars"], batch_size=BATCH, shuffle=Shuffle(1000), decode={"jpg": RandomResizedCrop(SIZE)}, transform=flip, world=World(0, 1)
+                config["_tars"],
+                batch_size=config["batch"],
+                shuffle=Shuffle(1000),
+                decode={"jpg": RandomResizedCrop(SIZE)},
+                transform=flip,
+                world=World(0, 1),
             )
             return make_loader(ds, num_workers=workers, **loader_options(config))
         if peer == "webdataset":
@@ -142,14 +149,14 @@ def measure(config: dict) -> dict:
                 .shuffle(1000)
                 .decode("pil")
                 .map(lambda s: {"jpg": pil_crop_flip(s["jpg"]), "cls": int(s["cls"])})
-                .batched(BATCH, partial=True)
+                .batched(config["batch"], partial=True)
             )
             return wds.WebLoader(ds, batch_size=None, num_workers=workers)
         if peer == "litdata":
             import litdata
 
             ds = litdata.StreamingDataset(input_dir=config["_litdata"], transform=from_bytes, shuffle=True)
-            return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers)
+            return litdata.StreamingDataLoader(ds, batch_size=config["batch"], num_workers=workers)
         if peer == "torch":
             from PIL import Image
 
@@ -164,7 +171,7 @@ def measure(config: dict) -> dict:
                     with Image.open(files[i]) as img:
                         return {"jpg": pil_crop_flip(img), "cls": int(os.path.basename(os.path.dirname(files[i]))[6:])}
 
-            return DataLoader(Folder(), batch_size=BATCH, shuffle=True, num_workers=workers)
+            return DataLoader(Folder(), batch_size=config["batch"], shuffle=True, num_workers=workers)
         raise SystemExit(f"image: no peer {peer}")
 
     return timed_pass(make, lambda b: len(b["jpg"]))

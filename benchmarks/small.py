@@ -24,6 +24,7 @@ BATCH = 64
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--samples", type=int, default=200_000)
     p.add_argument("--per-shard", type=int, default=10_000)
     p.add_argument("--writer", choices=("shardstream", "webdataset"), default="shardstream", help="who writes the tar shards")
@@ -113,7 +114,15 @@ def prepare(args, runner, peers: list[str]) -> list[dict]:
         if runner.call("litdata", "small", "make_litdata", {**want, "root": chunks}) != digest(args.samples):
             raise SystemExit("litData's chunks hold other samples than these")
     return [
-        {"workers": w, "samples": args.samples, "writer": args.writer, "runtime": args.runtime, "_tars": tars, "_litdata": chunks}
+        {
+            "workers": w,
+            "batch": args.batch,
+            "samples": args.samples,
+            "writer": args.writer,
+            "runtime": args.runtime,
+            "_tars": tars,
+            "_litdata": chunks,
+        }
         for w in args.workers
     ]
 
@@ -139,7 +148,9 @@ def measure(config: dict) -> dict:
             from benchmarks.harness import loader_options
             from shardstream import ShardStream, World, make_loader
 
-            ds = ShardStream(config["_tars"], batch_size=BATCH, shuffle=False, decode=False, transform=fn, collate=default_collate, world=World(0, 1))
+            ds = ShardStream(
+                config["_tars"], batch_size=config["batch"], shuffle=False, decode=False, transform=fn, collate=default_collate, world=World(0, 1)
+            )
             return make_loader(ds, num_workers=workers, **loader_options(config))
         if peer == "webdataset":
             import webdataset as wds
@@ -149,16 +160,16 @@ def measure(config: dict) -> dict:
             ds = (
                 wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.single_node_only, workersplitter=wds.split_by_worker, empty_check=False)
                 .map(fn)
-                .batched(BATCH, collation_fn=default_collate, partial=True)
+                .batched(config["batch"], collation_fn=default_collate, partial=True)
             )
             return wds.WebLoader(ds, batch_size=None, num_workers=workers)
         if peer == "litdata":
             import litdata
 
             ds = litdata.StreamingDataset(input_dir=config["_litdata"], transform=fn)
-            return litdata.StreamingDataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=default_collate)
+            return litdata.StreamingDataLoader(ds, batch_size=config["batch"], num_workers=workers, collate_fn=default_collate)
         if peer == "torch":
-            return DataLoader(InMemory(), batch_size=BATCH, num_workers=workers)
+            return DataLoader(InMemory(), batch_size=config["batch"], num_workers=workers)
         raise SystemExit(f"small: no peer {peer}")
 
     return timed_pass(make, lambda b: len(b["y"]))
