@@ -235,7 +235,16 @@ def summary(records: list[dict]) -> str:
     for r in records:
         groups.setdefault((r["workload"], r["peer"], config_text(r["config"])), []).append(r["rate"])
     unit = {(r["workload"], r["peer"], config_text(r["config"])): r["unit"] for r in records}
-    return "\n".join(f"{w} {p} [{c}]: median {statistics.median(v):,.4g} {unit[(w, p, c)]} over {len(v)}" for (w, p, c), v in groups.items())
+    return "\n".join(f"{w} {p} [{c}]: median {number(statistics.median(v))} {unit[(w, p, c)]} over {len(v)}" for (w, p, c), v in groups.items())
+
+
+def number(x: float) -> str:
+    """1,234 / 12.35 / 0.0123: three or more significant digits, thousands separated."""
+    if x >= 100:
+        return f"{x:,.0f}"
+    if x >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
 
 
 def config_text(config: dict) -> str:

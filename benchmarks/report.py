@@ -12,7 +12,7 @@ import json
 import os
 import statistics
 
-from benchmarks.harness import REPO, config_text
+from benchmarks.harness import REPO, config_text, number
 
 START = "<!-- current-figures: start (python -m benchmarks report) -->"
 END = "<!-- current-figures: end -->"
@@ -35,12 +35,7 @@ def load(paths: list[str]) -> list[dict]:
     return records
 
 
-def _num(x: float) -> str:
-    if x >= 100:
-        return f"{x:,.0f}"
-    if x >= 1:
-        return f"{x:.2f}"
-    return f"{x:.3g}"
+_num = number
 
 
 def table(records: list[dict]) -> str:
