@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--peer", default="shardstream", help=f"comma-separated, of: {', '.join(module.PEERS)}; 'all' for every one")
         p.add_argument("--venv", action="append", default=[], metavar="PEER=PATH", help="run PEER with PATH/bin/python (repeatable)")
         p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (A B A B ...); the report gives medians")
-        p.add_argument("--workers", type=_ints, default=[0, 2], help="DataLoader workers, comma-separated (default 0,2)")
+        p.add_argument(
+            "--workers", type=_ints, default=[0, 2], help="DataLoader workers (pack: pack's own), comma-separated (default 0,2; pack 1,2; resume 2)"
+        )
         p.add_argument("--workdir", default="/dev/shm/ssbench", help="where the data is written (kept for the next run)")
         p.add_argument("--out", help="append the JSON lines to this file too")
         p.add_argument(
