@@ -152,3 +152,31 @@ def test_report_writes_the_table_between_its_markers_and_refreshes_it(tmp_path):
         [sys.executable, "-m", "benchmarks", "report", str(jsonl), "--print"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
     )
     assert bad.returncode != 0 and f"{jsonl}:1:1: not a benchmark record" in bad.stderr
+
+
+def test_small_reads_shards_webdataset_wrote_and_indexed_in_place(tmp_path):
+    out = tmp_path / "figures.jsonl"
+    bench(
+        tmp_path,
+        "small",
+        "--writer",
+        "webdataset",
+        "--peer",
+        "shardstream,webdataset",
+        "--repeats",
+        "1",
+        "--workers",
+        "0",
+        "--out",
+        str(out),
+        *TINY["small"],
+    )
+    tars = tmp_path / "work" / "small-webdataset-300" / "tars"
+    assert sorted(p.name for p in tars.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    assert (tars / "index.json").exists()  # `shardstream index` wrote the manifest beside them
+    records = lines(out)
+    assert [(r["peer"], r["config"]["writer"], r["items"]) for r in records] == [
+        ("shardstream", "webdataset", 256),
+        ("webdataset", "webdataset", 300),
+    ]
+    assert records[1]["versions"]["webdataset"]
