@@ -48,9 +48,12 @@ matrix:
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# the harness (benchmarks/, python -m benchmarks --help): JSON lines into bench.jsonl, then its medians
 bench: install
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_pack.py
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_read.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks pack --peer shardstream,webdataset --out bench.jsonl
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks small --peer shardstream,webdataset,torch --out bench.jsonl
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks image --peer shardstream,webdataset,torch --out bench.jsonl
+	$(BIN)/python -m benchmarks report bench.jsonl --print
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

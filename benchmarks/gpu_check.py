@@ -1,6 +1,6 @@
 """The GPU paths that need a real accelerator, checked end to end on one GPU (a lent machine).
 
-    OMP_NUM_THREADS=1 python benchmarks/gpu_check.py [--device cuda] [--out FILE]
+    OMP_NUM_THREADS=1 python -m benchmarks.gpu_check [--device cuda] [--out FILE]
 
 Each check writes one JSON line (to stdout and ``--out``) with ``ok`` and what it counted:
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: the benchmarks package
 
-from latency_proxy import proxy_counts, start_proxy
+from benchmarks.latency_proxy import proxy_counts, start_proxy
 
 
 @pytest.fixture

@@ -185,7 +185,7 @@ def shared_s3_session(options: Mapping[str, Any]):
     Making a client loads botocore's service models (a few hundred ms of JSON parsing); a session
     keeps them. DataLoader workers are forked after the main process has read the manifest, so
     they inherit a session that has them loaded: a worker's first request went from ~0.45 s to
-    ~0.09 s (benchmarks/bench_s3.py). None when the options need a session of their own (one given,
+    ~0.09 s (the former benchmarks/bench_s3.py). None when the options need a session of their own (one given,
     or session arguments this module does not know)."""
     if "session" in options or not set(options) <= _s3fs_args() | {"profile"}:
         return None

@@ -1,7 +1,7 @@
 """The last hop on a real GPU: pinned batches from make_loader, to_device's copy-ahead on a side CUDA
 stream overlapping the training step, and every byte checked on the device.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_device.py [--samples 8192] [--batch 128] [--workers 0,4,8]
+    OMP_NUM_THREADS=1 python -m benchmarks.device [--samples 8192] [--batch 128] [--workers 0,4,8]
 
 Writes one JSON object per measurement to stdout (and to ``--out FILE`` if given):
 

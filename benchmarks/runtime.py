@@ -2,7 +2,7 @@
 another checkout (``--baseline``: main before the runtime moved to public ground), on the small,
 image and large workloads, each run a fresh process, interleaved, medians.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_runtime.py --baseline /path/to/old/checkout \
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.runtime --baseline /path/to/old/checkout \
         [--repeats 3] [--workdir /dev/shm/bench-runtime] [--only small,image,large]
 
 Workloads (written once to ``--workdir`` by shardstream's ShardWriter):
