@@ -514,7 +514,7 @@ def test_a_mix_read_from_s3_makes_the_gets_its_plan_counts(s3, world, workers):
         for rank in range(world):
             OFFSET_CACHE.clear()  # every rank is a process of its own
             ds = stream(rank)
-            batches = list(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None) if workers else ds)
+            batches = list(make_loader(ds, num_workers=workers, workers="processes", pin_memory=False, log_interval=None) if workers else ds)
             assert len(batches) == len(ds)
         gets = _shard_gets(proxy, bucket)
     count = count_mix_requests(plan, ds.sources.manifests)

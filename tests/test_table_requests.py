@@ -76,7 +76,7 @@ def test_a_mix_with_a_table_makes_the_gets_its_plan_estimates(s3, tmp_path, worl
             FOOTERS.clear()  # every rank is a process of its own: it reads the footers it needs in its pass
             OFFSET_CACHE.clear()
             proxy.log.clear()  # (the stream's start: the manifests, the table's footers as it was indexed)
-            batches = list(make_loader(ds, num_workers=workers, pin_memory=False, log_interval=None) if workers else ds)
+            batches = list(make_loader(ds, num_workers=workers, workers="processes", pin_memory=False, log_interval=None) if workers else ds)
             assert len(batches) == len(ds)
             rows += sum(1 for b in batches for s in b["__source__"] if s == "table")
             got += gets_by_kind(proxy, bucket, sizes)

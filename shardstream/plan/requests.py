@@ -2,7 +2,8 @@
 
 Every (rank, worker) reads its planned ranges, and a range is one GET (``storage/retry.py``); a
 range that starts or ends inside a shard needs that shard's offset sidecar too, one GET per
-process (each worker is one; sidecars are cached per process). So per epoch:
+process (each worker process is one; sidecars are cached per process, so a rank's thread workers
+share theirs and the count is then an upper bound). So per epoch:
 
     GETs of shard bytes = the ranges of all (rank, worker) slices: every shard once per lap of the
                           laid-out sequence it falls in, plus one for each slice boundary inside it
