@@ -171,10 +171,10 @@ def test_s3_table_prefix(s3, tmp_path):
     m, plan = ds.manifest, ds.pass_plan(num_workers=2)
     summary = ds.plan().summary()
     assert f"{sum(ROWS)} samples" in summary and "sidecar" not in summary  # no tar sidecars for a table: footers
-    batches = list(make_loader(ds, num_workers=2, pin_memory=False, log_interval=None))
+    batches = list(make_loader(ds, num_workers=2, workers="processes", pin_memory=False, log_interval=None))
     assert sorted(ids_of(batches)) == list(range(sum(ROWS)))
     assert torch.equal(batches[0]["x"], batches[0]["id"].float() * 0.5)
-    # Each worker reads the projected chunks of the row groups its ranges fall in (a row group
+    # Each worker process reads the projected chunks of the row groups its ranges fall in (a row group
     # split between two workers is read by both), and the footers of their files once.
     chunks = {g: projected_bytes(root, ["id", "x"], file=m.files[int(m.group_file[g])], group=int(m.group_index[g])) for g in range(len(m.counts))}
     expected = requests = 0
