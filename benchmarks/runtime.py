@@ -11,8 +11,8 @@ Workloads (written once to ``--workdir`` by shardstream's ShardWriter):
 - image: 1,200 JPEGs of 320x240 (random noise over gradients); the default image decode with
   ``Decode(size=224)`` (cover + centre crop) to uint8 CHW, batch 32.
 - large: 96 samples of an 8 MiB ``.npy`` float32 array, decoded as stored, batch 4 (32 MiB batches).
-Each run: one pass after the first batch (samples/s over the pass, from the first batch on) and
-the time from the loader's first ``iter()`` to its first batch. Printed as JSON lines, then a table.
+Each run: the first pass from its first batch on (samples/s), two more passes (the steady rate:
+memory and workers warm), and the time from the loader's first ``iter()`` to its first batch. Printed as JSON lines, then a table.
 """
 
 from __future__ import annotations
@@ -47,15 +47,16 @@ if __name__ == "__main__":
     ds = ShardStream(root, shuffle=False, world=World(0, 1), **options)
     extra = {} if kind == "default" else {"workers": kind}
     loader = make_loader(ds, num_workers=workers, log_interval=None, pin_memory=False, **extra)
+    size = lambda batch: len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
     t0 = time.perf_counter()
     it = iter(loader)
     first = next(it)
     t1 = time.perf_counter()
-    n = 0
-    for batch in it:
-        n += len(next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
+    n = sum(size(batch) for batch in it)
     t2 = time.perf_counter()
-    print(json.dumps({"first_batch_s": t1 - t0, "rate": n / (t2 - t1)}))
+    m = sum(size(batch) for _ in range(2) for batch in loader)  # two more passes: the steady rate
+    t3 = time.perf_counter()
+    print(json.dumps({"first_batch_s": t1 - t0, "rate": n / (t2 - t1), "steady": m / (t3 - t2)}))
 """
 
 
