@@ -108,7 +108,7 @@ def write_index(
         tm.base_url = url.rsplit("/", 1)[0] if "/" in url else "."
         tm.storage_options = dict(storage_options or {})
         return tm, url
-    manifest = scan_shards([canonical_url(u) for u in urls], storage_options, threads=threads, config=config)
+    manifest = scan_shards([canonical_url(u) for u in urls], storage_options, threads=threads, config=config, members=True)
     canonical = canonical_url(url)
     base = canonical.rsplit("/", 1)[0] + "/"
     manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]
