@@ -201,3 +201,19 @@ def test_shards_that_cannot_be_sliced_get_no_sidecar_and_are_parsed(tmp_path):
     got = [(s["__key__"], s["bin"]) for c in read_range(manifest, Range(0, 0, 2), counters=counters) for s in c]
     assert got == [(k, b) for k, b, *_ in ((s["__key__"], s["bin"]) for s in wds.WebDataset(str(big), shardshuffle=False))]
     assert "ranges_sliced" not in counters.counts
+
+
+def test_verify_checks_the_member_sidecar(tmp_path):
+    from shardstream.tools.verify import verify_dataset
+
+    shard, url = _indexed(tmp_path, 200)
+    assert verify_dataset(load_manifest(url)) == []
+    body = bytearray((tmp_path / "w.tar.members").read_bytes()[:-DIGEST])
+    fp = HEADER.size + 16 * 201 + 8 * 400 + 8 * 3  # member 3's fingerprint, the digest redone: checks out on its own
+    body[fp] ^= 1
+    (tmp_path / "w.tar.members").write_bytes(bytes(body) + hashlib.sha256(body).digest())
+    MEMBER_CACHE.clear()
+    problems = verify_dataset(load_manifest(url))
+    assert [str(p) for p in problems] == [
+        f"{shard}: the member sidecar {tmp_path / 'w.tar.members'} is not what a scan of the shard records; re-run `shardstream index`"
+    ]
