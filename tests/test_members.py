@@ -17,6 +17,7 @@ import shardstream
 from shardstream.errors import ManifestError, ShardFormatError
 from shardstream.format.manifest import load_manifest
 from shardstream.format.members import DIGEST, HEADER, MEMBER_CACHE
+from shardstream.format.offsets import OFFSET_CACHE
 from shardstream.pipeline.read import read_range
 from shardstream.plan.epoch import Range
 from shardstream.plan.topology import World
@@ -217,3 +218,26 @@ def test_verify_checks_the_member_sidecar(tmp_path):
     assert [str(p) for p in problems] == [
         f"{shard}: the member sidecar {tmp_path / 'w.tar.members'} is not what a scan of the shard records; re-run `shardstream index`"
     ]
+
+
+def test_s3_shards_are_sliced_with_read_ahead_and_from_a_cache(s3, tmp_path):
+    from shardstream.options import Cache, Read, Store
+
+    bucket, options, client = s3
+    local = tmp_path / "w.tar"
+    _webdataset_shard(local, 600)
+    expected = {k: b for k, b, _ in _expected(local)}
+    client.put_object(Bucket=bucket, Key="wds/w.tar", Body=local.read_bytes())
+    write_index(f"s3://{bucket}/wds/w.tar", f"s3://{bucket}/wds", storage_options=options)
+    assert client.head_object(Bucket=bucket, Key="wds/w.tar.members")["ContentLength"] > 0
+    for store in (Store(options=options, read=Read(readahead_bytes=1 << 20)), Store(options=options, cache=Cache(str(tmp_path / "cache"), 1 << 30))):
+        MEMBER_CACHE.clear()
+        offsets_before, members_before = OFFSET_CACHE.fetches, MEMBER_CACHE.fetches
+        stream = shardstream.ShardStream(
+            f"s3://{bucket}/wds", batch_size=50, shuffle=False, decode=False, world=World(1, 3), collate=lambda s: s, store=store
+        )
+        got = {s["__key__"]: s["bin"] for b in stream for s in b}
+        assert len(got) == 200 and all(expected[k] == v for k, v in got.items())  # rank 1: samples 200-399, mid-shard
+        assert stream.stats()["ranges_sliced"] == stream.stats()["ranges_opened"] == 1
+        # the member sidecar, read once, holds the range's offsets too: no offset sidecar is read
+        assert (OFFSET_CACHE.fetches - offsets_before, MEMBER_CACHE.fetches - members_before) == (0, 1)
