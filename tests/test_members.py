@@ -241,3 +241,16 @@ def test_s3_shards_are_sliced_with_read_ahead_and_from_a_cache(s3, tmp_path):
         assert stream.stats()["ranges_sliced"] == stream.stats()["ranges_opened"] == 1
         # the member sidecar, read once, holds the range's offsets too: no offset sidecar is read
         assert (OFFSET_CACHE.fetches - offsets_before, MEMBER_CACHE.fetches - members_before) == (0, 1)
+
+
+def test_verify_while_streaming_parses_and_hashes_every_header(tmp_path):
+    from shardstream.pipeline.read import RangeSource, read_ranges
+
+    shard, url = _indexed(tmp_path, 100)
+    manifest = load_manifest(url)
+    counters = Counted()
+    source = RangeSource(manifest, counters=counters, verify_stream=True)
+    got = [(s["__key__"], s["bin"], s["cls"]) for c in read_ranges(source, [Range(0, 0, 100), Range(0, 0, 50)]) for s in c]
+    assert got == _expected(shard) + _expected(shard)[:50]
+    # the whole shard is verified (parsed and hashed); the part of it is sliced
+    assert counters.counts["shards_verified"] == 1 and counters.counts["ranges_sliced"] == 1
