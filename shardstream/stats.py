@@ -21,6 +21,7 @@ from shardstream.private import spawning
 COUNTERS = (
     "bytes_read",  # bytes received from storage
     "ranges_opened",  # shard ranges started
+    "ranges_sliced",  # of those, read at a member sidecar's offsets, no header parsed (format/members.py)
     "retries",  # storage reads retried after a transient failure
     "resumes",  # of those, reads resumed mid-range (from the exact byte reached)
     "throttles",  # of those, throttling answers (503 SlowDown, 429)

@@ -331,7 +331,8 @@ def test_index_writes_sidecars_for_shards_outside_the_manifest_dir(tmp_path):
         if name.endswith(".idx") or name == "index.json":
             os.unlink(os.path.join(src, name))
     assert main(["index", f"{src}/shard-{{000000..000002}}.tar", str(tmp_path / "meta")]) == 0
-    assert sorted(os.listdir(tmp_path / "meta" / "offsets")) == ["000000.idx", "000001.idx", "000002.idx"]
+    # an offset sidecar and a member sidecar (format/members.py) per shard
+    assert sorted(os.listdir(tmp_path / "meta" / "offsets")) == [f"00000{i}.{ext}" for i in range(3) for ext in ("idx", "members")]
     assert sorted(os.listdir(src)) == [f"shard-00000{i}.tar" for i in range(3)]  # nothing written beside others' shards
     got = keys_of(ShardStream(str(tmp_path / "meta"), batch_size=4, shuffle=False, world=World(1, 3)))
     assert got == [f"s{i:06d}" for i in range(8, 16)]

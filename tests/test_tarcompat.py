@@ -375,6 +375,19 @@ def _build(tmp_path, tool: str, fmt: str, compress: str = "") -> str:
     return str(out)
 
 
+class _Counted:
+    """Stream counters in a dict (read_range's ``counters``)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+    def step(self, what: str, batch: bool = False) -> None:
+        pass
+
+
 def _read_all_ways(tmp_path, path: str, *, through_pack: bool = False) -> None:
     from shardstream.format.manifest import load_manifest
     from shardstream.pipeline.read import read_range
@@ -390,12 +403,31 @@ def _read_all_ways(tmp_path, path: str, *, through_pack: bool = False) -> None:
     assert len(expected) >= 5 and all(not k.startswith("__meta__") for k, _ in expected)
     manifest, url = write_index(path, str(tmp_path / "idx"))
     manifest = load_manifest(url)
+    # Read through the member sidecar `index` wrote (sliced, no header parsed): the whole shard,
+    # and a range from its middle; and with the sidecar ignored (parsed, as an older index reads).
+    assert manifest.member_bytes[0] > 0, "index wrote no member sidecar for this archive"
+    counters = _Counted()
+    n = manifest.shards[0].samples
     indexed = [
         (s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
-        for chunk in read_range(manifest, Range(0, 0, manifest.shards[0].samples))
+        for chunk in read_range(manifest, Range(0, 0, n), counters=counters)
         for s in chunk
     ]
     assert indexed == expected
+    middle = [
+        (s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+        for chunk in read_range(manifest, Range(0, 2, n - 1), counters=counters)
+        for s in chunk
+    ]
+    assert middle == expected[2 : n - 1]
+    assert counters.counts["ranges_sliced"] == 2 == counters.counts["ranges_opened"]
+    manifest.member_bytes[:] = -1
+    parsed = [
+        (s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+        for chunk in read_range(manifest, Range(0, 0, n), counters=counters)
+        for s in chunk
+    ]
+    assert parsed == expected and counters.counts["ranges_sliced"] == 2
     if path.endswith(".tar"):
         with open(path, "rb") as f:
             assert parse(f.read(), read_size=1024) == expected

@@ -16,6 +16,7 @@ need none.
 from __future__ import annotations
 
 import array
+import builtins
 import json
 import os
 import time
@@ -28,6 +29,7 @@ import numpy as np
 from shardstream.errors import BucketNotFound, ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.compression import SUFFIXES as COMPRESSED_SUFFIXES
 from shardstream.format.compression import UNKNOWN_END, shard_compression
+from shardstream.format.members import MEMBER_CACHE, MemberTable, decode_members, members_path
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -54,6 +56,7 @@ class ShardInfo:
     index: str | None = None  # sidecar path, relative like ``path`` (version 2)
     span: tuple[int, int] | None = None  # (first sample's header, end of the last sample's data)
     tokens: int | None = None  # a token corpus's shard: the tokens its documents hold (format/tokens.py)
+    members: builtins.bytes | None = None  # a just-scanned shard's member sidecar (format/members.py), before it is written
 
 
 def default_sidecar(path: str) -> str:
@@ -176,6 +179,10 @@ class Manifest:
         self.tokens: np.ndarray | None = (
             np.array([s.tokens for s in shards], dtype=np.int64) if shards and all(s.tokens is not None for s in shards) else None
         )
+        for i, s in enumerate(shards):
+            if s.members is not None:
+                self._inline_members[i] = s.members
+                self.member_bytes[i] = len(s.members)
 
     def _set_arrays(
         self,
@@ -202,6 +209,10 @@ class Manifest:
         self._sidecars: list[str | None] | None = (
             None if sidecars is None or all(x is None or x == default_sidecar(p) for x, p in zip(sidecars, paths)) else sidecars
         )
+        # Each shard's member sidecar's size (format/members.py: ``shardstream index`` writes one
+        # for the shards it can slice), -1 for none: such a shard is parsed.
+        self.member_bytes = np.full(n, -1, dtype=np.int64)
+        self._inline_members: dict[int, bytes] = {}
 
     @property
     def shards(self) -> ShardTable:
@@ -253,6 +264,35 @@ class Manifest:
         """The URL or path of shard ``index``'s offset sidecar, resolved like ``shard_url``."""
         return self.resolve(self.sidecar_path(index))
 
+    def members_url(self, index: int) -> str:
+        """The URL or path of shard ``index``'s member sidecar (beside its offset sidecar)."""
+        return self.resolve(members_path(self.sidecar_path(index)))
+
+    def member_table(
+        self, i: int, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None
+    ) -> MemberTable | None:
+        """Shard ``i``'s member table (format/members.py), or None when it has none (it is parsed):
+        one read of its sidecar per process (cached), checked against this manifest's entry."""
+        expected = int(self.member_bytes[i])
+        if expected < 0:
+            return None
+        url, shard = self.members_url(i), self.shard_url(i)
+        samples, size, sha = int(self.counts[i]), int(self.sizes[i]), self.sha256(i)
+        options = storage_options if storage_options is not None else self.storage_options
+        inline = self._inline_members.get(i)
+
+        def load() -> MemberTable:
+            if inline is not None:
+                data = inline
+            else:
+                try:
+                    data = read_head(url, expected + 1, options, config=config, counters=counters)  # one GET; one byte more shows a longer file
+                except StorageError as exc:
+                    raise restated(exc, f"{url}: cannot read the member sidecar of {shard} ({exc}); re-run `shardstream index`") from exc
+            return decode_members(data, url, shard, samples, size, sha, expected)
+
+        return MEMBER_CACHE.get(f"{url}#{sha or size}#{expected}", load)
+
     # -- offsets ---------------------------------------------------------------------------------
     def offsets(
         self, i: int, storage_options: Mapping[str, Any] | None = None, *, config: StorageConfig = DEFAULT_STORAGE, counters: Any = None
@@ -297,7 +337,8 @@ class Manifest:
         sidecar, a range inside it reads the sidecar (``offsets``) under ``config``."""
         if start == 0 and stop == int(self.counts[i]):
             return int(self.spans[i, 0]), int(self.spans[i, 1])
-        offsets = self.offsets(i, storage_options, config=config, counters=counters)
+        table = self.member_table(i, storage_options, config=config, counters=counters)  # (holds the offsets: no second sidecar read)
+        offsets = table.offsets if table is not None else self.offsets(i, storage_options, config=config, counters=counters)
         return int(offsets[start]), int(offsets[stop])
 
     # -- writing ---------------------------------------------------------------------------------
@@ -324,6 +365,8 @@ class Manifest:
                 "index": None if self._sidecars is None else [self.sidecar_path(i) for i in range(len(self.paths))],
             },
         }
+        if bool((self.member_bytes >= 0).any()):  # (absent from manifests without member sidecars, and ignored by older readers)
+            doc["shards"]["members"] = [int(b) if b >= 0 else None for b in self.member_bytes.tolist()]
         if self.tokens is not None:  # a token corpus: tokens per shard, what they are (format/tokens.py)
             doc["total_tokens"] = self.total_tokens
             doc["tokens"] = self.token_info or {}
@@ -452,6 +495,11 @@ def _read_shards_v2(manifest: Manifest, cols: Any, where: str) -> None:
     if sidecars is not None and not (isinstance(sidecars, list) and len(sidecars) == n and all(isinstance(x, str) and x for x in sidecars)):
         raise ManifestError(f"{where}: 'shards.index' must be null (each shard's sidecar is its path + '{SUFFIX}') or a list of {n} sidecar paths")
     manifest._set_arrays(paths, counts, sizes, shas, np.stack([first, end], axis=1), sidecars, {})
+    members = cols.get("members")
+    if members is not None:
+        if not (isinstance(members, list) and len(members) == n and all(x is None or (type(x) is int and x > 0) for x in members)):
+            raise ManifestError(f"{where}: 'shards.members' must be a list of {n} entries, each a member sidecar's size in bytes or null")
+        manifest.member_bytes = np.array([-1 if x is None else x for x in members], dtype=np.int64)
 
 
 def _read_tokens(manifest: Manifest, doc: dict[str, Any], where: str) -> None:
@@ -700,6 +748,11 @@ def write_manifest(manifest: Manifest, url: str, storage_options: Mapping[str, A
         if storage.is_local(side_fs):
             os.makedirs(os.path.dirname(os.path.abspath(side_path)), exist_ok=True)
         storage.write_bytes_atomic(side_fs, side_path, encode_offsets(offsets))
+    for i, table in sorted(manifest._inline_members.items()):
+        side = members_path(manifest.sidecar_path(i))
+        side_url = side if ("://" in side or side.startswith("/")) else storage.join(base, side)
+        side_fs, side_path = storage.get_fs(side_url, storage_options)
+        storage.write_bytes_atomic(side_fs, side_path, table)
     # what index.json will say, the object written says too (``pack(...).manifest.created``)
     manifest.shardstream_version = manifest.shardstream_version or __version__
     manifest.created = manifest.created or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

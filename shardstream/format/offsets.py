@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -99,8 +100,16 @@ def decode_offsets(data: bytes, url: str, samples: int, size: int) -> np.ndarray
     return raw.astype(np.int64)  # every value is within [0, size]: no sign to lose
 
 
-class OffsetCache:
-    """Least-recently-used sidecars of this process, bounded by the bytes they hold.
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Sized)
+
+
+class OffsetCache(Generic[T]):
+    """Least-recently-used sidecars of this process, bounded by the bytes they hold (their ``nbytes``).
 
     Thread-safe (read-ahead opens ranges from a background thread). ``fetches`` counts sidecars
     read from storage, so tests can prove that whole-shard reads need none.
@@ -109,7 +118,7 @@ class OffsetCache:
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.max_bytes = max_bytes
         self.fetches = 0
-        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[str, T] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self._loading: dict[str, threading.Event] = {}  # keys being loaded now
@@ -121,7 +130,7 @@ class OffsetCache:
         self._lock = threading.Lock()
         self._loading = {}
 
-    def get(self, key: str, load: Callable[[], np.ndarray]) -> np.ndarray:
+    def get(self, key: str, load: Callable[[], T]) -> T:
         """The cached sidecar, else ``load()``'s. One load per key at a time: a thread that asks
         while another loads it (the reader and its read-ahead thread both need a range's bytes)
         waits for that load rather than making a second GET; if that load fails, it tries its own."""
@@ -158,4 +167,4 @@ class OffsetCache:
             self._bytes = 0
 
 
-OFFSET_CACHE = OffsetCache()
+OFFSET_CACHE: OffsetCache[np.ndarray] = OffsetCache()

@@ -19,6 +19,7 @@ from typing import Any
 from shardstream.errors import ShardFormatError
 from shardstream.format.compression import UNKNOWN_END, decompressing, shard_compression
 from shardstream.format.manifest import Manifest, ShardInfo
+from shardstream.format.members import MemberRecorder
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_batches
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.storage.ranges import open_object
@@ -61,28 +62,42 @@ class Scan:
     offsets: list[int] = field(default_factory=list)  # each sample's start, then the data end
     sha256: str = ""
     extensions: dict[str, int] = field(default_factory=dict)
+    members: bytes | None = None  # the member sidecar (format/members.py), when asked for and the shard allows one
 
     @property
     def samples(self) -> int:
         return max(0, len(self.offsets) - 1)
 
     def info(self) -> ShardInfo:
-        return ShardInfo(path=self.url, samples=self.samples, bytes=self.size, sha256=self.sha256, offsets=tuple(self.offsets))
+        return ShardInfo(path=self.url, samples=self.samples, bytes=self.size, sha256=self.sha256, offsets=tuple(self.offsets), members=self.members)
 
 
-def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None = None, progress: Callable[[int], None] | None = None) -> Scan:
+def scan_stream(
+    read: ReadFn,
+    *,
+    url: str,
+    size: int,
+    on_sample: OnSample | None = None,
+    progress: Callable[[int], None] | None = None,
+    members: bool = False,
+) -> Scan:
     """Parse, hash and index bytes [0, size) of a shard given by ``read``. ``on_sample(key, start,
-    end, fields)`` sees each sample. Raises ShardFormatError (with ``scan.offsets`` so far kept
-    on the exception as ``partial``) or what ``read`` raises."""
+    end, fields)`` sees each sample. With ``members``, ``scan.members`` is the shard's member
+    sidecar (``format.members.MemberRecorder``; None where the shard is not one to slice). Raises
+    ShardFormatError (with ``scan.offsets`` so far kept on the exception as ``partial``) or what
+    ``read`` raises."""
     digest = hashlib.sha256()
     read = hashed(read, digest, progress)
     scan = Scan(url=url, size=size)
     data_end = 0
     compression = shard_compression(url)  # offsets of a compressed shard are in its decompressed stream
     tar_read = decompressing(read, url, compression) if compression else read
+    recorder = MemberRecorder(tar_read, url) if members else None
     try:
-        for batch in iter_sample_batches(tar_read, url=url, start=0, end=UNKNOWN_END if compression else size, require_end_marker=True):
+        for batch in iter_sample_batches(recorder or tar_read, url=url, start=0, end=UNKNOWN_END if compression else size, require_end_marker=True):
             for key, offset, sample_end, fields in batch:
+                if recorder is not None:
+                    recorder.sample(key, offset, sample_end, fields)
                 scan.offsets.append(offset)
                 data_end = sample_end
                 for ext in fields:
@@ -96,6 +111,8 @@ def scan_stream(read: ReadFn, *, url: str, size: int, on_sample: OnSample | None
         pass
     scan.offsets.append(data_end)
     scan.sha256 = digest.hexdigest()
+    if recorder is not None:
+        scan.members = recorder.encoded(scan.offsets, size, scan.sha256)
     return scan
 
 
@@ -106,11 +123,12 @@ def scan_url(
     config: StorageConfig = DEFAULT_STORAGE,
     on_sample: OnSample | None = None,
     progress: Callable[[int], None] | None = None,
+    members: bool = False,
 ) -> Scan:
     """``scan_stream`` over a whole object. Raises StorageError or ShardFormatError."""
     size, read, close = open_object(url, storage_options, config=config)
     try:
-        return scan_stream(read, url=url, size=size, on_sample=on_sample, progress=progress)
+        return scan_stream(read, url=url, size=size, on_sample=on_sample, progress=progress, members=members)
     finally:
         close()
 
@@ -121,11 +139,17 @@ def scan_shard(url: str, storage_options: Mapping[str, Any] | None = None, *, co
 
 
 def scan_shards(
-    urls: list[str], storage_options: Mapping[str, Any] | None = None, *, threads: int = 8, config: StorageConfig = DEFAULT_STORAGE
+    urls: list[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    threads: int = 8,
+    config: StorageConfig = DEFAULT_STORAGE,
+    members: bool = False,
 ) -> Manifest:
-    """Index many shards in parallel (I/O-bound: threads) into an in-memory manifest."""
+    """Index many shards in parallel (I/O-bound: threads) into an in-memory manifest; with
+    ``members``, each shard's member sidecar too (written with the manifest: ``shardstream index``)."""
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(urls)))) as pool:
-        results = list(pool.map(lambda u: scan_url(u, storage_options, config=config), urls))
+        results = list(pool.map(lambda u: scan_url(u, storage_options, config=config, members=members), urls))
     extensions: dict[str, int] = {}
     for scan in results:
         for ext, n in scan.extensions.items():

@@ -2,7 +2,9 @@
 
 A range [start, stop) of a shard is bytes [offsets[start], offsets[stop]) of its object (the
 manifest's span for a whole shard, else from its offset sidecar, ``Manifest.byte_range``): one
-sequential read (a ranged GET on S3) in large blocks, parsed by ``tarformat``. The number of
+sequential read (a ranged GET on S3) in large blocks, parsed by ``tarformat``, or, for a shard
+``shardstream index`` gave a member sidecar (``format/members.py``), sliced at its members'
+offsets with no header parsed (every header still checked against its fingerprint). The number of
 samples a range yields is checked against the manifest, so a manifest that lies is an error,
 not silently lost or repeated data.
 
@@ -23,6 +25,7 @@ from shardstream.buffers import BufferPool, handed_as_stored
 from shardstream.errors import ChecksumError, ShardFormatError, StorageError
 from shardstream.format.compression import decompressing, shard_compression
 from shardstream.format.manifest import Manifest
+from shardstream.format.members import iter_member_dicts
 from shardstream.format.scan import hashed, skip_exactly
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_dicts
 from shardstream.plan.epoch import Range
@@ -199,8 +202,15 @@ def read_range(
         skip_exactly(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
-    try:
-        for samples in iter_sample_dicts(
+    # A shard indexed with a member sidecar is sliced at its members' offsets, not parsed (every
+    # member's header still checked against its fingerprint); verify parses every header as well.
+    table = None if verify else manifest.member_table(rng.shard, storage_options, config=config, counters=counters)
+    if table is not None:
+        if counters is not None:
+            counters.add("ranges_sliced")
+        chunks = iter_member_dicts(_FirstReadsSmall(read), table, rng.start, rng.stop, url=url, read_size=read_size, reuse_blocks=local)
+    else:
+        chunks = iter_sample_dicts(
             _FirstReadsSmall(read),
             url=url,
             start=start,
@@ -210,7 +220,9 @@ def read_range(
             buffers=buffers,
             reuse_blocks=local and not verify,
             join_later=handed_as_stored(),
-        ):
+        )
+    try:
+        for samples in chunks:
             got += len(samples)
             if got > expected:
                 break

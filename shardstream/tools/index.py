@@ -8,7 +8,9 @@ either side: both sides are resolved to absolute paths before deciding what is u
 
 Each shard's offsets go to a sidecar written before the manifest: ``SHARD.idx`` beside a shard
 under DEST, ``offsets/NNNNNN.idx`` under DEST for shards elsewhere (nothing is written beside
-shards shardstream does not own). ``upgrade_manifest`` turns a version-1 manifest (offsets
+shards shardstream does not own). The same scan records each shard's members (``format/members.py``):
+a ``.members`` sidecar beside the ``.idx`` lets readers slice the members without parsing a header
+(a shard the scan cannot vouch for gets none and is parsed). ``upgrade_manifest`` turns a version-1 manifest (offsets
 inline) into version 2 the same way, without reading a shard.
 
 ``write_index`` refuses shards an interrupted pack left (``write.writer.interrupted_pack``: its
@@ -118,7 +120,7 @@ def write_index(
     if tokens is not None:  # a token corpus written by others: its tokens counted in the same read
         manifest = index_token_shards(shards, tokens, storage_options, config=config, threads=threads)
     else:
-        manifest = scan_shards(shards, storage_options, threads=threads, config=config)
+        manifest = scan_shards(shards, storage_options, threads=threads, config=config, members=True)
     canonical = canonical_url(url)
     base = canonical.rsplit("/", 1)[0] + "/"
     manifest.paths = [p[len(base) :] if p.startswith(base) else p for p in manifest.paths]

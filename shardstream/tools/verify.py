@@ -1,6 +1,7 @@
 """Check every shard against its manifest: exists, size, sha256, sample count, offsets (the
 offset sidecar of a version-2 manifest: size, count, increasing, each offset at a sample's first
-tar header), and (deep) that every field decodes. Collects every problem instead of stopping at the first."""
+tar header), the member sidecar ``shardstream index`` wrote (where the manifest lists one: what a
+fresh scan records, byte for byte), and (deep) that every field decodes. Collects every problem instead of stopping at the first."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shardstream.format.manifest import Manifest
 from shardstream.format.scan import scan_stream
 from shardstream.pipeline.decode import Decoder, default_decoders
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.storage.ranges import object_size, open_range
+from shardstream.storage.ranges import object_size, open_range, read_head
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def verify_shard(
     try:
         read, close = open_range(url, 0, size, storage_options, config=config)
         try:
-            scan = scan_stream(read, url=url, size=size, on_sample=decode, progress=progress)
+            members = bool(manifest.member_bytes[index] >= 0)
+            scan = scan_stream(read, url=url, size=size, on_sample=decode, progress=progress, members=members)
         finally:
             close()
     except ShardstreamError as exc:
@@ -72,6 +74,8 @@ def verify_shard(
         problems.append(Problem(url, f"holds {scan.samples} samples, the manifest says {info.samples}"))
     else:
         problems += _check_offsets(manifest, index, scan.offsets, storage_options)
+        if members and not problems:
+            problems += _check_members(manifest, index, scan.members, storage_options, config)
     if info.sha256 and scan.sha256 != info.sha256:
         problems.append(Problem(url, f"sha256 is {scan.sha256}, the manifest says {info.sha256}"))
     return problems
@@ -92,6 +96,21 @@ def _check_offsets(manifest: Manifest, index: int, found: list[int], storage_opt
     if listed != found:
         bad = next(i for i, (a, b) in enumerate(zip(found, listed)) if a != b)
         return [Problem(url, f"offset of sample #{bad} is {found[bad]}, {where} says {listed[bad]}")]
+    return []
+
+
+def _check_members(manifest: Manifest, index: int, found: bytes | None, storage_options, config: StorageConfig) -> list[Problem]:
+    """The shard's member sidecar against the one this scan would write (the same bytes)."""
+    url, side = manifest.shard_url(index), manifest.members_url(index)
+    try:
+        manifest.member_table(index, storage_options, config=config)  # its own checks: size, digest, the shard it names
+        stored = read_head(side, int(manifest.member_bytes[index]) + 1, storage_options, config=config)
+    except ShardstreamError as exc:
+        return [Problem(url, str(exc))]
+    if found is None:
+        return [Problem(url, f"has a member sidecar {side}, but a scan finds the shard is not one to slice; re-run `shardstream index`")]
+    if stored != found:
+        return [Problem(url, f"the member sidecar {side} is not what a scan of the shard records; re-run `shardstream index`")]
     return []
 
 
