@@ -1,6 +1,6 @@
 """The raw stream over shards with and without member sidecars, in one process, interleaved.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/bench_members.py [--workdir /dev/shm/off45-small] [--repeats 5]
+    OMP_NUM_THREADS=1 python -m benchmarks.members [--workdir /dev/shm/off45-small] [--repeats 5]
 
 Reads the data ``bench_small.py --writer shardstream,webdataset --keep`` left in ``--workdir``:
 own-packed shards, webdataset-written shards sliced through their member sidecars, and the same
