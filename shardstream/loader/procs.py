@@ -258,7 +258,6 @@ class ProcessWorkers:
         base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         environ = dict(os.environ) if self.method == "forkserver" else None
         pairs = [socket.socketpair() for _ in range(self.num_workers)]
-        fds = [s.fileno() for pair in pairs for s in pair]
         self.dataset.counters.clear_board()
         for w, (ours, theirs) in enumerate(pairs):
             spec = WorkerSpec(
@@ -272,7 +271,11 @@ class ProcessWorkers:
                 collate_fn=self.collate_fn,
                 init_fn=self.init_fn,
                 as_stored=self.as_stored,
-                close_fds=[fd for fd in fds if fd != theirs.fileno()] if self.method == "fork" else [],
+                # Forked: the loop's end of every socket, and the sockets of workers not started yet,
+                # numbered as they are open now (a number closed before may be a new pipe's by now).
+                close_fds=[sock.fileno() for sock in (*self.socks, ours, *(x for pair in pairs[w + 1 :] for x in pair))]
+                if self.method == "fork"
+                else [],
             )
             proc = context.Process(target=worker_main, args=(spec,), name=f"shardstream-worker-{w}", daemon=True)
             proc.start()
