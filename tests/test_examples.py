@@ -97,11 +97,13 @@ def test_train_ddp_runs_a_mix_by_steps_and_resumes_it(tmp_path):
 MARK_TRANSFORM = """
 import os
 
+import shardstream
+
 
 def only_b(sample):
     # named by the mix file for source b: it must see b's samples only, in every worker
     assert sample["__source__"] == "b", sample["__source__"]
-    open(os.path.join(os.environ["MIX_MARKS"], str(os.getpid())), "a").write(sample["__key__"] + "\\n")
+    open(os.path.join(os.environ["MIX_MARKS"], str(shardstream.get_worker_info().id)), "a").write(sample["__key__"] + "\\n")
     return sample
 """
 
@@ -109,8 +111,8 @@ def only_b(sample):
 def test_train_ddp_trains_a_mix_of_unlike_sets_with_a_per_source_transform(tmp_path, monkeypatch):
     """``--mix`` over a .jpg image set, a .png caption set (with json and txt) and a third set whose
     mix entry names ``transform: module:function``: images read as one field whatever their
-    format, the caption set's extra fields batched as the union, the transform run in 2 DataLoader
-    workers (forkserver: imported there by name) on its own source's samples only."""
+    format, the caption set's extra fields batched as the union, the transform run in 2 workers
+    (each marking its own file) on its own source's samples only."""
     write_image_folder(tmp_path / "a", classes=3, per_class=6, size=8, fmt="jpg", with_json=False)
     write_image_folder(tmp_path / "c", classes=2, per_class=5, size=8, fmt="png", seed=1)
     for i, path in enumerate(sorted((tmp_path / "c").rglob("*.png"))):
