@@ -35,8 +35,8 @@ _EXPORTS = {
     "plan_mix": "plan.mix",
     "MixPlan": "plan.mix",
     "make_loader": "loader",
-    "to_device": "loader.device",
-    "DevicePrefetcher": "loader.device",
+    "to_device": "device",
+    "DevicePrefetcher": "device",
     "World": "plan.topology",
     "get_worker_info": "plan.topology",
     "RandomResizedCrop": "pipeline.augment",
@@ -118,6 +118,7 @@ __all__ = [  # literal, so linters and type checkers see it; tests check it matc
 
 if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr__ loads them lazily
     from shardstream.dataset import ShardStream
+    from shardstream.device import DevicePrefetcher, to_device
     from shardstream.errors import (
         AccessDenied,
         BucketNotFound,
@@ -143,7 +144,6 @@ if TYPE_CHECKING:  # the real types for mypy and editors; at run time __getattr_
     from shardstream.format.parquet import Table
     from shardstream.format.tokens import Tokens
     from shardstream.loader import make_loader
-    from shardstream.loader.device import DevicePrefetcher, to_device
     from shardstream.options import Cache, Decode, OnError, Read, Schedule, Shuffle, Store
     from shardstream.pipeline.augment import RandomResizedCrop
     from shardstream.pipeline.table import Batched

@@ -196,7 +196,8 @@ def test_bench_measures_the_workers_memory_and_the_spread_over_repeats(tmp_path,
     original = bench.draw_plot
     monkeypatch.setattr(bench, "draw_plot", lambda results, path, title="": drawn.append(results) or original(results, path, title))
     plot = tmp_path / "p.png"
-    argv = ["bench", str(tmp_path / "ds"), "--workers", "2", "--batch-size", "2", "--seconds", "1.5", "--repeats", "2", "--plot", str(plot)]
+    argv = ["bench", str(tmp_path / "ds"), "--workers", "2", "--runtime", "processes", "--batch-size", "2", "--seconds", "1.5", "--repeats", "2"]
+    argv += ["--plot", str(plot)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "medians of 2 runs per count" in out

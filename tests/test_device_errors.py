@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardstream import ShardStream, make_loader, to_device
+from shardstream.device import available_devices
 from shardstream.errors import ConfigError
-from shardstream.loader.device import available_devices
 
 
 def test_available_devices_lists_the_cpu_and_each_visible_gpu():

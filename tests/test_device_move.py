@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from shardstream import to_device
-from shardstream.loader.device import move_to
+from shardstream.device import move_to
 
 Pair = namedtuple("Pair", ["image", "label"])
 META = torch.device("meta")

@@ -40,7 +40,10 @@ EPILOG = """examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="dataset root, index.json URL, shard pattern or mix file (.yaml/.json)")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    p.add_argument("--workers", type=int, default=2, help="workers per rank (default 2)")
+    p.add_argument(
+        "--runtime", choices=["threads", "processes"], default="threads", help="what a worker is (make_loader's workers=; default threads)"
+    )
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--decode", choices=["auto", "raw"], default="auto", help="decode by extension (auto) or not (raw)")
     p.add_argument("--seconds", type=float, default=10.0, help="measure for this long at most (default 10)")
@@ -158,6 +161,7 @@ def measure(
     step_ms: float = 0.0,
     step_wait: bool = False,
     config: StorageConfig = DEFAULT_STORAGE,
+    runtime: str = "threads",
 ) -> dict:
     """Run the loader for up to ``seconds`` (whole epochs repeat) and return its figures.
     ``config``: the storage policy of every read (the manifest's and the workers')."""
@@ -178,7 +182,7 @@ def measure(
     manifests = dataset.sources.manifests
     bytes_per_sample = sum(m.total_bytes for m in manifests) / max(1, sum(m.total_samples for m in manifests))
     memory = MemoryWatch()
-    loader = make_loader(dataset, num_workers=workers, pin_memory=False)
+    loader = make_loader(dataset, num_workers=workers, workers=runtime, pin_memory=False)
     samples = batches = epoch = 0
     first = None
     waited = 0.0
@@ -303,7 +307,7 @@ def _panel(draw, box: tuple[int, int, int, int], results: list[dict], value: str
         label = f"{v:,.0f}" if r[value] is not None else "n/a"
         draw.text((a, min(y(v), y((low_high or (v, v))[1])) - 14), label, fill="black")
         draw.text((a, y1 + 8), workers_label(r["workers"]), fill="black")
-    draw.text(((x0 + x1) // 2 - 90, y1 + 30), "DataLoader workers (num_workers)", fill="black")
+    draw.text(((x0 + x1) // 2 - 90, y1 + 30), "workers (num_workers)", fill="black")
 
 
 def draw_plot(results: list[dict], path: str, title: str = "") -> None:
@@ -327,7 +331,7 @@ def draw_plot(results: list[dict], path: str, title: str = "") -> None:
         "MB",
         "peak memory (RSS), main process + workers",
     )
-    draw.text((margin, 10), "shardstream bench: throughput and memory by number of DataLoader workers", fill="black")
+    draw.text((margin, 10), "shardstream bench: throughput and memory by number of workers", fill="black")
     draw.text((margin, 26), f"{title}; {spread}", fill="black")
     img.save(path)
 
@@ -358,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
                     step_ms=args.step_ms,
                     step_wait=args.step_wait,
                     config=config,
+                    runtime=args.runtime,
                 )
                 for _ in range(args.repeats)
             ]
