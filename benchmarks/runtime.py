@@ -121,11 +121,12 @@ def main() -> None:
                     key = (workload, workers, name)
                     results.setdefault(key, []).append(got)
                     print(json.dumps({"workload": workload, "workers": workers, "runtime": name, **got, "load": os.getloadavg()[0]}), flush=True)
-    print("\n| workload | workers | runtime | samples/s (median) | first batch s |\n|---|---|---|---|---|")
+    print("\n| workload | workers | runtime | first pass, samples/s | passes 2-3, samples/s | first batch s |\n|---|---|---|---|---|---|")
     for (workload, workers, name), runs in sorted(results.items()):
         rate = statistics.median(r["rate"] for r in runs)
+        steady = statistics.median(r["steady"] for r in runs)
         first = statistics.median(r["first_batch_s"] for r in runs)
-        print(f"| {workload} | {workers} | {name} | {rate:,.0f} | {first:.2f} |")
+        print(f"| {workload} | {workers} | {name} | {rate:,.0f} | {steady:,.0f} | {first:.2f} |")
 
 
 if __name__ == "__main__":
