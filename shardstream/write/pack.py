@@ -57,6 +57,20 @@ class PackResult:
     tokens: int | None = None  # a token corpus (write/tokens.py): the tokens written, else None
     hidden: int = 0
 
+    @classmethod
+    def of(cls, writer: ShardWriter, started: float, **extra: Any) -> PackResult:
+        """What a closed ``writer`` wrote, in a pack that started at ``started`` (``perf_counter``)."""
+        assert writer.manifest is not None  # the with-block closed the writer without an error
+        return cls(
+            manifest=writer.manifest,
+            manifest_url=writer.manifest_url,
+            samples=writer.samples_written,
+            shards=len(writer.shards),
+            bytes=sum(s.bytes for s in writer.shards),
+            seconds=time.perf_counter() - started,
+            **extra,
+        )
+
 
 def _load_encoded(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
     """``load_items``, each sample encoded as its tar members: ``(True, key, (members, extensions,
@@ -283,18 +297,7 @@ def _pack_listed(
                 progress(writer.samples_written, writer.bytes_written)
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
-    assert writer.manifest is not None  # the with-block closed the writer without an error
-    return PackResult(
-        manifest=writer.manifest,
-        manifest_url=writer.manifest_url,
-        samples=writer.samples_written,
-        shards=len(writer.shards),
-        bytes=sum(s.bytes for s in writer.shards),
-        seconds=time.perf_counter() - started,
-        skipped=writer.skipped,
-        skipped_count=writer.skipped_count,
-        hidden=listing.hidden,
-    )
+    return PackResult.of(writer, started, skipped=writer.skipped, skipped_count=writer.skipped_count, hidden=listing.hidden)
 
 
 def pack_fn(
@@ -438,17 +441,7 @@ def _pack_tasks(
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
         writer.remove_partials()  # left by attempts the engine killed and retried elsewhere
-    assert writer.manifest is not None  # the with-block closed the writer without an error
-    return PackResult(
-        manifest=writer.manifest,
-        manifest_url=writer.manifest_url,
-        samples=writer.samples_written,
-        shards=len(writer.shards),
-        bytes=sum(s.bytes for s in writer.shards),
-        seconds=time.perf_counter() - started,
-        skipped=writer.skipped,
-        skipped_count=writer.skipped_count,
-    )
+    return PackResult.of(writer, started, skipped=writer.skipped, skipped_count=writer.skipped_count)
 
 
 def _describe_task(task: ShardTask) -> str:

@@ -266,16 +266,7 @@ def pack_tokens(
                     progress(writer.samples_written, writer.bytes_written)
         if n == 0:
             raise SourceError(src if isinstance(src, str) else "documents", "no documents to pack")
-    assert writer.manifest is not None
-    return PackResult(
-        manifest=writer.manifest,
-        manifest_url=writer.manifest_url,
-        samples=writer.samples_written,
-        shards=len(writer.shards),
-        bytes=sum(s.bytes for s in writer.shards),
-        seconds=time.perf_counter() - started,
-        tokens=writer.tokens_written,
-    )
+    return PackResult.of(writer, started, tokens=writer.tokens_written)
 
 
 def _describe_chunk(chunk: list[tuple[str, str]]) -> str:
