@@ -37,3 +37,13 @@ def test_every_combination_the_matrix_runs_is_claimed():
     assert len(combos) >= 2
     for name, python, torch in combos:
         assert claimed(python, torch), f".ci/matrix {name}: Python {python} + torch {torch} is outside pyproject.toml's claim"
+
+
+def test_every_file_of_the_matrix_smoke_subset_exists():
+    text = (ROOT / ".ci" / "matrix").read_text()
+    smoke = re.search(r"^SMOKE=\(\n(.*?)^\)", text, re.M | re.S)
+    assert smoke, ".ci/matrix has no SMOKE=( ... ) list"
+    files = smoke.group(1).split()
+    assert len(files) >= 5
+    missing = [f for f in files if not (ROOT / f).is_file()]
+    assert not missing, f".ci/matrix's smoke subset names files that are gone: {missing}"
