@@ -96,10 +96,11 @@ def write_npy(root, n=24, shape=(64, 64)):
 
 
 def _collate_reporting_shared(samples):
-    from shardstream.loader import handoff
+    from shardstream.buffers import shared_allocator
 
     batch = default_collate(samples)
-    batch["made_in_shared_memory"] = handoff._worker_pool is not None and handoff._worker_pool.find(batch["npy"]) is not None
+    take = shared_allocator()  # a worker process's segment pool's take, None elsewhere
+    batch["made_in_shared_memory"] = take is not None and take.__self__.find(batch["npy"]) is not None
     return batch
 
 

@@ -112,14 +112,6 @@ class SegmentPool:
         self._trim()
 
 
-_worker_pool: SegmentPool | None = None
-
-
-def set_worker_pool(pool: SegmentPool | None) -> None:
-    global _worker_pool
-    _worker_pool = pool
-
-
 class _Packing:
     __slots__ = ("fds", "pool", "used")
 
@@ -158,7 +150,7 @@ def pack(batch: Any, pool: SegmentPool) -> tuple[Any, list[int], list[int]]:
     descriptors of segments the loop's process has not mapped yet, segments closed since the last
     batch)."""
     ctx = _Packing(pool)
-    out = _pack(batch, ctx)
+    out = rebuild(batch, lambda x: _pack(x, ctx))
     dropped, pool.dropped = pool.dropped, []
     return out, ctx.fds, dropped
 
@@ -187,6 +179,29 @@ class _Inline:
         return _Inline, (self.array,)
 
 
+def rebuild(obj: Any, leaf: Any) -> Any:
+    """``obj`` with ``leaf`` applied to everything in its dicts, lists and tuples, which are made
+    anew as the same types (a dict subclass such as ``Batch``, a namedtuple)."""
+    if isinstance(obj, Mapping):
+        items = {k: rebuild(v, leaf) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            out: Any = type(obj)()
+            out.update(items)
+            return out
+        except TypeError:
+            return items
+    if isinstance(obj, (list, tuple)) and type(obj) is not Unjoined:
+        values = [rebuild(v, leaf) for v in obj]
+        if type(obj) is list:
+            return values
+        if hasattr(obj, "_fields"):
+            return type(obj)(*values)
+        return tuple(values) if type(obj) is tuple else type(obj)(values)
+    return leaf(obj)
+
+
 def _pack(obj: Any, ctx: _Packing) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         if len(obj) >= SHARED_FIELD_MIN_BYTES:
@@ -196,9 +211,7 @@ def _pack(obj: Any, ctx: _Packing) -> Any:
     if type(obj) is Unjoined:  # a large member's pieces: joined into its segment, bytes on arrival
         number, offset, fd = ctx.place(obj, obj.nbytes)
         return _OnSegment(number, offset, fd, "bytes", (obj.nbytes,))
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type != "cpu" or obj.requires_grad:
-            return obj
+    if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
         if obj.nbytes <= INLINE_MAX_BYTES:
             try:
                 return _Inline(obj.numpy())
@@ -208,25 +221,6 @@ def _pack(obj: Any, ctx: _Packing) -> Any:
             obj = obj.contiguous()
         number, offset, fd = ctx.place(obj, obj.nbytes)  # (the offset of its first element)
         return _OnSegment(number, offset, fd, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()))
-    if isinstance(obj, _SCALARS) or isinstance(obj, np.ndarray):
-        return obj
-    if isinstance(obj, Mapping):
-        items = {k: _pack(v, ctx) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:
-            out: Any = type(obj)()  # a dict subclass (Batch): the same type on arrival
-            out.update(items)
-            return out
-        except TypeError:
-            return items
-    if isinstance(obj, (list, tuple)):
-        items_ = [_pack(v, ctx) for v in obj]
-        if type(obj) is list:
-            return items_
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items_)
-        return tuple(items_) if type(obj) is tuple else type(obj)(items_)
     return obj
 
 
@@ -249,12 +243,14 @@ class Mappings:
             if worker < len(self._released):
                 self._released[worker].append(number)
 
-    def unpack(self, worker: int, obj: Any, fds: list[int], dropped: list[int], pin: bool) -> Any:
+    def unpack(self, worker: int, obj: Any, fds: list[int], dropped: list[int], pinned: bool) -> Any:
         maps = self._maps[worker]
         for number in dropped:
             maps.pop(number, None)
         views: dict[int, np.ndarray] = {}
-        out = self._restore(worker, obj, fds, maps, views, pin)
+        out = rebuild(obj, lambda x: self._restore(worker, x, fds, maps, views))
+        if pinned:
+            out = pin(out)
         for fd in fds:
             os.close(fd)  # (the mapping stays)
         for number, view in views.items():
@@ -274,48 +270,21 @@ class Mappings:
             view = views[marker.number] = np.frombuffer(mapped, np.uint8)
         return view
 
-    def _restore(self, worker: int, obj: Any, fds: list[int], maps: dict[int, mmap.mmap], views: dict[int, np.ndarray], pin: bool) -> Any:
+    def _restore(self, worker: int, obj: Any, fds: list[int], maps: dict[int, mmap.mmap], views: dict[int, np.ndarray]) -> Any:
         if type(obj) is _Inline:
-            t = torch.from_numpy(obj.array)
-            return t.pin_memory() if pin else t
-        if type(obj) is _OnSegment:
-            view = self._view(worker, obj, fds, maps, views)
-            if obj.kind in ("bytes", "bytearray"):
-                data = view[obj.offset : obj.offset + obj.shape[0]]
-                return data.tobytes() if obj.kind == "bytes" else bytearray(data)
-            dtype = getattr(torch, obj.kind)
-            size = (sum((s - 1) * st for s, st in zip(obj.shape, obj.stride)) + 1) if all(obj.shape) else 0
-            nbytes = size * torch.empty(0, dtype=dtype).element_size()
-            flat = torch.from_numpy(view[obj.offset : obj.offset + nbytes]).view(dtype)
-            t = flat.as_strided(obj.shape, obj.stride)
-            return t.pin_memory() if pin else t
-        if isinstance(obj, torch.Tensor):
-            return obj.pin_memory() if pin and obj.device.type == "cpu" else obj
-        if isinstance(obj, _SCALARS) or isinstance(obj, np.ndarray):
+            return torch.from_numpy(obj.array)
+        if type(obj) is not _OnSegment:
             return obj
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                obj[k] = self._restore(worker, v, fds, maps, views, pin)
-            return obj
-        if isinstance(obj, list):
-            return [self._restore(worker, v, fds, maps, views, pin) for v in obj]
-        if isinstance(obj, tuple):
-            items = [self._restore(worker, v, fds, maps, views, pin) for v in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items) if type(obj) is tuple else type(obj)(items)
-        return obj
+        view = self._view(worker, obj, fds, maps, views)
+        if obj.kind in ("bytes", "bytearray"):
+            data = view[obj.offset : obj.offset + obj.shape[0]]
+            return data.tobytes() if obj.kind == "bytes" else bytearray(data)
+        dtype = getattr(torch, obj.kind)
+        size = (sum((s - 1) * st for s, st in zip(obj.shape, obj.stride)) + 1) if all(obj.shape) else 0
+        nbytes = size * torch.empty(0, dtype=dtype).element_size()
+        return torch.from_numpy(view[obj.offset : obj.offset + nbytes]).view(dtype).as_strided(obj.shape, obj.stride)
 
 
 def pin(obj: Any) -> Any:
     """``obj`` with every CPU tensor in it in pinned memory (dicts, lists, tuples, namedtuples)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory() if obj.device.type == "cpu" else obj
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            obj[k] = pin(v)
-        return obj
-    if isinstance(obj, list):
-        return [pin(v) for v in obj]
-    if isinstance(obj, tuple):
-        items = [pin(v) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items) if type(obj) is tuple else type(obj)(items)
-    return obj
+    return rebuild(obj, lambda x: x.pin_memory() if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x)

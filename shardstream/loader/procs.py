@@ -36,11 +36,13 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
+from types import SimpleNamespace
 from typing import Any
 
 from shardstream.buffers import set_handed_as_stored, set_shared_allocator
-from shardstream.errors import WorkerDied, WorkerTimeout
-from shardstream.loader.handoff import Mappings, SegmentPool, pack, set_worker_pool
+from shardstream.errors import WorkerDied
+from shardstream.loader.handoff import Mappings, SegmentPool, pack
+from shardstream.loader.workers import Workers
 from shardstream.plan.topology import WorkerInfo, set_worker
 
 logger = logging.getLogger(__name__)
@@ -90,16 +92,6 @@ def recv(sock: socket.socket) -> tuple[Any, list[int]]:
 
 
 # -- in the worker ------------------------------------------------------------------------------------
-class WorkerSpec:
-    """What one worker process is started with (pickled for it unless forked)."""
-
-    def __init__(self, **kw: Any):
-        self.__dict__.update(kw)
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(name)
-
-
 def _die_with_rank(sock: socket.socket) -> None:
     """A worker whose rank is gone (its socket hung up) ends at once, whatever it is doing."""
 
@@ -114,7 +106,7 @@ def _die_with_rank(sock: socket.socket) -> None:
     threading.Thread(target=watch, name="shardstream-rank-watch", daemon=True).start()
 
 
-def worker_main(spec: WorkerSpec) -> None:
+def worker_main(spec: Any) -> None:
     """A worker process's life: start, then run the passes it is told to, until told to exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the loop's to handle: it stops the workers
     for fd in spec.close_fds:  # (forked: the loop's ends of every worker's socket)
@@ -138,7 +130,6 @@ def worker_main(spec: WorkerSpec) -> None:
     np.random.seed(seed % 2**32)
     set_worker(WorkerInfo(spec.worker, spec.num_workers, seed, dataset), thread=False)
     pool = SegmentPool()
-    set_worker_pool(pool)
     set_shared_allocator(pool.take)
     set_handed_as_stored(spec.as_stored)
     counters = getattr(dataset, "counters", None)
@@ -225,31 +216,15 @@ def _send_error(sock: socket.socket, exc: BaseException) -> None:
 
 
 # -- in the loop's process ----------------------------------------------------------------------------
-class ProcessWorkers:
+class ProcessWorkers(Workers):
     """A loader's set of worker processes (started by ``start``), their passes and their end."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        num_workers: int,
-        *,
-        method: str,
-        prefetch: int,
-        collate_fn: Callable[[Any], Any] | None,
-        init_fn: Callable[[int], Any] | None,
-        pin: bool,
-        timeout: float | None,
-        first_timeout: float | None,
-        as_stored: bool = False,
-    ):
-        self.dataset, self.num_workers, self.method = dataset, num_workers, method
-        self.prefetch, self.collate_fn, self.init_fn, self.pin = max(1, prefetch), collate_fn, init_fn, pin
-        self.timeout, self.first_timeout, self.as_stored = timeout, first_timeout, as_stored
-        self.rank = dataset.world.rank
+    def __init__(self, dataset: Any, num_workers: int, *, method: str, as_stored: bool = False, **kw: Any):
+        super().__init__(dataset, num_workers, **kw)
+        self.method, self.as_stored = method, as_stored
         self.procs: list[Any] = []
         self.socks: list[socket.socket] = []
         self.mappings = Mappings(num_workers)
-        self.passes = 0
         self._finalizer: weakref.finalize | None = None
 
     def start(self, context: Any) -> None:
@@ -260,7 +235,10 @@ class ProcessWorkers:
         pairs = [socket.socketpair() for _ in range(self.num_workers)]
         self.dataset.counters.clear_board()
         for w, (ours, theirs) in enumerate(pairs):
-            spec = WorkerSpec(
+            # Forked: the loop's end of every socket, and the sockets of workers not started yet,
+            # numbered as they are open now (a number closed before may be a new pipe's by now).
+            close = [sock.fileno() for sock in (*self.socks, ours, *(x for pair in pairs[w + 1 :] for x in pair))]
+            spec = SimpleNamespace(
                 sock=theirs,
                 dataset=self.dataset,
                 worker=w,
@@ -271,11 +249,7 @@ class ProcessWorkers:
                 collate_fn=self.collate_fn,
                 init_fn=self.init_fn,
                 as_stored=self.as_stored,
-                # Forked: the loop's end of every socket, and the sockets of workers not started yet,
-                # numbered as they are open now (a number closed before may be a new pipe's by now).
-                close_fds=[sock.fileno() for sock in (*self.socks, ours, *(x for pair in pairs[w + 1 :] for x in pair))]
-                if self.method == "fork"
-                else [],
+                close_fds=close if self.method == "fork" else [],
             )
             proc = context.Process(target=worker_main, args=(spec,), name=f"shardstream-worker-{w}", daemon=True)
             proc.start()
@@ -287,39 +261,29 @@ class ProcessWorkers:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def run_pass(self) -> Iterator[tuple[Any, Any]]:
-        """(origin, batch) of every batch of the next pass, dealt from the workers in turn."""
-        self.passes += 1
-        number = self.passes
+    def _begin(self, number: int) -> int:
         for w, sock in enumerate(self.socks):
             send(sock, ("pass", number, self.prefetch, self.mappings.take_released(w)))
-        active = list(range(self.num_workers))
-        turn, first, done = 0, True, False
-        try:
-            while active:
-                w = active[turn % len(active)]
-                message, fds = self._recv(w, self.first_timeout if first else self.timeout)
-                if message[0] == "end":
-                    active.remove(w)
-                    continue
-                if message[0] == "error":
-                    raise self._error(w, message)
-                _, origin, packed, dropped = message
-                batch = self.mappings.unpack(w, packed, fds, dropped, self.pin)
-                send(self.socks[w], ("credit", number, self.mappings.take_released(w)))
-                turn += 1
-                first = False
-                yield origin, batch
-            done = True
-        finally:
-            if not done:
-                self._abandon(number, active)
+        return number
 
-    def _abandon(self, number: int, active: list[int]) -> None:
+    def _next(self, run: Any, w: int, bound: float | None) -> tuple[Any, Any] | None:
+        message, fds = self._recv(w, bound)
+        if message[0] == "end":
+            return None
+        if message[0] == "error":
+            raise self._error(w, message)
+        _, origin, packed, dropped = message
+        batch = self.mappings.unpack(w, packed, fds, dropped, self.pin)
+        send(self.socks[w], ("credit", run, self.mappings.take_released(w)))
+        return origin, batch
+
+    def _end(self, run: Any, done: bool, active: list[int]) -> None:
         """A pass left before its end: its workers told to stop, and what they still send drained."""
+        if done:
+            return
         try:
             for w in active:
-                send(self.socks[w], ("stop", number))
+                send(self.socks[w], ("stop", run))
             for w in active:
                 while True:
                     message, fds = self._recv(w, self.timeout)
@@ -336,7 +300,7 @@ class ProcessWorkers:
             left = None if bound is None else bound - (time.monotonic() - started)
             if left is not None and left <= 0:
                 self.stop()
-                raise WorkerTimeout(self._late(w, bound or 0))
+                raise self.late(w, bound or 0, self.procs[w].pid)
             ready = wait([sock, proc.sentinel], timeout=left)
             if sock in ready:
                 try:
@@ -374,22 +338,6 @@ class ProcessWorkers:
             worker=w,
             pid=proc.pid,
             exitcode=code,
-        )
-
-    def _late(self, w: int, bound: float) -> str:
-        pid = self.procs[w].pid
-        line = self.dataset.counters.worker_line(w)
-        if line is None or line[0] != pid:
-            what = (
-                f"worker {w} (pid {pid}) has not started its pass: no line of the dataset ran in {bound:.0f} s (a start "
-                "that hung: an import or worker_init_fn that blocks)"
-            )
-        else:
-            _, ago, made, step = line
-            what = f"worker {w} (pid {pid}) made {made} batches this pass; its last step, {ago:.0f} s ago: {step}"
-        return (
-            f"rank {self.rank}: no batch from the DataLoader workers in {bound:g} s; {what}. Raise make_loader's timeout / "
-            "first_batch_timeout if this is expected (slow storage, huge batches); py-spy dump --pid PID shows where a worker is stuck"
         )
 
     def _error(self, w: int, message: Any) -> BaseException:

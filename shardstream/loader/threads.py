@@ -21,11 +21,11 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from shardstream.errors import WorkerTimeout
 from shardstream.loader.handoff import pin as pin_batch
+from shardstream.loader.workers import Workers
 from shardstream.plan.topology import WorkerInfo, set_worker
 
 _JOIN_S = 10.0  # how long a pass left early waits for its threads to stop
@@ -87,81 +87,47 @@ def _work(
         set_worker(None, thread=True)
 
 
-class ThreadWorkers:
-    """A loader's thread workers: each pass (``run_pass``) runs one thread per worker."""
+class ThreadWorkers(Workers):
+    """A loader's thread workers: each pass runs one thread per worker."""
 
-    def __init__(
-        self,
-        dataset: Any,
-        num_workers: int,
-        *,
-        prefetch: int,
-        collate_fn: Callable[[Any], Any] | None,
-        init_fn: Callable[[int], Any] | None,
-        pin: bool,
-        timeout: float | None,
-        first_timeout: float | None,
-    ):
-        self.dataset, self.num_workers = dataset, num_workers
-        self.prefetch, self.collate_fn, self.init_fn, self.pin = max(1, prefetch), collate_fn, init_fn, pin
-        self.timeout, self.first_timeout = timeout, first_timeout
+    kind, group = "thread worker", "thread workers"
+
+    def __init__(self, dataset: Any, num_workers: int, **kw: Any):
+        super().__init__(dataset, num_workers, **kw)
         self.base_seed = random.getrandbits(62)
 
-    def alive(self) -> bool:
-        return True
-
-    def stop(self) -> None:
-        pass
-
-    def run_pass(self) -> Iterator[tuple[Any, Any]]:
-        k = self.num_workers
-        stop = threading.Event()
+    def _begin(self, number: int) -> tuple[threading.Event, list[queue.Queue], list[threading.Thread]]:
+        k, stop = self.num_workers, threading.Event()
         queues: list[queue.Queue] = [queue.Queue(self.prefetch) for _ in range(k)]
         self.dataset.counters.clear_board()
         threads = []
         for w in range(k):
             view = self.dataset.thread_view()
-            info = WorkerInfo(w, k, self.base_seed + w, view)
-            args = (view, info, queues[w], stop, self.collate_fn, self.init_fn, self.pin)
+            args = (view, WorkerInfo(w, k, self.base_seed + w, view), queues[w], stop, self.collate_fn, self.init_fn, self.pin)
             threads.append(threading.Thread(target=_work, args=args, name=f"shardstream-worker-{w}", daemon=True))
         for thread in threads:
             thread.start()
-        active = list(range(k))
-        turn, first = 0, True
-        try:
-            while active:
-                w = active[turn % len(active)]
-                item = self._get(w, queues[w], threads[w], self.first_timeout if first else self.timeout)
-                if item[0] == "end":
-                    active.remove(w)
-                    continue
-                if item[0] == "error":
-                    exc = item[1]
-                    exc.add_note(f"(raised in rank {self.dataset.world.rank}'s thread worker {w})")
-                    raise exc
-                turn += 1
-                first = False
-                yield item[1], item[2]
-        finally:
-            stop.set()
-            deadline = time.monotonic() + _JOIN_S
-            for thread in threads:  # (one stuck in a read cannot be stopped: it is left, a daemon)
-                thread.join(max(0.0, deadline - time.monotonic()))
+        return stop, queues, threads
 
-    def _get(self, w: int, q: queue.Queue, thread: threading.Thread, bound: float | None) -> Any:
+    def _next(self, run: Any, w: int, bound: float | None) -> tuple[Any, Any] | None:
+        q, thread = run[1][w], run[2][w]
         started = time.monotonic()
         while True:
             try:
-                return q.get(timeout=_POLL_S if bound is None else min(_POLL_S * 20, max(0.001, bound - (time.monotonic() - started))))
+                item = q.get(timeout=_POLL_S if bound is None else min(_POLL_S * 20, max(0.001, bound - (time.monotonic() - started))))
             except queue.Empty:
-                pass
-            if not thread.is_alive() and q.empty():
-                raise RuntimeError(f"thread worker {w} ended without a word")  # (it always says end or error)
-            if bound is not None and time.monotonic() - started >= bound:
-                line = self.dataset.counters.worker_line(w)
-                step = f"made {line[2]} batches this pass; its last step, {line[1]:.0f} s ago: {line[3]}" if line else "has not started its pass"
-                raise WorkerTimeout(
-                    f"rank {self.dataset.world.rank}: no batch from the thread workers in {bound:g} s; thread worker {w} {step}. "
-                    "Raise make_loader's timeout / first_batch_timeout if this is expected (slow storage, huge batches); "
-                    "py-spy dump --pid PID shows where it is stuck"
-                )
+                if not thread.is_alive() and q.empty():
+                    raise RuntimeError(f"thread worker {w} ended without a word") from None  # (it always says end or error)
+                if bound is not None and time.monotonic() - started >= bound:
+                    raise self.late(w, bound) from None
+                continue
+            if item[0] == "error":
+                item[1].add_note(f"(raised in rank {self.rank}'s thread worker {w})")
+                raise item[1]
+            return None if item[0] == "end" else (item[1], item[2])
+
+    def _end(self, run: Any, done: bool, active: list[int]) -> None:
+        run[0].set()
+        deadline = time.monotonic() + _JOIN_S
+        for thread in run[2]:  # (one stuck in a read cannot be stopped: it is left, a daemon)
+            thread.join(max(0.0, deadline - time.monotonic()))
