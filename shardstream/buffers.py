@@ -1,5 +1,6 @@
 """Reusable large buffers for one pass over the data: large members' own buffers (the tar parser)
-and batch buffers (the default collate in the main process).
+and batch buffers (the default collate outside worker processes, whose batch buffers come from
+their hand-off's segments: ``plan.topology.shared_allocator``).
 
 Fresh memory is not free: the kernel zeroes and maps every page on first touch, which on these
 machines costs about as much as copying the bytes once more. A pass over 4 MiB samples allocates
@@ -111,39 +112,3 @@ def _bytearray_constructor() -> Any:
 
 
 _new_bytearray = _bytearray_constructor()
-
-# In a worker process of make_loader's loader, the hand-off's segment pool (loader/handoff.py)
-# hands out the memory of large batch buffers, so that the batch reaches the loop's process
-# without a copy; the worker registers it here when it starts, and the pipeline asks here (it
-# never imports the loader).
-_shared_allocator: Any = None
-
-
-def set_shared_allocator(take: Any) -> None:
-    """Where ``shared_allocator()`` points in this process (None: nowhere)."""
-    global _shared_allocator
-    _shared_allocator = take
-
-
-def shared_allocator() -> Any:
-    """``take(nbytes) -> uint8 ndarray`` of this worker process's segment pool, None elsewhere."""
-    return _shared_allocator
-
-
-# In a worker process of make_loader's loader whose batches are its samples as stored (no decoding,
-# no transform, no collate of the user's: nothing between the read and the hand-off sees a field),
-# a large member's pieces are joined straight into the batch's shared segment by the hand-off
-# (format.tar's ``Unjoined``), not into ``bytes`` first. The worker's start says so here. The
-# switch is the worker process's: another dataset with decoders iterated inside such a worker (not
-# a use seen) would get ``Unjoined`` values for its large members too.
-_as_stored = False
-
-
-def set_handed_as_stored(flag: bool) -> None:
-    """Whether this process's samples go from the read to the hand-off untouched (see above)."""
-    global _as_stored
-    _as_stored = flag
-
-
-def handed_as_stored() -> bool:
-    return _as_stored

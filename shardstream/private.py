@@ -1,15 +1,11 @@
 """Every private name of multiprocessing and s3fs that shardstream uses, here: four, each essential.
 
-Each accessor below says what it reaches and why no public way does it. A name is looked up at its
-first use and checked then: where a Python or s3fs release has removed or renamed it, the use
-raises ``PrivateNameGone`` naming the name and the versions installed, instead of an
-``AttributeError`` deep in a worker. ``NAMES`` lists them all; ``check()`` resolves every one (the
-suite's tests/test_private.py does, on every combination of the version matrix, .ci/matrix).
-
-Here too: multiprocessing's undocumented names without an underscore (``context.get_spawning_popen``,
-``reduction.DupFd``), as undocumented as the others. Nothing of torch's is used, and no function of
-torch, multiprocessing or the C library is replaced or wrapped: the loader's workers, their hand-off
-and their start are built on public parts (loader/).
+``NAMES`` says what each reaches and why no public way does it. A name is looked up at its first
+use: where a release has removed or renamed it, the use raises ``PrivateNameGone`` naming it and
+the versions installed, not an ``AttributeError`` deep in a worker. ``check()`` resolves them all
+(tests/test_private.py, on every combination of .ci/matrix). multiprocessing's undocumented names
+without an underscore count too. Nothing of torch's is used, and no function of torch,
+multiprocessing or the C library is replaced or wrapped (loader/ is built on public parts).
 """
 
 from __future__ import annotations
@@ -55,7 +51,6 @@ _lock = threading.Lock()
 
 
 def versions() -> str:
-    """The versions the names depend on, for an error message."""
     parts = [f"Python {platform.python_version()}"]
     for module in ("torch", "s3fs", "botocore"):
         mod = sys.modules.get(module)
@@ -73,7 +68,7 @@ def gone(name: str, detail: str = "") -> PrivateNameGone:
 
 
 def resolve(name: str) -> Any:
-    """The object ``name`` of NAMES stands for, looked up once; ``PrivateNameGone`` where it is missing."""
+    """The object ``name`` of NAMES stands for, looked up once (``PrivateNameGone`` if missing)."""
     got = _resolved.get(name)
     if got is not None:
         return got
@@ -91,32 +86,26 @@ def resolve(name: str) -> Any:
 
 # -- multiprocessing --------------------------------------------------------------------------------
 def spawning() -> bool:
-    """Whether this thread is pickling for a new process's start (spawn, forkserver): what such a
-    pickle holds reaches that process only (file descriptors travel with it), where a plain pickle or
-    deepcopy shares nothing."""
+    """Whether this thread pickles for a new process's start (spawn, forkserver), not a copy."""
     return resolve("multiprocessing.context.get_spawning_popen")() is not None
 
 
 def dup_fd(fd: int) -> Any:
-    """``fd`` for the new process being pickled for (``spawning()``): the unpickled object's
-    ``detach()`` is a descriptor of the same open file in that process."""
+    """``fd`` for the new process being pickled for: its ``detach()`` there is the same open file."""
     return resolve("multiprocessing.reduction.DupFd")(fd)
 
 
 # -- s3fs, fsspec ----------------------------------------------------------------------------------
 async def s3_call(fs: Any, method: str, **params: Any) -> Any:
-    """An S3 call through s3fs's own client, retries and error mapping."""
     resolve("s3fs.S3FileSystem._call_s3")
     return await fs._call_s3(method, **params)
 
 
 def cached_s3_filesystems(s3fs: Any) -> list[Any]:
-    """The S3 filesystems fsspec's instance cache holds."""
     return list(getattr(s3fs.S3FileSystem, "_cache", {}).values())
 
 
 def check() -> list[str]:
-    """Resolve every module-level name of NAMES; returns the names checked."""
     for name in NAMES:
         resolve(name)
     return list(NAMES)

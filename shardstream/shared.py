@@ -1,13 +1,11 @@
-"""A lock shared by a rank's main process and its DataLoader workers, however they start, that
-leaves nothing behind when the whole process group is killed.
+"""A lock shared by a rank's main process and its workers, however they start, that leaves nothing
+behind when every process of the job is killed at once.
 
-multiprocessing's locks that travel to spawned and forkserver workers are named POSIX semaphores
-(``/dev/shm/sem.mp-*``), unlinked by a resource tracker process: kill -9 of the group (how
-schedulers stop jobs) kills the tracker too and leaves one file per lock. This lock is a POSIX
-record lock (``lockf``) on a temporary file that is unlinked as soon as it is opened: only file
-descriptors refer to it, and the kernel drops it with the last of them. Forked workers inherit
-the descriptor; others receive it with the dataset (``DupFd`` while spawning). Record locks are
-held per process, so threads of one process also take a thread lock first.
+multiprocessing's locks are named POSIX semaphores (``/dev/shm/sem.mp-*``) unlinked by its resource
+tracker, which a kill of the whole group kills too. This is a record lock (``lockf``) on a file
+unlinked as soon as it is opened: the kernel drops it with its last descriptor. Forked workers
+inherit the descriptor; others receive it as they start (``DupFd``). Record locks are per process,
+so threads of one process take a thread lock first.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def write_npy(root, n=24, shape=(64, 64)):
 
 
 def _collate_reporting_shared(samples):
-    from shardstream.buffers import shared_allocator
+    from shardstream.plan.topology import shared_allocator
 
     batch = default_collate(samples)
     take = shared_allocator()  # a worker process's segment pool's take, None elsewhere

@@ -241,7 +241,7 @@ class RecordStored:
         self.path = path
 
     def __call__(self, worker_id):
-        from shardstream.buffers import handed_as_stored
+        from shardstream.plan.topology import handed_as_stored
 
         with open(os.path.join(self.path, f"stored-{worker_id}"), "w") as f:
             f.write(str(handed_as_stored()))

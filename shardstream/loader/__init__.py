@@ -1,26 +1,21 @@
 """make_loader: a ShardStream's loader, with its workers as threads or processes.
 
-The dataset batches inside its workers; the loader deals a pass's batches from its workers in
-turn (worker 0's first, worker 1's first, ..., as torch's DataLoader does), counts each by its
-origin (plan/cursor.py) and hands it to the loop. ``len(loader)`` is the whole pass per rank (an
-epoch, also after ``load_state_dict``), as torch's DataLoader, StatefulDataLoader and Lightning
-count; ``loader.remaining`` is what is left of it.
+The dataset batches inside its workers; the loader deals a pass's batches from them in turn
+(loader/workers.py), counts each by its origin (plan/cursor.py) and hands it to the loop. Workers
+are threads (loader/threads.py: work that releases the GIL) or processes (loader/procs.py, started
+as start.py says: work that holds it); ``num_workers=0`` iterates in the loop's own thread. Every
+runtime runs the same plan and gives the same batches in the same order and the same state.
 
-Workers (``workers=``): ``"threads"`` (loader/threads.py) run in the loop's own process, for work
-that releases the GIL; ``"processes"`` (loader/procs.py, started as start.py says) for work that
-holds it. With ``num_workers=0`` the dataset is iterated in the loop's own thread. Every runtime
-runs the same plan, gives the same batches in the same order and the same state.
-
-Position: the loader plans each pass once (``ShardStream.open_pass``: its workers join that pass
-and check their own plan against it). Each batch comes with its origin (worker, pass, which of
-its batches); the loop's ``Cursor`` counts it, so the state is the pass's batches received
-without a gap: batches still in flight at checkpoint time are delivered again after a resume.
+Position: the loader plans each pass once (``ShardStream.open_pass``: workers check their own plan
+against it); the loop's ``Cursor`` counts the batches received without a gap, so batches in flight
+at checkpoint time are delivered again after a resume. ``len(loader)`` is the whole pass per rank
+(also after ``load_state_dict``), as torch's DataLoader, StatefulDataLoader and Lightning count;
+``loader.remaining`` is what is left of it.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,17 +45,10 @@ _LOADER_KEYWORDS = ("collate_fn", "worker_init_fn", "multiprocessing_context", "
 
 
 class ShardLoader:
-    """The loader ``make_loader`` returns (build it with ``make_loader``, which sets its defaults).
-
-    - ``len(loader)``: the batches each rank gets in a whole pass, the same on every rank, before
-      and after ``load_state_dict``; ``remaining``: what is left of the pass (of a resumed one, the rest).
-    - ``set_epoch(n)``, ``stats()``: the dataset's, reached from here.
-    - ``state_dict()`` / ``load_state_dict(state)``: the data position, counted in batches this
-      loop received (``to_device`` subtracts the one it holds copied ahead); see Resume.
-    - ``map(fn)``: ``fn`` applied to every batch in the loop's process, after the hand-off.
-    - Every wait for a batch is bounded (``timeout``, ``first_batch_timeout``: ``WorkerTimeout``);
-      a worker process that dies is ``WorkerDied``, a worker's own exception is raised as itself.
-    """
+    """The loader ``make_loader`` returns (build it with ``make_loader``, which sets its defaults):
+    ``len``, ``remaining``, ``set_epoch``, ``stats``, ``state_dict``/``load_state_dict`` (the data
+    position, in batches this loop received), ``map(fn)`` (applied to every batch in the loop's
+    process). A worker process that dies is ``WorkerDied``; a worker's own exception is raised as itself."""
 
     def __init__(
         self,
@@ -108,13 +96,10 @@ class ShardLoader:
         return self
 
     def __len__(self) -> int:
-        """Batches per rank of the pass in progress, else of the next, counted from the pass's
-        start, as torch's DataLoader, StatefulDataLoader and Lightning count: a whole pass, before
-        and after ``load_state_dict``. A resumed pass's length includes the batches received
-        before its checkpoint (the state's count), so a loop that restores its own step count and
-        stops at ``len(loader)`` (Lightning's fit loop) gets the rest exactly; on another topology
-        that is the batches received before plus those the elastic pass yields. What is left to
-        yield: ``remaining``."""
+        """Batches per rank of the pass in progress, else of the next, from the pass's start: a
+        resumed pass counts the batches received before its checkpoint too, so a loop that restores
+        its own step count and stops at ``len(loader)`` (Lightning's) gets the rest exactly (on
+        another topology: those before plus what the elastic pass yields)."""
         plan = self._length_plan()
         if plan is None or plan.loaded is None:
             return len(self.dataset)
@@ -123,9 +108,8 @@ class ShardLoader:
 
     @property
     def remaining(self) -> int:
-        """Batches per rank still to come in the pass in progress (or the one the loop left
-        mid-way, as ``state_dict`` counts), else in the next one: after ``load_state_dict``, what
-        the resumed pass yields (the rest of it); else a whole pass."""
+        """Batches per rank still to come in the pass in progress (or left mid-way), else in the
+        next one (after ``load_state_dict``: the rest of the resumed pass)."""
         current = self._unfinished()
         if current is not None:
             return current.plan.batches_per_rank - current.taken
@@ -242,8 +226,7 @@ class ShardLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next pass over its epoch delivers the rest of it
-        (exactly, or elastically on another topology). Worker processes already started are
-        replaced, so they see the state."""
+        (exactly, or elastically on another topology); started workers are replaced."""
         self.dataset.load_state_dict(state)
         self._cursor = None
         self._forget_workers()
@@ -255,8 +238,7 @@ class ShardLoader:
         return self._rank_report
 
     def close(self) -> None:
-        """Stop the loader's worker processes now (persistent ones included); the next pass starts
-        new ones. Dropping the loader does the same."""
+        """Stop the loader's worker processes now (the next pass starts new ones), as dropping it does."""
         self._forget_workers()
 
     def _forget_workers(self) -> None:
@@ -265,59 +247,22 @@ class ShardLoader:
             runtime.stop()
 
     def stats(self) -> dict[str, int]:
-        """This rank's stream counters, summed over its workers since the dataset was built (the
-        dataset's ``stats()``): counter name -> count, such as ``bytes_read``, ``requests``,
-        ``retries``, ``samples_skipped``, ``cache_hits`` (all of them: ``shardstream.stats.COUNTERS``).
-        Workers add to them as they read, so they can be read during an epoch."""
+        """This rank's stream counters summed over its workers (``ShardStream.stats``), live."""
         return self.dataset.stats()
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass over the loader follow epoch ``epoch`` (its shard order and shuffle;
-        the same on every rank); later passes go on from it (``epoch + 1``, ...). Without it, every
-        new pass advances the epoch by one by itself. It reaches worker processes already started
-        too. After ``load_state_dict``, ``set_epoch`` with the state's epoch (``dataset.epoch`` once
-        loaded) keeps the loaded state: that epoch's pass delivers the rest of it."""
+        """The next pass follows epoch ``epoch`` (``ShardStream.set_epoch``; started workers too);
+        with the loaded state's epoch it keeps that state: the pass delivers the rest of it."""
         self.dataset.set_epoch(epoch)
 
 
-_readying: list[threading.Thread] = []  # ready_for_fork(ahead=True) threads no fork has waited for yet
-_readying_lock = threading.Lock()
-
-
-def ready_for_fork(dataset: ShardStream, *, ahead: bool = False) -> None:
+def ready_for_fork(dataset: ShardStream) -> None:
     """Before ``fork`` starts workers: the storage clients they read remote sources with, made here
-    (``storage.ranges.ready_for_fork``), so every worker inherits them instead of making its own.
-
-    ``ahead``: in a background thread, which ``make_loader`` starts, so that the script's own set-up
-    before its first pass (the model, DDP) hides it (in a fresh process 0.6 s, most of it importing
-    s3fs). A loader's fork first waits for every such thread: none forks while one imports or holds
-    a lock."""
-    if ahead:
-        thread = threading.Thread(target=_ready_quietly, args=(dataset,), name="shardstream-fork-ready", daemon=True)
-        with _readying_lock:
-            _readying.append(thread)
-        thread.start()
-        return
-    with _readying_lock:
-        pending = _readying[:]
-        _readying.clear()
-    for thread in pending:
-        thread.join()
-    _ready(dataset)  # (after a thread did it: found made, at once)
-
-
-def _ready(dataset: ShardStream) -> None:
+    (``storage.ranges.ready_for_fork``), so every worker inherits them instead of making its own."""
     for manifest, options in zip(dataset.sources.manifests, dataset.sources.storage_options):
         if is_remote(manifest):
             url = manifest.base_url or (manifest.file_url(0) if isinstance(manifest, TableManifest) else manifest.shard_url(0))
             ready_storage_for_fork(url, options, dataset.storage)
-
-
-def _ready_quietly(dataset: ShardStream) -> None:
-    try:
-        _ready(dataset)
-    except Exception:  # noqa: BLE001 - the fork readies again, and a failure there is the workers' to report
-        logger.debug("shardstream: storage not readied ahead of the fork", exc_info=True)
 
 
 def _as_stored(dataset: ShardStream) -> bool:
@@ -412,8 +357,6 @@ def make_loader(
         ctx = context(start_method, remote=any(is_remote(m) for m in dataset.sources.manifests)) if workers == "processes" else None
     if num_workers > 0 and workers == "processes":
         logger.info("shardstream: worker processes start with %s (%s)", start_method, why)
-        if start_method == "fork" and any(is_remote(m) for m in dataset.sources.manifests):
-            ready_for_fork(dataset, ahead=True)  # the workers' storage clients, made while the script sets up
     return ShardLoader(
         dataset,
         num_workers=num_workers,

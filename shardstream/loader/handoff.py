@@ -1,18 +1,16 @@
 """How a batch made in a worker process reaches the loop's process, on public ground only.
 
 A batch travels as one pickled message over the worker's socket. Small CPU tensors (at most
-``INLINE_MAX_BYTES``) travel inside it as numpy arrays and become tensors again on arrival
-(``torch.from_numpy``, no copy). Large tensors and large ``bytes`` fields travel in *segments*:
-anonymous shared memory (``os.memfd_create``, mapped with ``mmap``) whose file descriptors ride
-along with the message (``socket.send_fds``). No segment has a name, so nothing is ever left in
-/dev/shm, whatever kills the job. The default collate writes a worker's large batch fields
-straight into a segment (``buffers.take_shared``), so their bytes are copied once, by the
-collate; a large tensor made elsewhere (the user's collate) is copied into one.
+``INLINE_MAX_BYTES``) travel inside it as numpy arrays (``torch.from_numpy`` on arrival, no copy).
+Large tensors and large ``bytes`` fields travel in *segments*: anonymous shared memory
+(``os.memfd_create`` + ``mmap``) whose descriptors ride along (``socket.send_fds``). No segment has
+a name, so nothing is ever left in /dev/shm. The default collate writes large batch fields straight
+into a segment (``plan.topology.shared_allocator``): their bytes are copied once; a large tensor
+made elsewhere (the user's collate) is copied into one.
 
-A worker keeps its segments and writes them again once the loop's process lets go: each arrived
-batch's tensors view a fresh numpy array over the segment's mapping, and when the last of them is
-gone a finalizer queues the segment's release, which goes back with the loop's next message to
-the worker. Fresh memory costs a page fault per page; reused segments do not.
+A worker writes its segments again once the loop's process lets go: each arrived batch views a
+fresh numpy array over the mapping, whose finalizer queues the segment's release, sent back with
+the loop's next message. Fresh memory costs a page fault per page; reused segments do not.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,6 @@ INLINE_MAX_BYTES = 64 * 1024
 # the same type on arrival, instead of being pickled into the message.
 SHARED_FIELD_MIN_BYTES = 1 << 20
 MAX_SEGMENTS = 8  # segments a worker keeps for reuse; more in flight are used once
-_SCALARS = (str, bytes, int, float, bool, type(None))
 _FREE_REFS = 2  # a segment's array is free when only its segment and getrefcount's argument hold it
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # linux/mman.h
@@ -89,12 +87,9 @@ class SegmentPool:
         while len(self._segments) > self.keep and free:
             seg = free.pop(0)
             self._segments.remove(seg)
-            self._close(seg)
-
-    def _close(self, seg: _Segment) -> None:
-        os.close(seg.fd)
-        if seg.sent:
-            self.dropped.append(seg.number)
+            os.close(seg.fd)
+            if seg.sent:
+                self.dropped.append(seg.number)
 
     def find(self, array_or_tensor: Any) -> tuple[_Segment, int] | None:
         """(segment, byte offset) of the memory a tensor or array starts in, if it is a segment's."""
@@ -113,11 +108,10 @@ class SegmentPool:
 
 
 class _Packing:
-    __slots__ = ("fds", "pool", "used")
+    __slots__ = ("fds", "pool")
 
     def __init__(self, pool: SegmentPool):
         self.pool = pool
-        self.used: dict[int, _Segment] = {}
         self.fds: list[int] = []
 
     def place(self, data: Any, nbytes: int) -> tuple[int, int, int]:
@@ -141,7 +135,6 @@ class _Packing:
             fd = len(self.fds)
             self.fds.append(seg.fd)
         seg.out = True
-        self.used[seg.number] = seg
         return seg.number, offset, fd
 
 
@@ -155,28 +148,23 @@ def pack(batch: Any, pool: SegmentPool) -> tuple[Any, list[int], list[int]]:
     return out, ctx.fds, dropped
 
 
+@dataclass(slots=True)
 class _OnSegment:
     """A large tensor or bytes field's place: segment, offset, (dtype, shape, stride) or a bytes type."""
 
-    __slots__ = ("kind", "number", "offset", "shape", "stride", "fd")
+    number: int
+    offset: int
+    fd: int  # the index of its descriptor among the message's, -1 if the loop's process has it
+    kind: str
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
 
-    def __init__(self, number: int, offset: int, fd: int, kind: str, shape: tuple[int, ...] = (), stride: tuple[int, ...] = ()):
-        self.number, self.offset, self.fd, self.kind, self.shape, self.stride = number, offset, fd, kind, shape, stride
 
-    def __reduce__(self) -> Any:
-        return _OnSegment, (self.number, self.offset, self.fd, self.kind, self.shape, self.stride)
-
-
+@dataclass(slots=True)
 class _Inline:
     """A small tensor travelling as a numpy array."""
 
-    __slots__ = ("array",)
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def __reduce__(self) -> Any:
-        return _Inline, (self.array,)
+    array: np.ndarray
 
 
 def rebuild(obj: Any, leaf: Any) -> Any:

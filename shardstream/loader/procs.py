@@ -1,28 +1,21 @@
 """Worker processes: a loader's workers as processes, each talking to the loop over one socket.
 
-Each worker gets a copy of the dataset (pickled as it starts, unless forked) and iterates its
-share of every pass it is told to run, worker ``w`` of ``K`` as the plan says. What crosses:
+Each worker gets a copy of the dataset (pickled as it starts, unless forked) and iterates its share
+of every pass it is told to run. Loop -> worker: ``("pass", n, prefetch, released)``;
+``("credit", n, released)`` after each batch received (at most ``prefetch`` batches ahead);
+``("stop", n)`` ends pass n early; ``("exit",)``; ``released``: the segments the loop let go.
+Worker -> loop: ``("batch", origin, packed, dropped)`` with the descriptors of new segments
+(handoff.py), ``("end",)``, ``("error", ...)`` (the worker's own exception, rebuilt in the loop).
 
-- loop -> worker: ``("pass", n, prefetch, released)`` runs pass n; ``("credit", n, released)``
-  after each batch received (a worker keeps at most ``prefetch`` batches ahead of the loop);
-  ``("stop", n)`` ends pass n early; ``("exit",)``. ``released`` lists the segments the loop let go.
-- worker -> loop: ``("batch", origin, packed, dropped)`` with the descriptors of new segments
-  (handoff.py), ``("end",)``, ``("error", ...)`` (the worker's own exception, rebuilt in the loop).
-
-Only public parts: ``multiprocessing`` contexts' ``Process``, ``socket.socketpair``,
-``socket.send_fds``/``recv_fds`` and ``multiprocessing.connection.wait``. No queue, lock or
-semaphore of multiprocessing's is made, so nothing is named in /dev/shm and a kill of every
-process of the job at once leaves nothing behind.
-
-Every wait of the loop is bounded (``timeout``, ``first_timeout`` for a pass's first batch): past
-it, ``WorkerTimeout`` names the worker that owes the batch, its pid and its last step (the rank's
-board, stats.py). A worker that exits is ``WorkerDied`` naming it, its signal or exit code and its
-last step. A worker dies with its rank: a thread of the worker waits for its socket to hang up.
+Only public parts: a context's ``Process``, ``socket.socketpair``, ``send_fds``/``recv_fds``,
+``multiprocessing.connection.wait``. No queue, lock or semaphore of multiprocessing's is made, so
+nothing is named in /dev/shm and a kill of every process of the job leaves nothing behind. A worker
+that exits is ``WorkerDied`` naming it, its signal or exit code and its last step (the rank's board,
+stats.py); a worker dies with its rank (a thread of it waits for its socket to hang up).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import random
@@ -39,13 +32,10 @@ from multiprocessing.connection import wait
 from types import SimpleNamespace
 from typing import Any
 
-from shardstream.buffers import set_handed_as_stored, set_shared_allocator
 from shardstream.errors import WorkerDied
 from shardstream.loader.handoff import Mappings, SegmentPool, pack
 from shardstream.loader.workers import Workers
-from shardstream.plan.topology import WorkerInfo, set_worker
-
-logger = logging.getLogger(__name__)
+from shardstream.plan.topology import WorkerInfo, set_worker, set_worker_process
 
 _HEADER = struct.Struct("<QI")
 MAX_FDS = 64  # new segments one message may carry
@@ -130,8 +120,7 @@ def worker_main(spec: Any) -> None:
     np.random.seed(seed % 2**32)
     set_worker(WorkerInfo(spec.worker, spec.num_workers, seed, dataset), thread=False)
     pool = SegmentPool()
-    set_shared_allocator(pool.take)
-    set_handed_as_stored(spec.as_stored)
+    set_worker_process(pool.take, spec.as_stored)
     counters = getattr(dataset, "counters", None)
     if counters is not None:
         counters.counters(spec.worker).step(f"started ({spec.method}), running worker_init_fn")

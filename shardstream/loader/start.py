@@ -1,18 +1,14 @@
 """How a loader's worker processes start: the start method, and what is checked before any starts.
 
-``fork()`` copies one thread of a process that may have many: a child forked while another
-thread holds a lock (OpenMP's, CUDA's, an allocator's, CPython's own before 3.12) can deadlock
-before it runs a line of Python. So worker processes start from ``forkserver`` by default (what
-Python 3.14 chooses on Linux): a single-threaded server process, started once, forks each worker,
-which receives the dataset pickled (what it cannot import by value: portable.py). ``fork`` and
-``spawn`` are there when asked for (``make_loader(start_method=...)`` or
-``SHARDSTREAM_START_METHOD``); the first loader of a process that does not ask fixes the method
-for every later one. The server preloads torch and shardstream (``multiprocessing``'s public
-``set_forkserver_preload``), so each worker it forks starts without importing them.
-
-Workers that are not forked import the main script again (as ``__mp_main__``): a script whose
-loader starts at its top level, outside ``if __name__ == "__main__":``, is told so before any
-worker starts, instead of failing in every worker.
+``fork()`` copies one thread of a process that may have many: a child forked while another thread
+holds a lock (OpenMP's, CUDA's, an allocator's) can deadlock before it runs a line of Python. So
+worker processes start from ``forkserver`` by default (Python 3.14's default on Linux): a
+single-threaded server forks each worker, which receives the dataset pickled (what it cannot import
+goes by value: portable.py). The server preloads torch and shardstream (multiprocessing's public
+``set_forkserver_preload``), so a worker starts without importing them. ``fork`` and ``spawn`` are
+there when asked for. Workers that are not forked import the main script again (as
+``__mp_main__``): a script whose loader starts outside ``if __name__ == "__main__":`` is told so
+before any worker starts, instead of failing in every worker.
 """
 
 from __future__ import annotations
@@ -42,13 +38,9 @@ _process_method: str | None = None  # what "auto" means in this process, fixed b
 
 
 def resolve_start_method(start_method: str) -> tuple[str, str]:
-    """(the start method, why) for ``make_loader``'s ``start_method``, decided once per process.
-
-    ``"auto"`` (the default) is ``forkserver`` (what Python 3.14 chooses by default on Linux),
-    unless ``SHARDSTREAM_START_METHOD`` names another (read once, by the first "auto" loader of the
-    process): every later "auto" loader gets the same, so a run never changes method between
-    passes or loaders. A loader that asks for a method gets it; one asking for another than the
-    process's "auto" loaders chose is warned that one process then starts workers two ways."""
+    """(the start method, why) for ``make_loader``'s ``start_method``. ``"auto"`` is ``forkserver``
+    unless ``SHARDSTREAM_START_METHOD`` names another, fixed by the process's first "auto" loader
+    for every later one; a method asked for is given (with a warning where it differs)."""
     global _process_method
     if start_method not in START_METHODS:
         raise ConfigError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
@@ -80,9 +72,9 @@ def resolve_start_method(start_method: str) -> tuple[str, str]:
 
 
 def context(method: str, remote: bool = False) -> Any:
-    """The multiprocessing context for ``method``; a forkserver's server (if not started yet)
-    preloads torch and shardstream, and the S3 client where a loader over remote data asked
-    (``remote``). The server makes no request: its children start their clients afresh."""
+    """The multiprocessing context for ``method``; a forkserver's server (not started yet) preloads
+    torch and shardstream, and the S3 client's modules where a loader reads remote data (it makes no
+    request: its children make their own clients)."""
     if method == "forkserver":
         if remote:
             _preload.extend(m for m in REMOTE_PRELOAD if m not in _preload)
@@ -91,9 +83,8 @@ def context(method: str, remote: bool = False) -> Any:
 
 
 def check_picklable(method: str, why: str, **parts: Any) -> None:
-    """Workers that are not forked receive the dataset and the loader's functions pickled (what a
-    worker cannot import, such as a notebook's function or a lambda, by value: portable.py): say
-    which part cannot be, and what to do, before any worker starts."""
+    """Workers that are not forked receive the dataset and the loader's functions pickled: say which
+    part cannot be, and what to do, before any worker starts."""
     for name, obj in parts.items():
         if obj is None:
             continue
@@ -108,11 +99,9 @@ def check_picklable(method: str, why: str, **parts: Any) -> None:
 
 
 def main_without_file() -> None:
-    """For workers that are not forked, when the main module's ``__file__`` names no file:
-    ``python -`` sets it to ``"<stdin>"``, and multiprocessing's ``spawn.prepare`` then has every
-    worker (spawned or forkserver's) run that path as the main script, which fails before the
-    worker starts (FileNotFoundError). Such a main is treated as ``python -c``'s, which has no
-    ``__file__``: the attribute is removed, once (it named nothing a program could open)."""
+    """``python -`` sets ``__main__.__file__`` to ``"<stdin>"``, which every worker that is not
+    forked would try to run as the main script (FileNotFoundError before it starts): such a main is
+    treated as ``python -c``'s, which has no ``__file__``; the attribute is removed, once."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not isinstance(path, str) or getattr(main, "__spec__", None) is not None:
@@ -124,11 +113,8 @@ def main_without_file() -> None:
 
 def check_main_guarded(method: str) -> None:
     """ConfigError when workers that start with ``method`` (forkserver, spawn) are about to start
-    from the top level of the main script, outside ``if __name__ == "__main__":``. Such a worker
-    imports the script again (as ``__mp_main__``) and runs its top-level code: it builds the stream
-    and starts workers of its own, which multiprocessing refuses, and the loop would only see
-    a worker's exit. Said here, before any worker starts. A script whose
-    source cannot be read or parsed is not judged."""
+    from the main script's top level, outside ``if __name__ == "__main__":``: each would import the
+    script again, run that code and fail starting workers of its own. An unreadable script is not judged."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not path:  # an interactive session, python -c: nothing is imported again
@@ -147,12 +133,9 @@ def check_main_guarded(method: str) -> None:
 
 
 def _main_line(path: str, main_globals: dict[str, Any]) -> int | None:
-    """The line of the main script's top level that this call comes from, None if it comes from
-    inside a function. The frames are let go before returning: a frame held in a local of its own
-    function is a reference cycle, and the callers' frames (the loader starting its workers, its
-    DataLoader iterator) would then live until the garbage collector's next pass, whose shutdown
-    of an iterator's workers waits DataLoader's 5 s status interval for each (its queues' own
-    finalizers have run first)."""
+    """The line of the main script's top level this call comes from, None if from inside a function.
+    The frame is let go before returning: one held in its own function's local is a reference cycle
+    that keeps the callers' frames (the loader, its workers) until the next garbage collection."""
     frame = inspect.currentframe()
     try:
         while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is main_globals and frame.f_code.co_filename == path):
@@ -164,8 +147,8 @@ def _main_line(path: str, main_globals: dict[str, Any]) -> int | None:
 
 @functools.lru_cache(maxsize=8)
 def _main_guards(path: str) -> tuple[tuple[int, int], ...] | None:
-    """The line ranges of the top-level ``if __name__ == "__main__":`` blocks of the script at
-    ``path`` (None: unreadable or not Python); read once per script, not at every pass."""
+    """The line ranges of the script's top-level ``if __name__ == "__main__":`` blocks (None:
+    unreadable or not Python), read once per script."""
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read())

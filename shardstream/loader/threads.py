@@ -1,18 +1,13 @@
 """Thread workers: a loader's workers as threads of the loop's own process.
 
-For work that releases the GIL (reading from storage, decompression, PIL/numpy/torch decoding) a
-thread does what a worker process does without its costs: nothing is pickled, no memory is shared
-or copied between processes, no start method, no process start (the first batch comes as soon as
-the first reads do), and a batch reaches the loop as the very tensors the worker made. Pure-Python
-work per sample (a transform in Python, tar headers of tiny samples) holds the GIL, and there
-processes do better; on a free-threaded Python (3.13t, 3.14t) threads run in parallel for both.
-
-Worker ``w`` of ``K`` iterates its own view of the dataset (``ShardStream.thread_view``: the same
-plan, clock and counters; its own place in the pass and its own copies of seeded transforms), so
-the plan, the state and resume are the same as with processes. ``get_worker_info()`` (shardstream's)
-names the thread's worker; torch's says None, as it does in any thread of the loop's process.
-Each pass starts its threads afresh (a thread starts in microseconds); a pass left early tells its
-threads to stop and waits for them.
+For work that releases the GIL (reading, decompression, PIL/numpy/torch decoding) a thread does what
+a worker process does without its costs: nothing pickled, no shared memory, no start method, no
+process start, and a batch reaches the loop as the very tensors the worker made. Pure-Python work per
+sample holds the GIL, and there processes do better (on a free-threaded Python threads run in
+parallel for both). Worker ``w`` iterates its own view of the dataset (``ShardStream.thread_view``:
+the same plan, clock and counters; its own place in the pass and its own seeded transforms), so plan,
+state and resume are those of processes. Each pass starts its threads afresh; a pass left early tells
+them to stop and waits for them.
 """
 
 from __future__ import annotations

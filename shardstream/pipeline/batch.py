@@ -21,9 +21,10 @@ import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from shardstream.buffers import BufferPool, active_pool, batch_buffers, shared_allocator
+from shardstream.buffers import BufferPool, active_pool, batch_buffers
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
 from shardstream.format.extensions import IMAGE
+from shardstream.plan.topology import shared_allocator
 
 logger = logging.getLogger(__name__)
 

@@ -155,3 +155,26 @@ def current_worker() -> tuple[int, int]:
     """(worker id, number of workers) of the worker we run in; (0, 1) in the loop's own process."""
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+# What a worker process of make_loader's tells the pipeline as it starts (loader/procs.py): where
+# large batch buffers come from (its hand-off's segment pool: the batch crosses without a copy),
+# and whether its samples reach the hand-off as stored (no decoding, transform or collate of the
+# user's), so that a large member stays in pieces (``format.tar.Unjoined``) and is joined once,
+# into its segment. Elsewhere: None and False.
+_shared_allocator: Any = None
+_as_stored = False
+
+
+def set_worker_process(allocator: Any, as_stored: bool) -> None:
+    global _shared_allocator, _as_stored
+    _shared_allocator, _as_stored = allocator, as_stored
+
+
+def shared_allocator() -> Any:
+    """``take(nbytes) -> uint8 ndarray`` of this worker process's segment pool, None elsewhere."""
+    return _shared_allocator
+
+
+def handed_as_stored() -> bool:
+    return _as_stored
