@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import sys
 import time
 
 import torch
@@ -154,7 +156,6 @@ def main() -> None:
         counts = torch.tensor([batches], dtype=torch.int64, device=device)  # nccl gathers device tensors only
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
-        let_go(counts, *gathered)
         say(
             f"[rank {rank}] epoch {epoch}: {batches} batches, {samples} samples, {samples / elapsed:.0f} samples/s, "
             f"waited {wait:.2f}s for data ({100 * wait / elapsed:.0f}%), loss {float(loss_sum) / max(batches, 1):.3f}, "
@@ -166,20 +167,22 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def let_go(*tensors: torch.Tensor, timeout: float = 10.0) -> None:
-    """Wait until the backend's threads hold none of ``tensors`` (used by a collective that returned).
+def finish() -> None:
+    """End the rank now, without the interpreter's finalization: output flushed, then ``os._exit(0)``.
 
-    gloo's worker thread drops its references to a collective's tensors a moment after ``wait()``
+    gloo's worker thread drops its references to a collective's tensors a moment after the call
     returns, and dropping one takes the GIL (torch keeps a tensor's Python object alive while C++
-    holds it). If that moment falls after the interpreter began to exit, CPython ends the thread
-    with pthread_exit, and its unwinding through a C++ destructor aborts the rank: "terminate called
-    without an active exception" (1 demo run in 25; gdb: pt_gloo_runloop in ~AsyncAllgatherWork ->
-    decref_pyobject -> take_gil -> PyThread_exit_thread). A use count back to 1 (this Python
-    reference alone) means no thread will touch them again. ``Tensor._use_count`` is private: torch
-    has no public way to ask."""
-    deadline = time.monotonic() + timeout
-    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    holds it). If that moment falls after the interpreter began to exit, CPython 3.11 ends the
+    thread with pthread_exit, and its unwinding through a C++ destructor aborts the rank: "terminate
+    called without an active exception" (gdb: pt_gloo_runloop in ~AsyncAllgatherWork ->
+    decref_pyobject -> take_gil -> PyThread_exit_thread). A rank that never finalizes cannot meet
+    it. Call it last, after ``destroy_process_group`` and whatever must be saved; the loader's
+    worker processes end with their rank (they watch its socket), and shardstream leaves nothing to
+    clean up (no named shared memory, no lock files)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def say(line: str) -> None:
@@ -190,3 +193,4 @@ def say(line: str) -> None:
 
 if __name__ == "__main__":
     main()
+    finish()

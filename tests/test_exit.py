@@ -4,17 +4,19 @@ The cause, found with gdb on a rank that aborted: gloo's worker thread destroyed
 work after the interpreter began to exit; dropping the work's Python-made tensors takes the GIL
 (torch 2.13 keeps a tensor's Python object alive while C++ holds it), CPython 3.11 ends a thread
 that asks for the GIL during finalization with pthread_exit, and its forced unwinding through the
-C++ destructor calls std::terminate. examples/train_ddp.py waits after each collective until the
-thread let go of its tensors (``let_go``). Here a tiny DDP job on a real loader ends with a burst
-of such collectives, right before its ranks exit: without ``let_go`` about one run in ten aborted
-a rank, so one run here is a check that such a job exits cleanly, not a sure catch of the abort
-(three runs cost a minute and a half of the suite for a 27% catch)."""
+C++ destructor calls std::terminate. examples/train_ddp.py ends its ranks with ``finish()``
+(output flushed, ``os._exit(0)``: no finalization for the thread to meet). Here a tiny DDP job on a
+real loader with 2 worker processes ends with a burst of such collectives, right before its ranks
+exit: with no guard about one run in ten aborted a rank, so one run here is a check that such a
+job exits cleanly and prints all it printed, not a sure catch of the abort (three runs cost a
+minute and a half of the suite for a 27% catch)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import scaled, write_dataset
@@ -31,14 +33,15 @@ import torch.distributed as dist
 from shardstream import ShardStream, World, make_loader
 
 sys.path.insert(0, sys.argv[5])
-from train_ddp import let_go  # the example's own guard
+from train_ddp import finish  # the example's own end
 
 
 def main(rank, world, store, data):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = make_loader(ShardStream(data, batch_size=4, world=World(rank, world)), num_workers=1, log_interval=None)
+    ds = ShardStream(data, batch_size=4, world=World(rank, world))
+    loader = make_loader(ds, num_workers=2, workers="processes", log_interval=None)
     for batch in loader:
         loss = model(batch["cls"].float().view(-1, 1).expand(-1, 4)).sum()
         optimizer.zero_grad(set_to_none=True)
@@ -48,13 +51,14 @@ def main(rank, world, store, data):
         counts = torch.tensor([step])
         gathered = [torch.zeros_like(counts) for _ in range(world)]
         dist.all_gather(gathered, counts)
-        let_go(counts, *gathered)
     dist.destroy_process_group()
-    print("rank", rank, "done", flush=True)
+    print("workers", *(proc.pid for proc in loader._runtime.procs))  # (persistent: still running)
+    print("rank", rank, "done")  # (not flushed here: finish flushes it)
 
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    finish()
 """
 
 
@@ -84,4 +88,20 @@ def test_ddp_ranks_exit_cleanly_after_collectives(tmp_path):
                     p.wait()
         for r, (p, (out, err)) in enumerate(zip(ranks, outs)):
             assert "terminate called" not in err, f"run {run}, rank {r}: {err[-2000:]}"
-            assert p.returncode == 0 and out.strip() == f"rank {r} done", (run, r, p.returncode, err[-2000:])
+            lines = out.strip().splitlines()
+            assert p.returncode == 0 and lines[-1] == f"rank {r} done", (run, r, p.returncode, err[-2000:])
+            workers = [int(pid) for pid in lines[-2].split()[1:]]
+            assert len(workers) == 2
+            deadline = time.monotonic() + scaled(15)  # a rank's workers end once its socket hangs up
+            while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(running(pid) for pid in workers), f"rank {r}'s workers outlived it: {workers}"
+
+
+def running(pid):
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
