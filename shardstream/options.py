@@ -3,7 +3,7 @@
 The common call stays one line, ``ShardStream(root, batch_size=64)``; a group of related knobs
 travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
 
-    Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
+    Shuffle(buffer=1000, initial=None, documents=False)    sample shuffle buffer (and a token corpus's documents)
     Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True, alias=None, size=None)
     OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
     Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
@@ -42,16 +42,24 @@ class Shuffle:
     ``buffer``: samples held for shuffling (the memory bound; 1 or 0 turns the buffer off).
     ``initial``: samples held before the first one comes out (default ``buffer // 10``, at least 1):
     smaller starts sooner, larger mixes the first batches better.
+    ``documents``: token corpora only (``Tokens`` sources): every epoch also lays each shard's
+    documents in a fresh order of (seed, epoch, source, shard) before the shard is cut into
+    sequences, so sequences hold other documents side by side every epoch. A shard's tokens keep
+    their place in the stream, so the plan, resume and mixes count sequences as before
+    (docs/tokens.md, "Shuffle documents").
     """
 
     buffer: int = 1000
     initial: int | None = None
+    documents: bool = False
 
     def __post_init__(self) -> None:
         if self.buffer < 0:
             raise ConfigError(f"Shuffle(buffer=...) must be >= 0, got {self.buffer}")
         if self.initial is not None and self.initial < 1:
             raise ConfigError(f"Shuffle(initial=...) must be >= 1, got {self.initial}")
+        if not isinstance(self.documents, bool):
+            raise ConfigError(f"Shuffle(documents=...) must be True or False, got {self.documents!r}")
 
     @property
     def initial_fill(self) -> int:

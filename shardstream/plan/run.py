@@ -71,11 +71,14 @@ class Sources:
         names: Sequence[str] = (),
         asks: Sequence[Ask] = (WHOLE,),
         compressed_shards: int = 0,
+        *,
+        documents: bool = False,
     ) -> Sources:
         """Sources with their identity: for a mix, each source's name, manifest digest, samples and
         ask; for one source its digest and samples (and its ask when an epoch is not one whole
         pass of it), no name, so a dataset's states resume under any name, given as a root or as a
-        mix of one (plan/state.py: version 3)."""
+        mix of one (plan/state.py: version 3); ``documents``: each also says its documents are
+        shuffled (a token corpus under ``Shuffle(documents=True)``)."""
         counts = tuple(np.array(c, dtype=np.int64) for c in counts)
         for c in counts:
             c.flags.writeable = False  # planned from, never changed (plan/mix.py converts it once)
@@ -87,6 +90,8 @@ class Sources:
             identity: tuple[dict[str, Any], ...] = (ident,)
         else:
             identity = tuple({"name": n, "manifest": d, "samples": size, "ask": a.describe()} for n, d, size, a in zip(names, digests, sizes, asks))
+        if documents:  # a token corpus's documents shuffled: its sequences hold other tokens than in the corpus's order
+            identity = tuple({**ident, "documents": "shuffled"} for ident in identity)
         return cls(counts, identity, tuple(names), tuple(asks), compressed_shards)
 
 

@@ -182,6 +182,13 @@ class State:
         """Refuse a state saved for other data, another order or another run, naming what differs."""
         mine = [dict(s) for s in self.sources]
         theirs = [dict(s) for s in sources]
+        then, now_shuffled = (any("documents" in s for s in side) for side in (mine, theirs))
+        if then is not now_shuffled:  # the same sequences hold other tokens with the documents shuffled
+            raise StateError(
+                f"the resume state was saved with Shuffle(documents={then}) but this ShardStream has "
+                f"Shuffle(documents={now_shuffled}): its sequences hold other tokens; construct it with "
+                f"Shuffle(documents={then}) to resume"
+            )
         if mine != theirs and not self.asks_changed(sources):  # (new asks of a mix: a curriculum, asked_now)
             same = len(mine) == len(theirs) == 1 and all(mine[0].get(k) == theirs[0].get(k) for k in ("manifest", "samples"))
             if same:  # the same dataset, asked for another share of it per epoch
