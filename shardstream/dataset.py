@@ -103,9 +103,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     (docs/tables.md).
 
     The common options are keywords; rare ones come grouped as small frozen values documented in
-    ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
+    ``shardstream.options``: ``shuffle=Shuffle(buffer, initial, documents)``, ``decode=Decode(...)``,
     ``on_error=OnError(policy, tolerance)``, ``store=Store(options, config, read, cache)`` (where
-    the shards are and how they are read), ``schedule=Schedule(steps, samples_per_epoch,
+    the shards are and how they are read), ``schedule=Schedule(steps, samples_per_epoch, tokens,
     per_batch)`` (a pass's length, a mix's interleave) and ``world=World(rank, world_size)``
     (default: detected, see ``World.detect``).
     """
@@ -181,6 +181,10 @@ class ShardStream(torch.utils.data.IterableDataset):
                 "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
                 "with no Decode(decoders=..., required=...)"
             )
+        tokens = self.schedule.tokens  # Schedule(tokens=T): samples_per_epoch of T // seq_len sequences
+        if tokens is not None and not self.tokens:
+            raise ConfigError("Schedule(tokens=...) counts a run in tokens: the sources must be Tokens(...) corpora; use Schedule(steps=N) otherwise")
+        seq_len = self.sources.manifests[0].seq_len if tokens is not None else 0  # type: ignore[attr-defined]  # (checked: token corpora)
         self._run = RunPlan(
             plan_sources(self.sources, documents=self.documents),
             RunSettings(  # settings that cannot work fail here
@@ -193,7 +197,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                 shuffle_buffer=self.shuffler.buffer if self.shuffler is not None else 0,
                 shuffle_initial=(self.shuffler or Shuffle()).initial_fill,
                 steps=self.schedule.steps,
-                samples_per_epoch=self.schedule.samples_per_epoch,
+                samples_per_epoch=tokens // seq_len if tokens is not None else self.schedule.samples_per_epoch,
+                tokens=tokens,
+                seq_len=seq_len,
             ),
         )
         self._loaded: State | None = None  # a loaded state: its pass continues it (a run by steps goes on from it)

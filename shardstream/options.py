@@ -9,7 +9,7 @@ travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
     Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
     Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False, readahead_threads=1)
     Cache(dir, limit, verify=True)                         local copies of remote shards
-    Schedule(steps=None, samples_per_epoch=None, per_batch="spread")   a pass's length, a mix's interleave
+    Schedule(steps=None, samples_per_epoch=None, per_batch="spread", tokens=None)   a pass's length, a mix's interleave
 
 Every value checks itself when built, so a bad option is a ConfigError at the call that made it.
 """
@@ -252,6 +252,9 @@ class Schedule:
     ``steps``: batches every rank yields per loader epoch (``len(loader)``), drawn from data epochs
     laid back to back (None: a pass is one whole data epoch). ``samples_per_epoch``: the same,
     counted in samples over all ranks (steps = samples_per_epoch // (world_size * batch_size)).
+    ``tokens``: the same for token corpora (``Tokens`` sources), counted in tokens trained on over
+    all ranks, seq_len a sequence (steps = tokens // (world_size * batch_size * seq_len)): a run
+    budgeted at 2e9 tokens is ``Schedule(tokens=2_000_000_000)`` and one pass over the loader.
     ``per_batch``: a mix's interleave, ``"spread"`` (every batch close to each source's share) or
     ``"exact"`` (the same count of each source in every batch).
     """
@@ -259,9 +262,12 @@ class Schedule:
     steps: int | None = None
     samples_per_epoch: int | None = None
     per_batch: str = "spread"
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_length(self.steps, self.samples_per_epoch)
+        if isinstance(self.tokens, float) and self.tokens.is_integer():  # Schedule(tokens=2e9)
+            object.__setattr__(self, "tokens", int(self.tokens))
+        check_length(self.steps, self.samples_per_epoch, self.tokens)
         if self.per_batch not in PER_BATCH:
             raise ConfigError(f"Schedule(per_batch=...) must be one of {PER_BATCH}, got {self.per_batch!r}")
 

@@ -6,7 +6,8 @@ rank per step). A pass (one ``for batch in loader``, loader epoch k) is a window
 
 - a run by epochs: pass k is data epoch k, whole (each on its own timeline from 0);
 - ``steps=N``: pass k is steps [kN, (k+1)N), crossing data epochs as it goes, so no rank ever
-  runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B).
+  runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B), and
+  ``tokens=T`` (token corpora, sequences of seq_len + 1) is S = T // seq_len.
 
 One planner for every run: a single dataset is a mix of one source (plan/mix.py), so
 ``ShardStream(root)`` and ``ShardStream([Source(root)])`` read the same samples in the same order
@@ -107,6 +108,10 @@ class RunSettings:
     shuffle_initial: int
     steps: int | None = None
     samples_per_epoch: int | None = None
+    # Schedule(tokens=T) over token corpora of ``seq_len``: samples_per_epoch is T // seq_len
+    # (seq_len trained tokens a sequence), and the state names the run by T.
+    tokens: int | None = None
+    seq_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,11 +313,11 @@ class PassPlan:
         return text
 
 
-def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
-    """A run's length: by epochs (both None), ``steps`` or ``samples_per_epoch``, a positive integer."""
-    if steps is not None and samples_per_epoch is not None:
-        raise ConfigError("give steps or samples_per_epoch, not both")
-    for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch)):
+def check_length(steps: int | None, samples_per_epoch: int | None, tokens: int | None = None) -> None:
+    """A run's length: by epochs (all None), ``steps``, ``samples_per_epoch`` or ``tokens``, a positive integer."""
+    if sum(x is not None for x in (steps, samples_per_epoch, tokens)) > 1:
+        raise ConfigError("give one of steps, samples_per_epoch or tokens, not several")
+    for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch), ("tokens", tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"Schedule({name}=...) must be a positive integer, got {value!r}")
 
@@ -342,12 +347,19 @@ class RunPlan:
     @property
     def run_json(self) -> dict[str, int]:
         s = self.settings
+        if s.tokens is not None:
+            return {"tokens": s.tokens}
         return {"steps": s.steps} if s.steps is not None else {"samples_per_epoch": s.samples_per_epoch} if s.samples_per_epoch is not None else {}
 
     def _pass_length(self, world_size: int, batch_size: int) -> int:
         s = self.settings
         if s.samples_per_epoch is not None:
             steps = s.samples_per_epoch // (world_size * batch_size)
+            if steps < 1 and s.tokens is not None:
+                raise ConfigError(
+                    f"Schedule(tokens={s.tokens}) is less than one step of batch_size x world_size x seq_len = "
+                    f"{world_size * batch_size * s.seq_len} tokens"
+                )
             if steps < 1:
                 raise ConfigError(
                     f"samples_per_epoch={s.samples_per_epoch} is less than one step of batch_size x world_size = {world_size * batch_size} samples"
