@@ -79,7 +79,7 @@ def test_a_budget_resumes_exactly_and_elastically(corpus):  # noqa: F811
 
 def test_a_budget_names_itself(tmp_path, corpus):  # noqa: F811
     dest, _ = corpus
-    with pytest.raises(ConfigError, match="one of steps, samples_per_epoch or tokens"):
+    with pytest.raises(ConfigError, match="give steps or tokens, not both"):
         shardstream.Schedule(steps=10, tokens=1000)
     with pytest.raises(ConfigError, match="positive integer"):
         shardstream.Schedule(tokens=0)

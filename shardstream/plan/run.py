@@ -315,8 +315,11 @@ class PassPlan:
 
 def check_length(steps: int | None, samples_per_epoch: int | None, tokens: int | None = None) -> None:
     """A run's length: by epochs (all None), ``steps``, ``samples_per_epoch`` or ``tokens``, a positive integer."""
-    if sum(x is not None for x in (steps, samples_per_epoch, tokens)) > 1:
-        raise ConfigError("give one of steps, samples_per_epoch or tokens, not several")
+    given = [name for name, x in (("steps", steps), ("samples_per_epoch", samples_per_epoch), ("tokens", tokens)) if x is not None]
+    if len(given) == 2:
+        raise ConfigError(f"give {given[0]} or {given[1]}, not both")
+    if len(given) > 2:
+        raise ConfigError("give one of steps, samples_per_epoch or tokens, not all three")
     for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch), ("tokens", tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"Schedule({name}=...) must be a positive integer, got {value!r}")
