@@ -1,10 +1,24 @@
-"""tokens: token sequences into torch batches: ``ShardStream(Tokens(root, seq_len))`` against an
-in-memory numpy floor (from bench_tokens.py). Tokens per wall second; the records keep CPU too.
+"""tokens: token sequences into torch batches: ``ShardStream(Tokens(root, seq_len))`` against
+litData's ``TokensLoader``, Grain's concat-then-split packing and an in-memory numpy floor.
+Tokens per wall second; the records keep CPU too.
 
 The corpus: ``--tokens`` uint16 tokens in documents of 50..4000 tokens (seeded), shards of 1,000
 documents, written with ``ShardWriter`` as ``pack_tokens`` writes them (no tokenizer is run).
-Peers: ``shardstream`` (``--shuffle`` for ``Shuffle(1000)``), ``floor`` (the documents already
-in memory, concatenated once before the clock, cut into the same windows with position ids).
+Peers, each reading the same documents in the same order from files of its own format:
+
+- ``shardstream`` (``--shuffle`` for ``Shuffle(1000)``, and ``--documents`` for
+  ``Shuffle(1000, documents=True)``): ``input_ids`` and ``position_ids``.
+- ``litdata``: ``litdata.optimize(..., item_loader=TokensLoader())`` chunks of the documents
+  end to end, ``StreamingDataset(item_loader=TokensLoader(block_size=seq_len + 1))`` and
+  ``StreamingDataLoader`` (``--shuffle``: ``shuffle=True``). Its blocks are the same windows of
+  the same stream; it yields the ids alone (no positions: it does not know where documents start).
+- ``grain``: an ArrayRecord file, one record per document's ids, ``MapDataset.source(...)``,
+  ``ConcatThenSplitIterDataset`` into windows of ``seq_len + 1`` (ids, positions and segment ids),
+  ``.batch()``, and ``mp_prefetch`` over the workers (``--shuffle``: ``.shuffle(seed)``, of
+  documents). Its split keeps a document whole in a window where it fits, so its windows are not
+  byte for byte the others'.
+- ``floor``: the documents already in memory, concatenated once before the clock, cut into the
+  same windows with position ids.
 """
 
 from __future__ import annotations
@@ -13,14 +27,15 @@ import io
 import os
 
 UNIT = "tokens/s"
-PEERS = ("shardstream", "floor")
+PEERS = ("shardstream", "litdata", "grain", "floor")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=20_000_000)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--shuffle", action="store_true", help="shardstream with Shuffle(1000)")
+    p.add_argument("--shuffle", action="store_true", help="shardstream with Shuffle(1000), litData shuffle=True, Grain .shuffle(seed)")
+    p.add_argument("--documents", action="store_true", help="shardstream with Shuffle(1000, documents=True) (with --shuffle)")
 
 
 def documents(tokens: int):
@@ -48,8 +63,66 @@ def prepare(args, runner, peers: list[str]) -> list[dict]:
                 buf = io.BytesIO()
                 np.save(buf, doc, allow_pickle=False)
                 writer.write_encoded(f"{k:012d}", {"tokens.npy": buf.getvalue()}, tokens=len(doc))
-    base = {"tokens": args.tokens, "seq_len": args.seq_len, "batch": args.batch, "shuffle": args.shuffle, "runtime": args.runtime, "_root": root}
+    if "litdata" in peers:
+        runner.call("litdata", "tokens", "make_litdata", {"tokens": args.tokens, "root": root + "-litdata"})
+    if "grain" in peers:
+        runner.call("grain", "tokens", "make_grain", {"tokens": args.tokens, "root": root + "-grain"})
+    base = {"tokens": args.tokens, "seq_len": args.seq_len, "batch": args.batch, "shuffle": args.shuffle, "documents": args.documents}
+    base.update({"runtime": args.runtime, "_root": root})
+    base.update({"_litdata": root + "-litdata", "_grain": os.path.join(root + "-grain", "docs.array_record")})
     return [{"workers": w, **base} for w in args.workers]
+
+
+def _litdata_docs(tokens: int):
+    yield from documents(tokens)  # uint16 arrays, written end to end
+
+
+def make_litdata(config: dict) -> dict:
+    """The corpus as litData's token chunks (in litData's venv); once."""
+    if os.path.exists(os.path.join(config["root"], "index.json")):
+        return {"made": False}
+    import litdata
+    from litdata.streaming.item_loader import TokensLoader
+
+    litdata.optimize(
+        fn=_litdata_docs,
+        inputs=[config["tokens"]],
+        output_dir=config["root"],
+        chunk_size=2049 * 4096,
+        item_loader=TokensLoader(),
+        num_workers=1,
+        mode="overwrite",
+        verbose=False,
+    )
+    return {"made": True}
+
+
+def make_grain(config: dict) -> dict:
+    """The corpus as one ArrayRecord file, a record per document's uint16 ids (in Grain's venv); once."""
+    path = os.path.join(config["root"], "docs.array_record")
+    if os.path.exists(path):
+        return {"made": False}
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    os.makedirs(config["root"], exist_ok=True)
+    writer = ArrayRecordWriter(path + ".tmp", "group_size:1")
+    for doc in documents(config["tokens"]):
+        writer.write(doc.tobytes())
+    writer.close()
+    os.replace(path + ".tmp", path)
+    return {"made": True}
+
+
+def _grain_ids(record: bytes) -> dict:
+    import numpy as np
+
+    return {"input_ids": np.frombuffer(record, dtype=np.uint16).astype(np.int64)}
+
+
+def _grain_torch(batch: dict) -> dict:
+    import torch
+
+    return {"input_ids": torch.from_numpy(batch["input_ids"]), "position_ids": torch.from_numpy(batch["input_ids_positions"])}
 
 
 def skip(peer: str, config: dict) -> bool:
@@ -79,11 +152,41 @@ def measure(config: dict) -> dict:
 
         return timed_pass(batches, lambda b: b["input_ids"].numel())
 
+    width = seq_len + 1
+    if config["peer"] == "litdata":
+        import litdata
+        from litdata.streaming.item_loader import TokensLoader
+
+        def make_litdata():
+            ds = litdata.StreamingDataset(
+                input_dir=config["_litdata"], item_loader=TokensLoader(block_size=width), shuffle=config["shuffle"], drop_last=True
+            )
+            return litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=config["workers"], drop_last=True)
+
+        return timed_pass(make_litdata, lambda b: b.numel())
+    if config["peer"] == "grain":
+        import grain
+        from grain.experimental import ConcatThenSplitIterDataset
+        from grain.sources import ArrayRecordDataSource
+
+        def make_grain():
+            docs = grain.MapDataset.source(ArrayRecordDataSource([config["_grain"]]))
+            if config["shuffle"]:
+                docs = docs.shuffle(seed=0)
+            docs = docs.map(_grain_ids)
+            windows = ConcatThenSplitIterDataset(docs.to_iter_dataset(), length_struct={"input_ids": width})
+            batches = windows.batch(batch, drop_remainder=True).map(_grain_torch)
+            if config["workers"]:
+                batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config["workers"]))
+            return batches
+
+        return timed_pass(make_grain, lambda b: b["input_ids"].numel())
+
     def make():
         from benchmarks.harness import loader_options
         from shardstream import ShardStream, Shuffle, Tokens, World, make_loader
 
-        shuffle = Shuffle(1000) if config["shuffle"] else False
+        shuffle = Shuffle(1000, documents=config.get("documents", False)) if config["shuffle"] else False
         ds = ShardStream(Tokens(config["_root"], seq_len=seq_len), batch_size=batch, shuffle=shuffle, world=World(0, 1))
         return make_loader(ds, num_workers=config["workers"], **loader_options(config))
 

@@ -10,7 +10,8 @@ the targets the last ``seq_len``; the positions restart at every document, and t
 mask is built from them, so no token attends to another document (docs/tokens.md).
 
 A run is one pass over the corpus, or ``--steps N`` steps on every rank (a run counted in steps:
-``Schedule(steps=N)``, drawn from passes back to back).
+``Schedule(steps=N)``, drawn from passes back to back), or ``--tokens T`` tokens trained on over
+all ranks (``Schedule(tokens=T)``: T // (ranks * batch_size * seq_len) steps on every rank).
 
 Preemption: with ``--checkpoint PATH`` rank 0 writes the model, optimizer, step and loader state
 to PATH every ``--checkpoint-every`` steps (a temp file renamed over PATH: a kill mid-write
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=255)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, metavar="N", help="steps on every rank (default: one pass over the corpus)")
+    parser.add_argument("--tokens", type=float, default=None, metavar="T", help="tokens trained on over all ranks, e.g. 2e9 (instead of --steps)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dim", type=int, default=64)
@@ -111,7 +113,7 @@ def main() -> None:
         shardstream.Tokens(args.data, seq_len=args.seq_len, field=args.field),
         batch_size=args.batch_size,
         seed=args.seed,
-        schedule=shardstream.Schedule(steps=args.steps),
+        schedule=shardstream.Schedule(steps=args.steps, tokens=args.tokens),
     )
     loader = shardstream.make_loader(dataset, num_workers=args.workers)
     vocab = args.vocab_size or (dataset.manifest.token_info or {}).get("vocab_size")  # the tokenizer's, in the manifest

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -48,7 +49,7 @@ from shardstream.pipeline.table import (
     table_refs,
     table_rows,
 )
-from shardstream.pipeline.tokens import TokenReader
+from shardstream.pipeline.tokens import MAX_SOURCES, TokenReader
 from shardstream.pipeline.transform import bind_per_sample, transform_samples
 from shardstream.plan.cursor import Cursor, Origin, Place
 from shardstream.plan.epoch import EpochPlan, check_seed
@@ -102,9 +103,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     (docs/tables.md).
 
     The common options are keywords; rare ones come grouped as small frozen values documented in
-    ``shardstream.options``: ``shuffle=Shuffle(buffer, initial)``, ``decode=Decode(...)``,
+    ``shardstream.options``: ``shuffle=Shuffle(buffer, initial, documents)``, ``decode=Decode(...)``,
     ``on_error=OnError(policy, tolerance)``, ``store=Store(options, config, read, cache)`` (where
-    the shards are and how they are read), ``schedule=Schedule(steps, samples_per_epoch,
+    the shards are and how they are read), ``schedule=Schedule(steps, samples_per_epoch, tokens,
     per_batch)`` (a pass's length, a mix's interleave) and ``world=World(rank, world_size)``
     (default: detected, see ``World.detect``).
     """
@@ -168,13 +169,24 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
         self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not self.per_sample
         self.tokens = self._check_tokens(manifests, mode)  # token corpora: batches of sequences (pipeline/tokens.py)
+        # Shuffle(documents=True): each shard's documents in an order of (seed, epoch, source, shard), token corpora only.
+        self.documents = self.shuffler is not None and self.shuffler.documents
+        if self.documents and not self.tokens:
+            raise ConfigError(
+                "Shuffle(documents=True) lays a token corpus's documents in a new order every epoch: the sources must be "
+                "Tokens(...) corpora; other datasets shuffle samples with Shuffle(buffer)"
+            )
         if self.batch_transform is not None and not self.columnar:
             raise ConfigError(
                 "transform=Batched(fn) takes whole columnar batches: every source must be a Parquet table (of one schema), "
                 "with no Decode(decoders=..., required=...)"
             )
+        tokens = self.schedule.tokens  # Schedule(tokens=T): samples_per_epoch of T // seq_len sequences
+        if tokens is not None and not self.tokens:
+            raise ConfigError("Schedule(tokens=...) counts a run in tokens: the sources must be Tokens(...) corpora; use Schedule(steps=N) otherwise")
+        seq_len = self.sources.manifests[0].seq_len if tokens is not None else 0  # type: ignore[attr-defined]  # (checked: token corpora)
         self._run = RunPlan(
-            plan_sources(self.sources),
+            plan_sources(self.sources, documents=self.documents),
             RunSettings(  # settings that cannot work fail here
                 seed=seed,
                 shuffle=self.shuffle,
@@ -185,7 +197,9 @@ class ShardStream(torch.utils.data.IterableDataset):
                 shuffle_buffer=self.shuffler.buffer if self.shuffler is not None else 0,
                 shuffle_initial=(self.shuffler or Shuffle()).initial_fill,
                 steps=self.schedule.steps,
-                samples_per_epoch=self.schedule.samples_per_epoch,
+                samples_per_epoch=tokens // seq_len if tokens is not None else self.schedule.samples_per_epoch,
+                tokens=tokens,
+                seq_len=seq_len,
             ),
         )
         self._loaded: State | None = None  # a loaded state: its pass continues it (a run by steps goes on from it)
@@ -225,6 +239,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             return False
         if len(corpora) != len(manifests):
             raise ConfigError("a mix with Tokens sources takes Tokens sources only: every source a token corpus of one seq_len")
+        if len(corpora) > MAX_SOURCES:
+            raise ConfigError(f"a mix of token corpora takes at most {MAX_SOURCES} sources, got {len(corpora)}")
         if len({m.seq_len for m in corpora}) > 1:
             raise ConfigError(f"the Tokens sources of a mix need one seq_len, got {sorted({m.seq_len for m in corpora})}")
         if mode != "drop":
@@ -521,8 +537,16 @@ class ShardStream(torch.utils.data.IterableDataset):
         if not part.num_batches:
             return
         sources = [self._range_source(i, counters) for i in range(len(self.sources.manifests))]
-        reader = TokenReader(self.sources.manifests, sources, part.names, policy)  # type: ignore[arg-type]  # (checked: token corpora)
-        refs = read_planned(dataclasses.replace(part, names=None), reader.refs)  # type: ignore[arg-type]  # (ref arrays, as a table's)
+        documents = self.seed if self.documents else None
+        reader = TokenReader(self.sources.manifests, sources, part.names, policy, documents)  # type: ignore[arg-type]  # (checked: token corpora)
+        untagged = dataclasses.replace(part, names=None)
+
+        def windows() -> Any:  # window by window, so that each window's refs carry its data epoch (shuffled documents)
+            for window in part.windows:
+                refs_of = functools.partial(reader.refs, epoch=window.epoch)
+                yield from read_planned(dataclasses.replace(untagged, windows=[window]), refs_of)  # type: ignore[arg-type]  # (ref arrays, as a table's)
+
+        refs = windows()
         batches = batch_refs(refs, batch_size=self.batch_size, num_batches=part.num_batches, collate=reader.gather, stats=stats, pad=False)
         for made, batch in enumerate(batches, 1):
             counters.step(f"made batch {made} of {part.num_batches} of epoch {epoch}", batch=True)

@@ -3,13 +3,13 @@
 The common call stays one line, ``ShardStream(root, batch_size=64)``; a group of related knobs
 travels as one value (as httpx passes ``Timeout(...)`` and ``Limits(...)``):
 
-    Shuffle(buffer=1000, initial=None)                     sample shuffle buffer
+    Shuffle(buffer=1000, initial=None, documents=False)    sample shuffle buffer (and a token corpus's documents)
     Decode(decoders=None, image="tensor", draft_size=None, required=(), defaults=True, alias=None, size=None)
     OnError(policy="raise", tolerance=16)                  bad samples and broken ranges
     Store(options=None, config=StorageConfig(), read=Read(), cache=None)   where the shards are, how they are read
     Read(read_size=4 MiB, readahead_bytes=None, verify_stream=False, readahead_threads=1)
     Cache(dir, limit, verify=True)                         local copies of remote shards
-    Schedule(steps=None, samples_per_epoch=None, per_batch="spread")   a pass's length, a mix's interleave
+    Schedule(steps=None, samples_per_epoch=None, per_batch="spread", tokens=None)   a pass's length, a mix's interleave
 
 Every value checks itself when built, so a bad option is a ConfigError at the call that made it.
 """
@@ -42,16 +42,24 @@ class Shuffle:
     ``buffer``: samples held for shuffling (the memory bound; 1 or 0 turns the buffer off).
     ``initial``: samples held before the first one comes out (default ``buffer // 10``, at least 1):
     smaller starts sooner, larger mixes the first batches better.
+    ``documents``: token corpora only (``Tokens`` sources): every epoch also lays each shard's
+    documents in a fresh order of (seed, epoch, source, shard) before the shard is cut into
+    sequences, so sequences hold other documents side by side every epoch. A shard's tokens keep
+    their place in the stream, so the plan, resume and mixes count sequences as before
+    (docs/tokens.md, "Shuffle documents").
     """
 
     buffer: int = 1000
     initial: int | None = None
+    documents: bool = False
 
     def __post_init__(self) -> None:
         if self.buffer < 0:
             raise ConfigError(f"Shuffle(buffer=...) must be >= 0, got {self.buffer}")
         if self.initial is not None and self.initial < 1:
             raise ConfigError(f"Shuffle(initial=...) must be >= 1, got {self.initial}")
+        if not isinstance(self.documents, bool):
+            raise ConfigError(f"Shuffle(documents=...) must be True or False, got {self.documents!r}")
 
     @property
     def initial_fill(self) -> int:
@@ -244,6 +252,9 @@ class Schedule:
     ``steps``: batches every rank yields per loader epoch (``len(loader)``), drawn from data epochs
     laid back to back (None: a pass is one whole data epoch). ``samples_per_epoch``: the same,
     counted in samples over all ranks (steps = samples_per_epoch // (world_size * batch_size)).
+    ``tokens``: the same for token corpora (``Tokens`` sources), counted in tokens trained on over
+    all ranks, seq_len a sequence (steps = tokens // (world_size * batch_size * seq_len)): a run
+    budgeted at 2e9 tokens is ``Schedule(tokens=2_000_000_000)`` and one pass over the loader.
     ``per_batch``: a mix's interleave, ``"spread"`` (every batch close to each source's share) or
     ``"exact"`` (the same count of each source in every batch).
     """
@@ -251,9 +262,12 @@ class Schedule:
     steps: int | None = None
     samples_per_epoch: int | None = None
     per_batch: str = "spread"
+    tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_length(self.steps, self.samples_per_epoch)
+        if isinstance(self.tokens, float) and self.tokens.is_integer():  # Schedule(tokens=2e9)
+            object.__setattr__(self, "tokens", int(self.tokens))
+        check_length(self.steps, self.samples_per_epoch, self.tokens)
         if self.per_batch not in PER_BATCH:
             raise ConfigError(f"Schedule(per_batch=...) must be one of {PER_BATCH}, got {self.per_batch!r}")
 

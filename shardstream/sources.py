@@ -555,13 +555,16 @@ def manifest_digest(m: Manifest) -> str:
     return dataset_digest(zip(m.paths, m.counts.tolist(), m.sizes.tolist(), (m.sha256(i) for i in range(len(m.paths)))))
 
 
-def plan_sources(mix: Mix) -> Sources:
+def plan_sources(mix: Mix, *, documents: bool = False) -> Sources:
     """What planning knows of the sources, and what a resume state names them by (``Sources.of``:
-    one source by its manifest alone, given as a root or as a mix of one)."""
+    one source by its manifest alone, given as a root or as a mix of one). ``documents``: token
+    corpora whose documents are shuffled (``Shuffle(documents=True)``), which their sequences'
+    tokens depend on, so a state names it."""
     return Sources.of(
         [m.counts for m in mix.manifests],
         [manifest_digest(m) for m in mix.manifests],
         mix.names if mix.mixed else (),
         [s.ask() for s in mix.sources],
         0 if mix.mixed else int(mix.manifests[0].compressed.sum()),
+        documents=documents,
     )

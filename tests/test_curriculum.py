@@ -121,3 +121,77 @@ def test_new_weights_onto_another_world_size(corpora):
     assert len(rows) == len(set(rows))
     names = [name for name, _ in rows[40:]]
     assert abs(names.count("web") - 120) <= 2
+
+
+def _ddp_rank(rank: int, world: int, store: str, corpora: list[str], weights: list[float], take: int, state_in: str, out: str) -> None:
+    """One gloo rank of a curriculum: 2 loader workers, a DDP step per batch (a rank with fewer
+    batches would hang the all-reduce); ``take`` batches (0: the rest of the pass), then its
+    rows and the loader's state to ``out.RANK``."""
+    import datetime
+    import os
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Embedding(8192, 2))
+    web, code = corpora
+    sources = [
+        shardstream.Source(shardstream.Tokens(web, seq_len=15), weight=weights[0], name="web"),
+        shardstream.Source(shardstream.Tokens(code, seq_len=15), weight=weights[1], name="code"),
+    ]
+    ds = shardstream.ShardStream(sources, batch_size=4, seed=3, schedule=shardstream.Schedule(steps=40))
+    loader = shardstream.make_loader(ds, num_workers=2)
+    if state_in:
+        with open(state_in) as f:
+            loader.load_state_dict(json.load(f))
+    it = iter(loader)
+    got = []
+    for batch in it:
+        model(batch["input_ids"][:, :-1]).sum().backward()
+        got.append(batch)
+        if len(got) == take:
+            break
+    state = loader.state_dict()
+    del it
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"rows": _rows(got), "state": state, "len": len(loader)}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_new_weights_at_a_checkpoint_under_ddp(corpora, tmp_path):
+    """2 gloo ranks of 2 workers each: 10 steps under 0.7 / 0.3, the checkpoint, the rest of the
+    40 steps under 0.5 / 0.5 in a new job: equal batches on both ranks, the new shares, no sequence
+    of a source twice in the data epoch, and each rank's rest the batches the plan gives its rank."""
+    from conftest import rank_results, run_ranks
+
+    first = str(tmp_path / "first")
+    run_ranks(_ddp_rank, 2, (2, str(tmp_path / "store1"), corpora, [0.7, 0.3], 10, "", first))
+    before = rank_results(first, 2)
+    assert before[0]["state"] == before[1]["state"]  # every rank saves the same state
+    state = str(tmp_path / "state.json")
+    with open(state, "w") as f:
+        json.dump(before[0]["state"], f)
+    rest = str(tmp_path / "rest")
+    run_ranks(_ddp_rank, 2, (2, str(tmp_path / "store2"), corpora, [0.5, 0.5], 0, state, rest))
+    after = rank_results(rest, 2)
+
+    rows = [(r[0], tuple(r[1])) for side in (before, after) for rank in side for r in rank["rows"]]
+    assert [len(r["rows"]) for r in before] == [40, 40] and [len(r["rows"]) for r in after] == [120, 120]  # 30 steps of 4 on each rank
+    assert len(rows) == len(set(rows))  # within the data epoch each source's sequences once, over both ranks and jobs
+    assert abs(sum(r[0] == "web" for rank in before for r in rank["rows"]) - 56) <= 1  # 80 sequences at 0.7
+    assert abs(sum(r[0] == "web" for rank in after for r in rank["rows"]) - 120) <= 2  # 240 at 0.5
+    for rank in (0, 1):  # the same batches as the plan gives each rank, read in one process
+        web, code = corpora
+        sources = [
+            shardstream.Source(shardstream.Tokens(web, seq_len=15), weight=0.5, name="web"),
+            shardstream.Source(shardstream.Tokens(code, seq_len=15), weight=0.5, name="code"),
+        ]
+        ds = shardstream.ShardStream(sources, batch_size=4, seed=3, world=shardstream.World(rank, 2), schedule=shardstream.Schedule(steps=40))
+        loader = shardstream.make_loader(ds, num_workers=2)
+        with open(state) as f:
+            loader.load_state_dict(json.load(f))
+        expected = [[name, list(row)] for name, row in _rows(list(loader))]
+        assert after[rank]["rows"] == expected

@@ -123,3 +123,25 @@ def test_train_gpt_killed_after_a_checkpoint_resumes_the_epoch_exactly(tmp_path)
         assert f"[rank {rank}] {len(whole) - done} steps to step {len(whole)}" in out
     assert len(seen) == len(set(seen)) == 2 * len(whole) * 2  # each sequence of the epoch once, over both ranks
     assert json.loads(saved["loader"])["loader_epoch"] == 0
+
+
+@pytest.mark.slow
+def test_train_gpt_runs_a_budget_of_tokens(tmp_path):
+    """``--tokens T``: T // (2 ranks * batch 2 * seq_len 15) steps on every rank, across passes."""
+    texts = corpus_texts()
+    tokenizer = train_tokenizer(texts, str(tmp_path / "tokenizer.json"))
+    data = str(tmp_path / "tokens")
+    shardstream.pack_tokens(iter(texts), data, tokenizer=tokenizer, eos=True, max_count=40)
+    one_pass = len(shardstream.ShardStream(shardstream.Tokens(data, seq_len=15), batch_size=2, world=shardstream.World(0, 2)))
+    budget = 3 * one_pass * 2 * 2 * 15 + 50  # three passes' worth and a part of a step
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    command += [str(EXAMPLE), data, *ARGS[:-2], "--workers", "1", "--tokens", f"{budget:.0f}", "--record", str(tmp_path / "steps")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=scaled(300))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = budget // (2 * 2 * 15)
+    assert steps == 3 * one_pass
+    for rank in (0, 1):
+        assert len(_steps(tmp_path / "steps", rank)) == steps
+        assert f"[rank {rank}] {steps} steps to step {steps}" in done.stdout + done.stderr

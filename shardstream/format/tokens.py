@@ -36,6 +36,7 @@ TABLE_FIELD = "input_ids"  # a Parquet table's column of token ids by default (a
 DTYPES = ("uint16", "uint32")  # what pack_tokens writes
 INT_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")  # what a corpus may hold
 INT64_MAX = np.iinfo(np.int64).max
+DOCUMENTS_TAG = 0x646F63  # "doc": keeps the documents' random streams apart from the plan's
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -72,6 +73,13 @@ class Tokens:
         if isinstance(self.url, Manifest):
             return self.url.base_url or "tokens"
         return self.url if isinstance(self.url, str) else (self.url[0] if self.url else "tokens")
+
+
+def document_order(count: int, *, seed: int, epoch: int, source: int, shard: int) -> np.ndarray:
+    """The order of a shard's ``count`` documents in data epoch ``epoch`` under
+    ``Shuffle(documents=True)``: a permutation of (seed, epoch, source, shard), the same in every
+    rank, worker and resumed run, so a sequence's tokens are a function of the plan alone."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, DOCUMENTS_TAG, source, shard]).permutation(count)
 
 
 def check_ids(array: np.ndarray, dtype: np.dtype) -> str | None:

@@ -9,6 +9,11 @@ into ``{"input_ids": int64 [B, W], "position_ids": int64 [B, W]}`` (W = seq_len 
 cache, checksums), when a batch needs their tokens, and let go once no sequence waiting in the
 shuffle buffer can need them; a shard let go too early is only read again, never wrong.
 
+Shuffled documents (``Shuffle(documents=True)``, ``documents`` here: the stream's seed): a
+shard's documents are laid in ``document_order(seed, epoch, source, shard)`` when it is read, so
+the shard's tokens keep their span of the stream and only their order within it changes. A ref
+then also carries its data epoch's low bits (``EPOCH_SHIFT``), and a shard is held per epoch.
+
 Position ids count from 0 at each document's first token and at the sequence's first token, so
 a model with learned or rotary positions of length W never sees a larger one, and attention can
 keep documents apart (a document starts where the position id is 0 after the first column).
@@ -23,15 +28,19 @@ import numpy as np
 
 from shardstream.errors import ShardFormatError
 from shardstream.format.parquet import TableManifest
-from shardstream.format.tokens import TokenManifest, check_ids
+from shardstream.format.tokens import TokenManifest, check_ids, document_order
 from shardstream.pipeline.decode import load_npy
 from shardstream.pipeline.read import RangeSource, read_ranges
 from shardstream.pipeline.table import TableSource, read_groups
 from shardstream.plan.mix import Range
 from shardstream.policy import ErrorPolicy
 
-SOURCE_SHIFT = 48  # a ref: source << 48 | sequence (2**48 sequences of a source at most)
+SOURCE_SHIFT = 48  # a ref: epoch tag << 56 | source << 48 | sequence (2**48 sequences of a source at most)
 SEQUENCE_MASK = (1 << SOURCE_SHIFT) - 1
+EPOCH_SHIFT = 56  # shuffled documents: the ref's data epoch, mod 128 (refs of two epochs 128 apart are never in flight together)
+SOURCE_MASK = (1 << (EPOCH_SHIFT - SOURCE_SHIFT)) - 1
+EPOCH_TAGS = 1 << (63 - EPOCH_SHIFT)
+MAX_SOURCES = SOURCE_MASK + 1  # token sources of a mix
 
 
 class _Shard:
@@ -45,47 +54,59 @@ class TokenReader:
     """The sequences of a worker's sources (``TokenManifest`` each, read through ``sources``)."""
 
     def __init__(
-        self, manifests: Sequence[TokenManifest], sources: Sequence[RangeSource | TableSource], names: Sequence[str] | None, policy: ErrorPolicy
+        self,
+        manifests: Sequence[TokenManifest],
+        sources: Sequence[RangeSource | TableSource],
+        names: Sequence[str] | None,
+        policy: ErrorPolicy,
+        documents: int | None = None,
     ):
         self.manifests, self.sources, self.names, self.policy = list(manifests), list(sources), names, policy
-        self.held: dict[tuple[int, int], _Shard] = {}
+        self.documents = documents  # the seed of the documents' order, or None: the corpus's order
+        self.epochs: dict[int, int] = {}  # a ref's epoch tag -> the data epoch it stands for
+        self.held: dict[tuple[int, int, int], _Shard] = {}  # (source, shard, epoch tag)
         self.waiting = [np.zeros(len(m.paths), dtype=np.int64) for m in self.manifests]  # refs not yet gathered, by the shard they start in
         # reach[i][s]: the first shard whose sequences may run into shard s
         self.reach = [np.searchsorted(m.token_starts[1:], m.token_starts[:-1] - m.window + 1, side="right") for m in self.manifests]
         self.shards_read = 0
 
-    def refs(self, i: int, ranges: Sequence[Range]) -> Iterator[np.ndarray]:
-        """Source i's planned ranges as sequence refs, one array per range."""
+    def refs(self, i: int, ranges: Sequence[Range], epoch: int = 0) -> Iterator[np.ndarray]:
+        """Source i's planned ranges (of data epoch ``epoch``) as sequence refs, one array per range."""
         m = self.manifests[i]
+        tag = 0
+        if self.documents is not None:
+            tag = epoch % EPOCH_TAGS
+            self.epochs[tag] = epoch
         for rng in ranges:
             first = int(m.first[rng.shard])
             self.waiting[i][rng.shard] += len(rng)
-            yield np.arange(first + rng.start, first + rng.stop, dtype=np.int64) | (i << SOURCE_SHIFT)
+            yield np.arange(first + rng.start, first + rng.stop, dtype=np.int64) | (i << SOURCE_SHIFT) | (tag << EPOCH_SHIFT)
 
     def gather(self, refs: np.ndarray) -> dict[str, Any]:
         """A batch: each ref's sequence of W tokens and its position ids (see the module docstring)."""
         import torch
 
         refs = np.asarray(refs, dtype=np.int64)
-        width = self.manifests[int(refs[0] >> SOURCE_SHIFT)].window
+        width = self.manifests[int((refs[0] >> SOURCE_SHIFT) & SOURCE_MASK)].window
         ids = np.empty((len(refs), width), dtype=np.int64)
         positions = np.empty((len(refs), width), dtype=np.int64)
-        sources = (refs >> SOURCE_SHIFT).tolist()
-        for row, (i, seq) in enumerate(zip(sources, (refs & SEQUENCE_MASK).tolist())):
-            self._window(i, seq, ids[row], positions[row])
+        sources = ((refs >> SOURCE_SHIFT) & SOURCE_MASK).tolist()
+        tags = (refs >> EPOCH_SHIFT).tolist()
+        for row, (i, seq, tag) in enumerate(zip(sources, (refs & SEQUENCE_MASK).tolist(), tags)):
+            self._window(i, seq, tag, ids[row], positions[row])
         self._release(sources, refs & SEQUENCE_MASK)
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions)}
         if self.names:
             batch["__source__"] = [self.names[i] for i in sources]
         return batch
 
-    def _window(self, i: int, seq: int, ids: np.ndarray, positions: np.ndarray) -> None:
+    def _window(self, i: int, seq: int, tag: int, ids: np.ndarray, positions: np.ndarray) -> None:
         m = self.manifests[i]
         a = seq * m.window
         b = a + m.window
         starts = []
         for s in m.shards_of(a, b):
-            shard = self._shard(i, s)
+            shard = self._shard(i, s, tag)
             lo, hi = max(a, int(m.token_starts[s])), min(b, int(m.token_starts[s + 1]))
             base = int(m.token_starts[s])
             ids[lo - a : hi - a] = shard.tokens[lo - base : hi - base]
@@ -98,8 +119,8 @@ class TokenReader:
         np.maximum.accumulate(last, out=last)
         np.subtract(np.arange(m.window, dtype=np.int64), last, out=positions)
 
-    def _shard(self, i: int, s: int) -> _Shard:
-        held = self.held.get((i, s))
+    def _shard(self, i: int, s: int, tag: int = 0) -> _Shard:
+        held = self.held.get((i, s, tag))
         if held is not None:
             return held
         m = self.manifests[i]
@@ -108,12 +129,25 @@ class TokenReader:
         tokens, lengths = self._table_shard(m, s, source) if isinstance(source, TableSource) else self._tar_shard(m, s, source)
         if len(tokens) != int(docs.tokens[s]):  # type: ignore[index]
             raise ShardFormatError(f"{self._name(m, s)}: holds {len(tokens)} tokens, the manifest says {int(docs.tokens[s])}")  # type: ignore[index]
+        if self.documents is not None and len(lengths) > 1:
+            order = document_order(len(lengths), seed=self.documents, epoch=self.epochs[tag], source=i, shard=s)
+            tokens, lengths = self._reorder(tokens, lengths, order)
         doc_starts = (
             int(m.token_starts[s]) + np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else m.token_starts[s : s + 1]
         )
-        held = self.held[(i, s)] = _Shard(tokens, np.asarray(doc_starts, dtype=np.int64))
+        held = self.held[(i, s, tag)] = _Shard(tokens, np.asarray(doc_starts, dtype=np.int64))
         self.shards_read += 1
         return held
+
+    @staticmethod
+    def _reorder(tokens: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A shard's documents laid end to end in ``order`` (its tokens and their lengths): one
+        copy of the shard, a slice per document."""
+        ends = np.cumsum(lengths)
+        starts = (ends - lengths).tolist()
+        ends_list = ends.tolist()
+        parts = [tokens[starts[k] : ends_list[k]] for k in order.tolist()]
+        return np.concatenate(parts), lengths[order]
 
     @staticmethod
     def _name(m: TokenManifest, s: int) -> str:
@@ -174,7 +208,7 @@ class TokenReader:
             shards = np.searchsorted(m.first, mine, side="right") - 1
             np.subtract.at(self.waiting[i], shards, 1)
             np.maximum(self.waiting[i], 0, out=self.waiting[i])  # a refilled batch gathers refs twice
-        for i, s in list(self.held):
+        for i, s, tag in list(self.held):
             lo = int(self.reach[i][s])
             if not self.waiting[i][lo : s + 1].any():
-                del self.held[(i, s)]
+                del self.held[(i, s, tag)]

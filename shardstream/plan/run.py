@@ -6,7 +6,8 @@ rank per step). A pass (one ``for batch in loader``, loader epoch k) is a window
 
 - a run by epochs: pass k is data epoch k, whole (each on its own timeline from 0);
 - ``steps=N``: pass k is steps [kN, (k+1)N), crossing data epochs as it goes, so no rank ever
-  runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B).
+  runs dry and every loader epoch has N steps; ``samples_per_epoch=S`` is N = S // (W * B), and
+  ``tokens=T`` (token corpora, sequences of seq_len + 1) is S = T // seq_len.
 
 One planner for every run: a single dataset is a mix of one source (plan/mix.py), so
 ``ShardStream(root)`` and ``ShardStream([Source(root)])`` read the same samples in the same order
@@ -71,11 +72,14 @@ class Sources:
         names: Sequence[str] = (),
         asks: Sequence[Ask] = (WHOLE,),
         compressed_shards: int = 0,
+        *,
+        documents: bool = False,
     ) -> Sources:
         """Sources with their identity: for a mix, each source's name, manifest digest, samples and
         ask; for one source its digest and samples (and its ask when an epoch is not one whole
         pass of it), no name, so a dataset's states resume under any name, given as a root or as a
-        mix of one (plan/state.py: version 3)."""
+        mix of one (plan/state.py: version 3); ``documents``: each also says its documents are
+        shuffled (a token corpus under ``Shuffle(documents=True)``)."""
         counts = tuple(np.array(c, dtype=np.int64) for c in counts)
         for c in counts:
             c.flags.writeable = False  # planned from, never changed (plan/mix.py converts it once)
@@ -87,6 +91,8 @@ class Sources:
             identity: tuple[dict[str, Any], ...] = (ident,)
         else:
             identity = tuple({"name": n, "manifest": d, "samples": size, "ask": a.describe()} for n, d, size, a in zip(names, digests, sizes, asks))
+        if documents:  # a token corpus's documents shuffled: its sequences hold other tokens than in the corpus's order
+            identity = tuple({**ident, "documents": "shuffled"} for ident in identity)
         return cls(counts, identity, tuple(names), tuple(asks), compressed_shards)
 
 
@@ -102,6 +108,10 @@ class RunSettings:
     shuffle_initial: int
     steps: int | None = None
     samples_per_epoch: int | None = None
+    # Schedule(tokens=T) over token corpora of ``seq_len``: samples_per_epoch is T // seq_len
+    # (seq_len trained tokens a sequence), and the state names the run by T.
+    tokens: int | None = None
+    seq_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -303,11 +313,14 @@ class PassPlan:
         return text
 
 
-def check_length(steps: int | None, samples_per_epoch: int | None) -> None:
-    """A run's length: by epochs (both None), ``steps`` or ``samples_per_epoch``, a positive integer."""
-    if steps is not None and samples_per_epoch is not None:
-        raise ConfigError("give steps or samples_per_epoch, not both")
-    for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch)):
+def check_length(steps: int | None, samples_per_epoch: int | None, tokens: int | None = None) -> None:
+    """A run's length: by epochs (all None), ``steps``, ``samples_per_epoch`` or ``tokens``, a positive integer."""
+    given = [name for name, x in (("steps", steps), ("samples_per_epoch", samples_per_epoch), ("tokens", tokens)) if x is not None]
+    if len(given) == 2:
+        raise ConfigError(f"give {given[0]} or {given[1]}, not both")
+    if len(given) > 2:
+        raise ConfigError("give one of steps, samples_per_epoch or tokens, not all three")
+    for name, value in (("steps", steps), ("samples_per_epoch", samples_per_epoch), ("tokens", tokens)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"Schedule({name}=...) must be a positive integer, got {value!r}")
 
@@ -337,12 +350,19 @@ class RunPlan:
     @property
     def run_json(self) -> dict[str, int]:
         s = self.settings
+        if s.tokens is not None:
+            return {"tokens": s.tokens}
         return {"steps": s.steps} if s.steps is not None else {"samples_per_epoch": s.samples_per_epoch} if s.samples_per_epoch is not None else {}
 
     def _pass_length(self, world_size: int, batch_size: int) -> int:
         s = self.settings
         if s.samples_per_epoch is not None:
             steps = s.samples_per_epoch // (world_size * batch_size)
+            if steps < 1 and s.tokens is not None:
+                raise ConfigError(
+                    f"Schedule(tokens={s.tokens}) is less than one step of batch_size x world_size x seq_len = "
+                    f"{world_size * batch_size * s.seq_len} tokens"
+                )
             if steps < 1:
                 raise ConfigError(
                     f"samples_per_epoch={s.samples_per_epoch} is less than one step of batch_size x world_size = {world_size * batch_size} samples"

@@ -82,7 +82,7 @@ class State:
     shuffle: bool
     mode: str
     per_batch: str
-    run: dict[str, int]  # {"steps": N}, {"samples_per_epoch": S}, or {} for a run by epochs
+    run: dict[str, int]  # {"steps": N}, {"samples_per_epoch": S}, {"tokens": T}, or {} for a run by epochs
     loader_epoch: int  # the pass in progress follows this loader epoch (set_epoch)
     epoch: int  # the data epoch in progress
     segments: tuple[Segment, ...]
@@ -182,6 +182,13 @@ class State:
         """Refuse a state saved for other data, another order or another run, naming what differs."""
         mine = [dict(s) for s in self.sources]
         theirs = [dict(s) for s in sources]
+        then, now_shuffled = (any("documents" in s for s in side) for side in (mine, theirs))
+        if then is not now_shuffled:  # the same sequences hold other tokens with the documents shuffled
+            raise StateError(
+                f"the resume state was saved with Shuffle(documents={then}) but this ShardStream has "
+                f"Shuffle(documents={now_shuffled}): its sequences hold other tokens; construct it with "
+                f"Shuffle(documents={then}) to resume"
+            )
         if mine != theirs and not self.asks_changed(sources):  # (new asks of a mix: a curriculum, asked_now)
             same = len(mine) == len(theirs) == 1 and all(mine[0].get(k) == theirs[0].get(k) for k in ("manifest", "samples"))
             if same:  # the same dataset, asked for another share of it per epoch
@@ -217,6 +224,8 @@ class State:
 
 
 def _describe_run(run: Mapping[str, int]) -> str:
+    if "tokens" in run:
+        return f"by tokens (tokens={run['tokens']} per loader epoch)"
     if "steps" in run:
         return f"by steps (steps={run['steps']} per loader epoch)"
     if "samples_per_epoch" in run:
@@ -271,8 +280,8 @@ def _read(doc: dict[str, Any], version: int) -> State:
             tuple(segments),
         )
     run = {str(k): _int(v, k) for k, v in dict(doc["run"]).items()}
-    if set(run) - {"steps", "samples_per_epoch"} or len(run) > 1:
-        raise ValueError(f"run must be {{}}, {{'steps': N}} or {{'samples_per_epoch': S}}, got {run}")
+    if set(run) - {"steps", "samples_per_epoch", "tokens"} or len(run) > 1:
+        raise ValueError(f"run must be {{}}, {{'steps': N}}, {{'samples_per_epoch': S}} or {{'tokens': T}}, got {run}")
     segments = []
     for s in doc["segments"]:
         end = s["pass_end"]
