@@ -96,8 +96,8 @@ def pack_source(
     max_size: int = DEFAULT_MAX_SIZE,
     shuffle: bool = False,
     seed: int = 0,
-    # 1: a worker is a new process that imports shardstream (~0.5 CPU-s), more than loading 20k
-    # small local files costs in all; 2 workers were 0.56-0.69x of 1 (BENCHMARKS.md, 2 CPUs)
+    # 1: on 2 CPUs, 2 workers were slower than 1 on 20k small local JPEGs and on a Parquet table of
+    # them: the main process lists and writes beside them (BENCHMARKS.md, docs/packing.md#workers)
     workers: int = 1,
     label_from_dir: bool = False,
     columns: Sequence[str] | None = None,
