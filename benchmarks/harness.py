@@ -32,6 +32,7 @@ PEERS: dict[str, tuple[str, str]] = {
     "webdataset": ("webdataset", "pip install torch webdataset"),
     "litdata": ("litdata", "pip install torch litdata"),
     "grain": ("grain", "pip install torch grain"),
+    "spdl": ("spdl", "pip install torch spdl, and FFmpeg's shared libraries (docs/performance.md)"),
     "torch": ("torch", "torch.utils.data.DataLoader (no other package)"),
     "floor": ("numpy", "the same work on data already in memory (no loader)"),
     "pyarrow": ("pyarrow", "pip install torch pyarrow"),

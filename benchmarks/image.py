@@ -6,7 +6,10 @@ Peers: ``shardstream`` (its ``RandomResizedCrop`` decoder: the crop chosen from 
 JPEG decoded at reduced scale when the crop allows; the flip as ``transform``), ``webdataset``
 (``decode("pil")`` + the same crop and flip with PIL), ``litdata`` (chunks of the same JPEG
 bytes, the same PIL work as ``transform``), ``torch`` (an ImageFolder-like folder of the same
-files, PIL, torch's ``DataLoader``). The images: ``--images`` 500x375 JPEGs of blurred noise.
+files, PIL, torch's ``DataLoader``), ``spdl`` (SPDL's thread pipeline, ``spdl.pipeline.PipelineBuilder``,
+over the same folder: each file demuxed and decoded by SPDL's own decoder (FFmpeg's) with the
+crop, the resize to 224 and the flip as one FFmpeg filter, then batched; ``--workers N`` is its
+N threads, and it has no 0). The images: ``--images`` 500x375 JPEGs of blurred noise.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import random
 
 UNIT = "images/s"
-PEERS = ("shardstream", "webdataset", "litdata", "torch")
+PEERS = ("shardstream", "webdataset", "litdata", "torch", "spdl")
 BATCH = 64
 SIZE = 224
 
@@ -97,6 +100,44 @@ def make_litdata(config: dict) -> bool:
     return True
 
 
+def skip(peer: str, config: dict) -> bool:
+    """SPDL's pipeline runs on threads: there is no loading in the main thread alone (0), and
+    ``--runtime`` (a shardstream loader's) is not its to take."""
+    return peer == "spdl" and (config["workers"] == 0 or bool(config.get("runtime")))
+
+
+def spdl_batches(files: list[str], batch: int, threads: int):
+    """The pipeline an SPDL user writes (its docs' image examples): a source of paths, a decode
+    stage on ``threads`` threads, batches, a sink; iterated until the source ends."""
+    import spdl.io
+    import torch
+    from spdl.pipeline import PipelineBuilder
+
+    def decode(path: str):
+        packets = spdl.io.demux_image(path)
+        x0, y0, x1, y1 = crop_box(packets.width, packets.height, _rng)
+        flip = ",hflip" if _rng.random() < 0.5 else ""
+        filter_desc = f"crop={x1 - x0}:{y1 - y0}:{x0}:{y0},scale={SIZE}:{SIZE}:flags=bilinear{flip},format=pix_fmts=rgb24"
+        frames = spdl.io.decode_packets(packets, filter_desc=filter_desc)
+        image = spdl.io.to_torch(spdl.io.convert_frames(frames))  # HWC uint8
+        return image.reshape(SIZE, SIZE, 3).permute(2, 0, 1), int(os.path.basename(os.path.dirname(path))[6:])
+
+    def collate(items):
+        return {"jpg": torch.stack([x for x, _ in items]), "cls": torch.tensor([c for _, c in items])}
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(files)
+        .pipe(decode, concurrency=threads)
+        .aggregate(batch, drop_last=False)
+        .pipe(collate)
+        .add_sink(4)
+        .build(num_threads=threads)
+    )
+    with pipeline.auto_stop():
+        yield from pipeline.get_iterator(timeout=600)
+
+
 def prepare(args, runner, peers: list[str]) -> list[dict]:
     from shardstream import ShardWriter
 
@@ -172,6 +213,11 @@ def measure(config: dict) -> dict:
                         return {"jpg": pil_crop_flip(img), "cls": int(os.path.basename(os.path.dirname(files[i]))[6:])}
 
             return DataLoader(Folder(), batch_size=config["batch"], shuffle=True, num_workers=workers)
+        if peer == "spdl":
+            root = config["_folder"]
+            files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+            random.Random(0).shuffle(files)
+            return spdl_batches(files, config["batch"], workers)
         raise SystemExit(f"image: no peer {peer}")
 
     return timed_pass(make, lambda b: len(b["jpg"]))

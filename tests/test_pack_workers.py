@@ -132,3 +132,65 @@ def test_a_pack_worker_killed_mid_task_is_one_line_and_a_failure(tmp_path):
     assert proc.returncode == 1 and len(lines) == 1, err.decode()
     assert "was killed by SIGKILL while on loading" in lines[0] and str(workers[0]) in lines[0], lines[0]
     assert not (dest / "index.json").exists()
+
+
+HEAVY = ("numpy", "fsspec", "pyarrow", "torch", "shardstream.storage.fs", "shardstream.format", "shardstream.write.sources")
+
+
+def test_a_local_trees_items_load_in_a_process_that_imports_nothing_heavy(tmp_path):
+    # What a pack worker does with a local tree's items (write/loading.py), in a fresh interpreter:
+    # the same encoded samples as in this process, with none of the storage layer, the reader or
+    # numpy imported (a spawned worker's start is its imports).
+    import pickle
+
+    from shardstream.write.loading import load_encoded
+    from shardstream.write.sources import list_source
+
+    for c in ("cat", "dog"):
+        (tmp_path / "src" / c).mkdir(parents=True)
+        for i in range(3):
+            (tmp_path / "src" / c / f"{i}.jpg").write_bytes(bytes([i]) * (100 + i))
+    (tmp_path / "src" / "dog" / "1.json").write_bytes(b"{}")
+    items = list_source(str(tmp_path / "src"), label_from_dir=True).items
+    assert {payload[0] for _, payload in items} == {"local"}
+    script = textwrap.dedent(
+        f"""
+        import pickle, sys
+        from shardstream.write.loading import load_encoded
+        out = load_encoded(pickle.loads(sys.stdin.buffer.read()))
+        heavy = [m for m in {HEAVY!r} if m in sys.modules]
+        sys.stdout.buffer.write(pickle.dumps((out, heavy)))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(items), capture_output=True, env=env, timeout=scaled(60))
+    assert done.returncode == 0, done.stderr.decode()
+    out, heavy = pickle.loads(done.stdout)
+    assert heavy == []
+    assert out == load_encoded(items)
+    assert [key for ok, key, _ in out] == ["cat/0", "cat/1", "cat/2", "dog/0", "dog/1", "dog/2"] and all(ok for ok, _, _ in out)
+    assert out[4][2][1] == ["cls", "jpg", "json"]  # (members, extensions, cls)
+
+
+def test_a_local_file_gone_since_the_listing_is_the_same_error_in_a_worker(tmp_path):
+    from shardstream.write.loading import load_encoded
+    from shardstream.write.sources import list_source, load_items
+
+    (tmp_path / "src").mkdir()
+    for i in range(2):
+        (tmp_path / "src" / f"{i}.bin").write_bytes(b"x")
+    items = list_source(str(tmp_path / "src")).items
+    os.unlink(tmp_path / "src" / "1.bin")
+    gone = str(tmp_path / "src" / "1.bin")
+    assert load_encoded(items)[1] == (False, gone, f"file not found: {gone}")
+    assert list(load_items(items))[1] == (False, gone, f"file not found: {gone}")
+
+
+def test_the_command_line_imports_nothing_heavy_until_a_command_runs():
+    # A spawned pack worker re-runs the console script (multiprocessing rebuilds __main__ from its
+    # path), whose first line imports shardstream.cli.main: what it imports, every worker does.
+    script = f"import sys, shardstream.cli.main; print([m for m in {HEAVY!r} if m in sys.modules])"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=scaled(60))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

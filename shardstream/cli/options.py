@@ -8,8 +8,6 @@ import difflib
 import re
 import sys
 
-from shardstream.storage.fs import make_storage_options
-
 _UNITS = {
     "": 1,
     "B": 1,
@@ -66,6 +64,8 @@ def add_storage_arguments(parser: argparse.ArgumentParser, *, deadline_help: str
 
 
 def storage_options_from(args: argparse.Namespace) -> dict:
+    from shardstream.storage.fs import make_storage_options  # (the storage layer: imported by a command that runs, not by the parser)
+
     return make_storage_options(endpoint_url=args.endpoint_url, profile=args.profile)
 
 

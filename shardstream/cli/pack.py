@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from shardstream.errors import ConfigError
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
+from shardstream.write.limits import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
 
 from .options import add_storage_arguments, human_bytes, parse_size, storage_config_from, storage_options_from, writer_deadline_help
 

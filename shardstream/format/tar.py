@@ -1,6 +1,6 @@
 """The tar format, both ways: deterministic headers for writing, a fast checked parser for reading.
 
-Writing: ``member_header(name, size)`` builds a ustar header with fixed mode, owner and mtime, so
+Writing (``shardstream.ustar``, its names here too): ``member_header(name, size)`` builds a ustar header with fixed mode, owner and mtime, so
 the same input always packs to the same bytes; names that do not fit ustar fall back to a pax
 header, which webdataset and GNU tar read.
 
@@ -30,7 +30,6 @@ Record shapes:
 from __future__ import annotations
 
 import re
-import tarfile
 import threading
 from bisect import bisect_left
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -40,8 +39,12 @@ import numpy as np
 
 from shardstream.buffers import BufferPool
 from shardstream.errors import ShardFormatError
+from shardstream.ustar import BLOCK as BLOCK
+from shardstream.ustar import END_OF_ARCHIVE as END_OF_ARCHIVE
+from shardstream.ustar import MAX_OCTAL_SIZE as MAX_OCTAL_SIZE
+from shardstream.ustar import member_header as member_header  # (the writing half, in a module of its own)
+from shardstream.ustar import padding as padding
 
-BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 DEFAULT_READ_SIZE = 4 << 20
 # A member at least this large that is not all in the current read block gets a buffer of its own,
@@ -67,57 +70,6 @@ MAX_SPREAD = 2.0
 # instead of allocating (and zeroing, and faulting in) a new one whenever a tail is longer than
 # every one before it.
 ARENA_STEP = 64 << 10
-MAX_OCTAL_SIZE = 0o77777777777
-
-# Fixed header fields: mode 0644, uid/gid 0, mtime 0, empty owner names (deterministic output).
-_MODE = b"0000644\0"
-_ID = b"0000000\0"
-_MTIME = b"00000000000\0"
-
-
-def _ustar_template() -> tuple[bytearray, int]:
-    hdr = bytearray(BLOCK)
-    hdr[100:108] = _MODE
-    hdr[108:116] = _ID
-    hdr[116:124] = _ID
-    hdr[136:148] = _MTIME
-    hdr[148:156] = b"        "
-    hdr[156:157] = b"0"
-    hdr[257:263] = b"ustar\0"
-    hdr[263:265] = b"00"
-    hdr[329:337] = _ID
-    hdr[337:345] = _ID
-    return hdr, sum(hdr)
-
-
-_TEMPLATE, _TEMPLATE_SUM = _ustar_template()
-
-
-def member_header(name: str, size: int) -> bytes:
-    """Header block(s) for one regular file member; deterministic for a given name and size."""
-    raw = name.encode("utf-8")
-    if len(raw) <= 100 and size <= MAX_OCTAL_SIZE and raw.isascii():
-        hdr = _TEMPLATE[:]
-        hdr[0 : len(raw)] = raw
-        size_field = b"%011o\0" % size
-        hdr[124:136] = size_field
-        chksum = _TEMPLATE_SUM + sum(raw) + sum(size_field)  # template's name/size fields are NUL
-        hdr[148:156] = b"%06o\0 " % chksum
-        return bytes(hdr)
-    info = tarfile.TarInfo(name)
-    info.size = size
-    info.mtime = 0
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
-
-
-def padding(size: int) -> bytes:
-    return bytes(-size % BLOCK)
-
-
-END_OF_ARCHIVE = bytes(2 * BLOCK)
 
 
 # webdataset's split (tariterators.base_plus_ext). The fast path below gives the same answer

@@ -25,10 +25,11 @@ from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import Manifest, check_dataset_root
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
+from shardstream.write.loading import load_encoded, set_options
 from shardstream.write.procs import Workers, map_in_order
-from shardstream.write.sources import Item, batches_of, list_source, load_items, set_worker_storage_options
+from shardstream.write.sources import Item, batches_of, list_source
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, encode_members, shard_name
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +73,6 @@ class PackResult:
         )
 
 
-def _load_encoded(items: Sequence[Item]) -> list[tuple[bool, str, Any]]:
-    """``load_items``, each sample encoded as its tar members: ``(True, key, (members, extensions,
-    cls))`` or ``(False, where, what)``. Run where the loading runs (a worker), so the process that
-    writes the shards only writes: building the headers there was a third of its time."""
-    out: list[tuple[bool, str, Any]] = []
-    for ok, a, b in load_items(items):
-        if ok:
-            pieces, _ = encode_members(a, b)
-            b = (b"".join(pieces), sorted(b), b.get("cls"))
-        out.append((ok, a, b))
-    return out
-
-
 def pack(source: str | Callable[[Any], Any], *args: Any, **options: Any) -> PackResult:
     """``pack(src, dest, ...)`` packs a directory tree, JSONL file or shards (``pack_source``);
     ``pack(fn, inputs, dest, ...)`` packs what ``fn(input)`` returns or yields (``pack_fn``).
@@ -108,8 +96,8 @@ def pack_source(
     max_size: int = DEFAULT_MAX_SIZE,
     shuffle: bool = False,
     seed: int = 0,
-    # 1: a worker is a new process that imports shardstream (~0.5 CPU-s), more than loading 20k
-    # small local files costs in all; 2 workers were 0.56-0.69x of 1 (BENCHMARKS.md, 2 CPUs)
+    # 1: on 2 CPUs, 2 workers were slower than 1 on 20k small local JPEGs and on a Parquet table of
+    # them: the main process lists and writes beside them (BENCHMARKS.md, docs/packing.md#workers)
     workers: int = 1,
     label_from_dir: bool = False,
     columns: Sequence[str] | None = None,
@@ -459,18 +447,18 @@ def _describe_batch(batch: Sequence[Item]) -> str:
 
 
 def _start_loaders(workers: int, storage_options, config: StorageConfig) -> Workers:
-    """The processes that load and encode items (``_load_encoded``), reading under ``config``."""
-    return Workers(_load_encoded, workers, initializer=set_worker_storage_options, initargs=(dict(storage_options or {}), config))
+    """The processes that load and encode items (``loading.load_encoded``), reading under ``config``."""
+    return Workers(load_encoded, workers, initializer=set_options, initargs=(dict(storage_options or {}), config))
 
 
 def _load_all(items: list[Item], workers: int | Workers, storage_options, config: StorageConfig = DEFAULT_STORAGE):
     """Yield load results in item order; with workers (> 1, or ``Workers`` already started by
     ``_start_loaders``) worker processes (``write.procs``) load a bounded window. Items are read
     with ``storage_options`` under ``config``, here and in every worker."""
-    set_worker_storage_options(storage_options, config)
+    set_options(storage_options, config)
     if workers == 1:
         for batch in batches_of(items, SINGLES_PER_TASK):
-            yield from _load_encoded(batch)
+            yield from load_encoded(batch)
         return
     # Single items go 64 to a task: a task's round trip (pickling, a pipe) costs more than reading
     # a small file, so one task an item kept the workers waiting on the main process.
@@ -479,7 +467,7 @@ def _load_all(items: list[Item], workers: int | Workers, storage_options, config
     # workers never wait for the main process to ask (a Parquet row group's span: up to
     # parquet.SPAN_BYTES each, so two a worker is also the memory bound).
     pool = workers if isinstance(workers, Workers) else _start_loaders(workers, storage_options, config)
-    results = map_in_order(_load_encoded, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
+    results = map_in_order(load_encoded, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
     with contextlib.closing(results):
         for batch in results:
             yield from batch

@@ -14,7 +14,8 @@ it) is fixed before any bytes are read; loading runs in worker processes. Kinds:
             one row group load together (``load_items``)
 
 An item is ``(where, payload)``; ``load_item`` turns it into ``(key, {ext: bytes})`` or raises
-SourceError naming ``where``.
+SourceError naming ``where``. A local tree's items hold plain paths (``("local", ...)``, read by
+``localfiles`` with no filesystem object); a remote tree's hold its root's URL (``("dir", ...)``).
 
 Listing and loading follow a ``StorageConfig`` (``list_source(config=)``, and in the processes that
 load, ``set_worker_storage_options(options, config)``): every listing, probe and read of remote
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -44,6 +44,7 @@ from shardstream.storage.fs import expand_retried, storage_call
 from shardstream.storage.ranges import open_object, open_range
 from shardstream.storage.urls import canonical_url, is_shard_pattern
 from shardstream.write.encode import check_key, encode_value
+from shardstream.write.localfiles import load_local, printable, read_error, read_local, special_kind
 from shardstream.write.parquet import group_of, is_parquet_source, list_parquet, load_group
 
 Item = tuple[str, tuple]
@@ -144,16 +145,6 @@ def _under(url: str, root: str) -> bool:
     return url == root or url.startswith(root if root.endswith("/") else root + "/")
 
 
-def printable(path: str) -> str:
-    """A path as a message can print it: a name that is not UTF-8 (held with surrogate escapes)
-    with its undecodable bytes as ``\\xNN``."""
-    try:
-        path.encode("utf-8")
-        return path
-    except UnicodeEncodeError:
-        return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
 def _outside(target: str, root: str, allow: tuple[str, ...]) -> str | None:
     """Why ``target`` (canonical) may not be read from a source rooted at ``root``, or None. A
     local target is judged by where its symlinks lead."""
@@ -167,21 +158,6 @@ def _outside(target: str, root: str, allow: tuple[str, ...]) -> str | None:
     if any(_under(target, r) for r in (root, *allow)):
         return None
     return "is outside"
-
-
-def special_kind(mode: int) -> str | None:
-    """What a file that is not a regular file is ("a FIFO", "a socket", ...), None for a regular file."""
-    if stat.S_ISREG(mode):
-        return None
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "a directory" if stat.S_ISDIR(mode) else "not a regular file"
 
 
 # -- directory trees ---------------------------------------------------------------------------
@@ -245,19 +221,21 @@ def _list_dir(
     root = root.rstrip("/")
     files: list[str] = found
     real_root = _root_of(root) if local else ""
-    visible = [p for p in files if not any(part.startswith(".") for part in p[len(root) + 1 :].split("/"))]
-    if parquet_ok and visible and all(p.endswith(".parquet") for p in visible):
-        return None
+    if parquet_ok:
+        visible = [p for p in files if not _hidden(p[len(root) + 1 :])]
+        if visible and all(p.endswith(".parquet") for p in visible):
+            return None
+    inside: dict[str, bool] = {}  # a folder's real path: under the root (or ``allow``)?
     groups: dict[str, dict[str, str]] = {}
     errors: list[tuple[str, str]] = []
     bad: set[str] = set()
     hidden = 0
     for path in files:
         rel = path[len(root) + 1 :]
-        if any(part.startswith(".") for part in rel.split("/")):
+        if _hidden(rel):
             hidden += 1  # hidden files and our own partial files
             continue
-        if local and not _plainly_inside(path, plain, real_root, allow):
+        if local and not _plainly_inside(path, plain, real_root, allow, inside):
             problem = _local_file_problem(path, root, allow)
             if problem is not None:
                 errors.append((printable(path), problem))
@@ -289,16 +267,26 @@ def _list_dir(
             continue
         label = label_map[key.split("/", 1)[0]] if label_map is not None else None
         where = storage.full_url(fs, next(iter(fields.values())))
-        items.append((where, ("dir", src, key, tuple(sorted(fields.items())), label)))
+        if local:  # plain paths, read with no filesystem object (``localfiles``: what a lean pack worker loads)
+            items.append((where, ("local", key, tuple(sorted(fields.items())), label)))
+        else:
+            items.append((where, ("dir", src, key, tuple(sorted(fields.items())), label)))
     listing = Listing(items, label_map, errors)
     listing.hidden = hidden
     return listing
 
 
-def _plainly_inside(path: str, plain: dict[str, str], real_root: str, allow: tuple[str, ...]) -> bool:
+def _hidden(rel: str) -> bool:
+    """Whether a part of the relative path ``rel`` starts with "."."""
+    return rel.startswith(".") or "/." in rel
+
+
+def _plainly_inside(path: str, plain: dict[str, str], real_root: str, allow: tuple[str, ...], inside: dict[str, bool]) -> bool:
     """True for a plain regular file (``_local_tree``) of a UTF-8 name whose real path (its folder's
     real path and its name) lies under the source's real root or ``allow``: what
-    ``_local_file_problem`` finds fine, known without a call. Any other file goes to it."""
+    ``_local_file_problem`` finds fine, known without a call. Any other file goes to it. A file's
+    real path lies under a root exactly when its folder's does (or is the root): ``inside`` keeps
+    that answer per folder, so a folder of many files is checked once."""
     folder = plain.get(path)
     if folder is None:
         return False
@@ -306,8 +294,11 @@ def _plainly_inside(path: str, plain: dict[str, str], real_root: str, allow: tup
         path.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    real = folder.rstrip("/") + "/" + path.rsplit("/", 1)[1]
-    return any(_under(real, r) for r in (real_root, *allow))
+    known = inside.get(folder)
+    if known is None:
+        real = folder.rstrip("/") or "/"
+        known = inside[folder] = any(_under(real, r) for r in (real_root, *allow))
+    return known
 
 
 def _local_file_problem(path: str, root: str, allow: tuple[str, ...]) -> str | None:
@@ -520,6 +511,8 @@ def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
         if not ok:
             raise SourceError(a, b)
         return a, b
+    if kind == "local":
+        return load_local(where, payload)
     try:
         if kind == "dir":
             return _load_dir(payload)
@@ -534,29 +527,10 @@ def load_item(item: Item) -> tuple[str, dict[str, bytes]]:
     raise SourceError(where, f"unknown item kind {kind!r}")
 
 
-class _NotRegular(OSError):
-    """A local path that is not a regular file (found by stat, before or right after opening)."""
-
-
 def _cat(fs, path: str) -> bytes:
     if storage.is_local(fs):
-        return _read_local(path)
+        return read_local(path)
     return fs.cat_file(path)
-
-
-def _read_local(path: str) -> bytes:
-    """A local regular file's bytes. A FIFO, socket or device is refused by ``os.stat`` before it
-    is opened, and again by ``fstat`` of what was opened (without blocking: a FIFO swapped in
-    between cannot hang the read)."""
-    kind = special_kind(os.stat(path).st_mode)
-    if kind is not None:
-        raise _NotRegular(f"{kind}, not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    with open(fd, "rb") as f:
-        kind = special_kind(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise _NotRegular(f"{kind}, not a regular file")
-        return f.read()
 
 
 def _read_file(url: str, where: str, fs=None) -> bytes:
@@ -565,14 +539,11 @@ def _read_file(url: str, where: str, fs=None) -> bytes:
         if fs is not None and storage.is_local(fs):
             return _cat(fs, url)
         return storage_call(url, _cat, _STORAGE_OPTIONS, _STORAGE_CONFIG[0])
-    except FileNotFoundError:
-        raise SourceError(where, f"file not found: {url}") from None
-    except PermissionError:
-        raise SourceError(where, f"permission denied: {url}") from None
-    except IsADirectoryError:
-        raise SourceError(where, f"is a directory: {url}") from None
-    except _NotRegular as exc:
-        raise SourceError(where, f"{printable(url)} is {exc}: not read") from None
+    except OSError as exc:
+        error = read_error(exc, url, where)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _load_dir(payload) -> tuple[str, dict[str, bytes]]:

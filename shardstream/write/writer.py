@@ -36,16 +36,16 @@ from shardstream.errors import AccessDenied, ConfigError, DestinationError, Mani
 from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, check_dataset_root, write_manifest
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
-from shardstream.format.tar import END_OF_ARCHIVE, member_header, padding
+from shardstream.format.tar import END_OF_ARCHIVE
 from shardstream.storage import fs as storage
 from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
+from shardstream.write.limits import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
+from shardstream.write.members import encode_members
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_COUNT = 10_000
-DEFAULT_MAX_SIZE = 256 * 1000**2
 MAX_SKIPPED_LISTED = 100
 _FLUSH_BYTES = 1 << 20
 _PARTIAL_MARK = ".partial-"
@@ -110,19 +110,6 @@ def refuse_interrupted_pack(
             f"{url} holds the shards of an interrupted pack ({evidence}), not a finished dataset: "
             "run pack again to complete it (same source and destination; no --overwrite needed)"
         )
-
-
-def encode_members(key: str, fields: Mapping[str, bytes]) -> tuple[list[bytes], int]:
-    """A sample's tar members (header, data, padding per field, sorted by extension) and their size."""
-    pieces: list[bytes] = []
-    size = 0
-    for ext in sorted(fields):
-        data = fields[ext]
-        hdr = member_header(f"{key}.{ext}", len(data))
-        pad = padding(len(data))
-        pieces += (hdr, data, pad) if pad else (hdr, data)
-        size += len(hdr) + len(data) + len(pad)
-    return pieces, size
 
 
 class ShardWriter:
