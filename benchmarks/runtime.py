@@ -41,9 +41,9 @@ def small(sample):
 
 if __name__ == "__main__":
     tree, workload, root, workers, kind = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    options = {"small": dict(batch_size=64, decode=False, transform=small, collate=default_collate),
-               "image": dict(batch_size=32, decode=Decode(size=224)),
-               "large": dict(batch_size=4)}[workload]
+    options = {"small": lambda: dict(batch_size=64, decode=False, transform=small, collate=default_collate),
+               "image": lambda: dict(batch_size=32, decode=Decode(size=224)),  # (a checkout before Decode(size=) cannot run it)
+               "large": lambda: dict(batch_size=4)}[workload]()
     ds = ShardStream(root, shuffle=False, world=World(0, 1), **options)
     extra = {} if kind == "default" else {"workers": kind}
     loader = make_loader(ds, num_workers=workers, log_interval=None, pin_memory=False, **extra)
