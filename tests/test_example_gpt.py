@@ -77,16 +77,22 @@ def _steps(record: Path, rank: int) -> list[tuple[int, list[str]]]:
     return [(int(step), hashes) for step, *hashes in lines]
 
 
+def _packed_corpus(tmp_path: Path) -> str:
+    """The test corpus packed with a tokenizer trained on it, 40 documents a shard: its root."""
+    texts = corpus_texts()
+    tokenizer = train_tokenizer(texts, str(tmp_path / "tokenizer.json"))
+    data = str(tmp_path / "tokens")
+    shardstream.pack_tokens(iter(texts), data, tokenizer=tokenizer, eos=True, max_count=40)
+    return data
+
+
 def _hashes(batch: dict) -> list[str]:
     return [hashlib.blake2b(row.tobytes(), digest_size=8).hexdigest() for row in batch["input_ids"].numpy()]
 
 
 @pytest.mark.slow
 def test_train_gpt_killed_after_a_checkpoint_resumes_the_epoch_exactly(tmp_path):
-    texts = corpus_texts()
-    tokenizer = train_tokenizer(texts, str(tmp_path / "tokenizer.json"))
-    data = str(tmp_path / "tokens")
-    shardstream.pack_tokens(iter(texts), data, tokenizer=tokenizer, eos=True, max_count=40)
+    data = _packed_corpus(tmp_path)
     checkpoint = tmp_path / "ckpt" / "gpt.pt"
 
     job = _torchrun(data, checkpoint, tmp_path / "first")
@@ -128,10 +134,7 @@ def test_train_gpt_killed_after_a_checkpoint_resumes_the_epoch_exactly(tmp_path)
 @pytest.mark.slow
 def test_train_gpt_runs_a_budget_of_tokens(tmp_path):
     """``--tokens T``: T // (2 ranks * batch 2 * seq_len 15) steps on every rank, across passes."""
-    texts = corpus_texts()
-    tokenizer = train_tokenizer(texts, str(tmp_path / "tokenizer.json"))
-    data = str(tmp_path / "tokens")
-    shardstream.pack_tokens(iter(texts), data, tokenizer=tokenizer, eos=True, max_count=40)
+    data = _packed_corpus(tmp_path)
     one_pass = len(shardstream.ShardStream(shardstream.Tokens(data, seq_len=15), batch_size=2, world=shardstream.World(0, 2)))
     budget = 3 * one_pass * 2 * 2 * 15 + 50  # three passes' worth and a part of a step
     torchrun = Path(sys.executable).parent / "torchrun"

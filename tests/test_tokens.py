@@ -294,3 +294,16 @@ def test_a_corpus_on_s3_packs_and_streams_through_the_storage_layer(tmp_path, co
     ids = torch.cat([b["input_ids"] for b in ds]).numpy().reshape(-1)
     assert np.array_equal(ids, stream[: len(ids)]) and len(stream) - len(ids) < 2 * 64
     assert ds.stats()["bytes_read"] >= result.bytes - 4096  # every shard read once, through the counted reads
+
+
+def interrupted_and_resumed(make, n):
+    """(the first ``n`` batches of the loader ``make()`` gives, the batches of a fresh ``make()``
+    after loading the state saved there, as JSON): a run stopped after n batches and resumed."""
+    first = make()
+    it = iter(first)
+    head = [next(it) for _ in range(n)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    return head, list(resumed)

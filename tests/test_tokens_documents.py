@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from test_tokens import corpus_texts, train_tokenizer
+from test_tokens import corpus_texts, interrupted_and_resumed, train_tokenizer
 
 import shardstream
 from shardstream.errors import ConfigError, StateError
@@ -127,14 +127,7 @@ def test_a_sequence_is_a_function_of_the_plan_on_any_topology(corpus):
         return shardstream.make_loader(ds, num_workers=workers)
 
     whole = list(loader_over())
-    loader = loader_over()
-    it = iter(loader)
-    first = [next(it) for _ in range(7)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    del it
-    resumed = loader_over()
-    resumed.load_state_dict(state)
-    rest = list(resumed)
+    first, rest = interrupted_and_resumed(loader_over, 7)
     assert len(first) + len(rest) == len(whole)
     for a, b in zip(first + rest, whole):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["position_ids"], b["position_ids"])

@@ -6,14 +6,12 @@ own corpora; bad columns, arrays and ids are one typed error naming where."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_tokens import corpus_texts, train_tokenizer
+from test_tokens import corpus_texts, interrupted_and_resumed, train_tokenizer
 
 import shardstream
 from shardstream.cli.main import main
@@ -84,14 +82,8 @@ def test_a_foreign_corpus_resumes_exactly(corpora, name):
         return shardstream.make_loader(ds, num_workers=2)
 
     whole = list(loader())
-    first = loader()
-    it = iter(first)
-    head = [next(it) for _ in range(7)]
-    state = json.loads(json.dumps(first.state_dict()))
-    del it
-    resumed = loader()
-    resumed.load_state_dict(state)
-    assert _equal(head + list(resumed), whole)
+    head, rest = interrupted_and_resumed(loader, 7)
+    assert _equal(head + rest, whole)
 
 
 def test_foreign_and_own_corpora_mix_by_tokens(corpora):

@@ -20,15 +20,16 @@ from shardstream.errors import SourceError
 from shardstream.write.localfiles import load_local
 from shardstream.write.members import encode_members
 
-# The storage options and policy items are read under (``set_options``), handed to ``sources``
-# when it is first needed here (and again after every ``set_options``).
-_OPTIONS: list[Any] = [{}, None, False]  # options, config, applied to sources
+# ``sources.set_worker_storage_options``'s arguments from the last ``set_options``, handed to
+# ``sources`` when it is first needed here (None: handed over already).
+_pending: tuple[Any, ...] | None = ({},)
 
 
 def set_options(options: Mapping[str, Any] | None, config: Any = None) -> None:
     """The storage options and policy (a ``StorageConfig``; None: the default) this process reads
     items with: a pack worker's initializer, and the one process's before it loads."""
-    _OPTIONS[:] = [dict(options or {}), config, False]
+    global _pending
+    _pending = (dict(options or {}),) if config is None else (dict(options or {}), config)
 
 
 def _loaded(items: Sequence[Any]):
@@ -43,12 +44,10 @@ def _loaded(items: Sequence[Any]):
         return
     from shardstream.write import sources  # (not a local tree: the storage layer, imported here on first use)
 
-    if not _OPTIONS[2]:
-        if _OPTIONS[1] is None:
-            sources.set_worker_storage_options(_OPTIONS[0])
-        else:
-            sources.set_worker_storage_options(_OPTIONS[0], _OPTIONS[1])
-        _OPTIONS[2] = True
+    global _pending
+    if _pending is not None:
+        sources.set_worker_storage_options(*_pending)
+        _pending = None
     yield from sources.load_items(items)
 
 
