@@ -1,6 +1,6 @@
 """Reusable large buffers for one pass over the data: large members' own buffers (the tar parser)
 and batch buffers (the default collate outside worker processes, whose batch buffers come from
-their hand-off's segments: ``plan.topology.shared_allocator``).
+their hand-off's segments: ``WorkerInfo.take``).
 
 Fresh memory is not free: the kernel zeroes and maps every page on first touch, which on these
 machines costs about as much as copying the bytes once more. A pass over 4 MiB samples allocates

@@ -168,6 +168,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         # Work done on each sample between the read and the batch: a transform, or decoders of the user's.
         self.per_sample = self._transform is not None or bool(self.decode.decoders or self.decode.required or self.decode.alias)
         self.columnar = len(self.tables) == len(manifests) and len(schemas) == 1 and not self.per_sample
+        # Batches that are the samples as stored (no decoding, transform or collate of the user's:
+        # nothing between the read and the batch sees a field), which a worker process hands over as read.
+        self.as_stored = not (self.per_sample or self.decode.defaults or not batch_size or self.tables or self.collate is not default_collate)
         self.tokens = self._check_tokens(manifests, mode)  # token corpora: batches of sequences (pipeline/tokens.py)
         # Shuffle(documents=True): each shard's documents in an order of (seed, epoch, source, shard), token corpora only.
         self.documents = self.shuffler is not None and self.shuffler.documents

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib
 import platform
 import sys
-import threading
 from typing import Any
 
 from shardstream.errors import ShardstreamError
@@ -47,33 +46,21 @@ NAMES: dict[str, tuple[str, str, str]] = {
 }
 
 _resolved: dict[str, Any] = {}
-_lock = threading.Lock()
-
-
-def versions() -> str:
-    parts = [f"Python {platform.python_version()}"]
-    for module in ("torch", "s3fs", "botocore"):
-        mod = sys.modules.get(module)
-        if mod is not None:
-            parts.append(f"{module} {getattr(mod, '__version__', '?')}")
-    return ", ".join(parts)
 
 
 def gone(name: str, detail: str = "") -> PrivateNameGone:
-    why = NAMES[name][2] if name in NAMES else ""
+    parts = [f"Python {platform.python_version()}"]
+    parts += [f"{m} {getattr(sys.modules[m], '__version__', '?')}" for m in ("torch", "s3fs", "botocore") if m in sys.modules]
     return PrivateNameGone(
-        f"shardstream relies on {name} ({why}), which this installation lacks{': ' + detail if detail else ''} "
-        f"({versions()}); install a supported version (see pyproject.toml) or report it"
+        f"shardstream relies on {name} ({NAMES[name][2] if name in NAMES else ''}), which this installation lacks"
+        f"{': ' + detail if detail else ''} ({', '.join(parts)}); install a supported version (see pyproject.toml) or report it"
     )
 
 
 def resolve(name: str) -> Any:
     """The object ``name`` of NAMES stands for, looked up once (``PrivateNameGone`` if missing)."""
-    got = _resolved.get(name)
-    if got is not None:
-        return got
-    module, path, _ = NAMES[name]
-    with _lock:
+    if name not in _resolved:
+        module, path, _ = NAMES[name]
         try:
             obj: Any = importlib.import_module(module)
             for part in path.split("."):
@@ -81,7 +68,7 @@ def resolve(name: str) -> Any:
         except (ImportError, AttributeError) as exc:
             raise gone(name, str(exc)) from None
         _resolved[name] = obj
-    return obj
+    return _resolved[name]
 
 
 # -- multiprocessing --------------------------------------------------------------------------------

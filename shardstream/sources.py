@@ -55,6 +55,7 @@ from shardstream.format.scan import scan_shards, scan_url
 from shardstream.format.tokens import FIELD, TABLE_FIELD, TokenManifest, Tokens
 from shardstream.plan.epoch import EpochPlan
 from shardstream.plan.mix import Ask, MixPlan
+from shardstream.plan.requests import is_remote
 from shardstream.plan.run import RunPlan, RunSettings, Sources
 from shardstream.plan.state import dataset_digest
 from shardstream.redact import get_logger, masked_repr
@@ -201,6 +202,14 @@ class Mix:
     mixed: bool = True  # False: a single dataset, given as a root or manifest (no names, no __source__; planned alike)
 
     __repr__ = masked_repr  # (credentials in ``storage_options`` shown masked)
+
+    def remote_urls(self) -> list[tuple[str, dict[str, Any]]]:
+        """(a URL, its storage options) of each source on object storage: what its readers connect to."""
+        return [
+            (m.base_url or (m.file_url(0) if isinstance(m, TableManifest) else m.shard_url(0)), options)
+            for m, options in zip(self.manifests, self.storage_options)
+            if is_remote(m)
+        ]
 
     def report(
         self,

@@ -96,10 +96,10 @@ def write_npy(root, n=24, shape=(64, 64)):
 
 
 def _collate_reporting_shared(samples):
-    from shardstream.plan.topology import shared_allocator
+    from shardstream import get_worker_info
 
     batch = default_collate(samples)
-    take = shared_allocator()  # a worker process's segment pool's take, None elsewhere
+    take = getattr(get_worker_info(), "take", None)  # a worker process's segment pool's take, None elsewhere
     batch["made_in_shared_memory"] = take is not None and take.__self__.find(batch["npy"]) is not None
     return batch
 

@@ -16,7 +16,6 @@ from shardstream import Read, ShardStream, ShardWriter, Store, World, make_loade
 from shardstream.errors import ShardFormatError
 from shardstream.format import tar
 from shardstream.format.tar import BLOCK, END_OF_ARCHIVE, Unjoined, iter_sample_dicts, member_header, padding
-from shardstream.loader import _as_stored
 from shardstream.loader.handoff import Mappings, SegmentPool, pack
 
 KB = 1 << 10
@@ -241,10 +240,10 @@ class RecordStored:
         self.path = path
 
     def __call__(self, worker_id):
-        from shardstream.plan.topology import handed_as_stored
+        from shardstream import get_worker_info
 
         with open(os.path.join(self.path, f"stored-{worker_id}"), "w") as f:
-            f.write(str(handed_as_stored()))
+            f.write(str(get_worker_info().as_stored))
         copy_into = Unjoined.copy_into
         log = os.path.join(self.path, f"joined-{worker_id}")
 
@@ -314,7 +313,7 @@ def test_only_batches_of_samples_as_stored_take_the_new_path(tmp_path):
     url = str(tmp_path / "b")
 
     def as_stored(**kwargs) -> bool:
-        return _as_stored(ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), **{"decode": False, **kwargs}))
+        return ShardStream(url, batch_size=2, shuffle=False, world=World(0, 1), **{"decode": False, **kwargs}).as_stored
 
     assert as_stored()
     assert not as_stored(decode=True)
@@ -435,6 +434,6 @@ def test_small_samples_come_through_as_ever_under_the_new_path(tmp_path):
     """Small members are never read on their own: the flag is on, nothing reaches the hand-off unjoined."""
     url = write_dataset(tmp_path / "s", 12, max_count=5)
     ds = ShardStream(url, batch_size=3, shuffle=False, decode=False, world=World(0, 1))
-    assert _as_stored(ds)
+    assert ds.as_stored
     loader = make_loader(ds, num_workers=2, workers="processes", log_interval=None)
     assert sum(len(b["__key__"]) for b in loader) == 12

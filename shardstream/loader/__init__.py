@@ -24,14 +24,11 @@ import torch
 
 from shardstream.dataset import ShardStream
 from shardstream.errors import ConfigError
-from shardstream.format.parquet import TableManifest
 from shardstream.loader.handoff import pin as pin_batch
 from shardstream.loader.procs import ProcessWorkers
 from shardstream.loader.start import check_main_guarded, check_picklable, context, main_without_file, resolve_start_method
 from shardstream.loader.threads import ThreadWorkers
-from shardstream.pipeline.batch import default_collate
 from shardstream.plan.cursor import Cursor
-from shardstream.plan.requests import is_remote
 from shardstream.plan.run import PassPlan
 from shardstream.ranks import WaitMeter, gather
 from shardstream.storage.ranges import ready_for_fork as ready_storage_for_fork
@@ -45,37 +42,107 @@ _LOADER_KEYWORDS = ("collate_fn", "worker_init_fn", "multiprocessing_context", "
 
 
 class ShardLoader:
-    """The loader ``make_loader`` returns (build it with ``make_loader``, which sets its defaults):
-    ``len``, ``remaining``, ``set_epoch``, ``stats``, ``state_dict``/``load_state_dict`` (the data
-    position, in batches this loop received), ``map(fn)`` (applied to every batch in the loop's
-    process). A worker process that dies is ``WorkerDied``; a worker's own exception is raised as itself."""
+    """The loader over ``dataset`` (``make_loader`` is this class); checks that ``num_workers``
+    leaves every worker something to read. It has ``len`` (the whole pass), ``remaining``,
+    ``set_epoch``, ``stats``, ``state_dict``/``load_state_dict`` (the data position, in batches this
+    loop received) and ``map(fn)`` (applied to every batch in the loop's process).
+
+    ``workers`` says what a worker is: ``"threads"`` (threads of this process, for reading,
+    decompression and decoding, which release the GIL: no pickling, no shared memory, no start) or
+    ``"processes"`` (for per-sample Python work that holds the GIL). Default: processes where a
+    ``start_method`` or ``multiprocessing_context`` is given, else threads (docs/performance.md has
+    the figures behind it). ``num_workers=0`` iterates the dataset in the loop's thread.
+
+    ``pin_memory`` only takes effect where CUDA is present. ``prefetch_factor``: batches each
+    worker makes ahead of the loop. ``collate_fn`` (runs in the worker on each batch) and
+    ``worker_init_fn`` (called with the worker's id as it starts) are DataLoader's. Every
+    ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
+    level; ``loader.stats()`` reads them any time. The dataset is not changed.
+
+    Worker processes start as ``start_method`` says: ``"auto"`` (the default) is ``"forkserver"``
+    unless the environment variable ``SHARDSTREAM_START_METHOD`` names another; ``"fork"``,
+    ``"forkserver"`` or ``"spawn"`` ask for one (so does DataLoader's ``multiprocessing_context``).
+    Processes that are not forked receive the dataset pickled: what a worker can import goes by
+    reference, and a function it cannot (one defined in a notebook cell, ``python -`` or ``python
+    -c``, a lambda, a closure, webdataset's decoders) goes by value with cloudpickle
+    (``shardstream.portable``); what cannot travel at all (an open file, a lock) is a ConfigError at
+    the first pass. ``persistent_workers`` (default True) keeps worker processes between passes;
+    ``set_epoch`` and ``load_state_dict`` still reach them.
+
+    Every wait for a batch is bounded: ``first_batch_timeout`` seconds for the first batch of a
+    pass, ``timeout`` for each later one (None: unbounded). Past it the loop raises
+    ``WorkerTimeout`` naming the rank, the worker, its pid and its last step. A worker process that
+    dies is ``WorkerDied``; a worker's own exception is raised as itself. Worker processes die with
+    their rank process, whatever the start method.
+
+    In a worker, ``shardstream.get_worker_info()`` says which it is (torch's ``get_worker_info``
+    says None in these workers; it describes torch DataLoader's own).
+    """
 
     def __init__(
         self,
         dataset: ShardStream,
         *,
-        num_workers: int,
-        workers: str,
-        pin_memory: bool,
-        prefetch_factor: int,
-        persistent_workers: bool,
-        log_interval: float | None,
-        start_method: str,
-        start_why: str,
-        context: Any,
-        timeout: float | None,
-        first_batch_timeout: float | None,
-        collate_fn: Callable[[Any], Any] | None,
-        worker_init_fn: Callable[[int], Any] | None,
+        num_workers: int = 2,
+        workers: str | None = None,
+        pin_memory: bool = True,
+        prefetch_factor: int | None = 2,
+        persistent_workers: bool = True,
+        log_interval: float | None = 60.0,
+        start_method: str = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT,
+        first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
+        **kwargs: Any,
     ):
+        dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
+        if workers is None:
+            workers = "processes" if start_method != "auto" or kwargs.get("multiprocessing_context") is not None else "threads"
+        if workers not in WORKER_KINDS:
+            raise ConfigError(f"workers must be one of {', '.join(map(repr, WORKER_KINDS))}, got {workers!r}")
+        if "resumed_len" in kwargs:
+            raise ConfigError(
+                "make_loader has no resumed_len any more: len(loader) is always the whole pass (torch's, StatefulDataLoader's "
+                "and Lightning's convention), and loader.remaining is what is left of a resumed one"
+            )
+        if kwargs.get("in_order", True) is not True:
+            raise ConfigError(
+                "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, from each "
+                "batch's origin, as the batches of the pass received without a gap (with in_order=False a fast worker's "
+                "batches overtake a slow one's, and a resume would deliver those again)"
+            )
+        kwargs.pop("reuse_shared_memory", None)  # (segments are always reused now: loader/handoff.py)
+        unknown = sorted(set(kwargs) - set(_LOADER_KEYWORDS))
+        if unknown:
+            raise ConfigError(
+                f"make_loader does not take {', '.join(unknown)}: the dataset batches, shuffles and splits itself (give "
+                "batch_size, shuffle and world to ShardStream); make_loader takes num_workers, workers, pin_memory, "
+                f"prefetch_factor, persistent_workers, log_interval, start_method, timeout, first_batch_timeout and {', '.join(_LOADER_KEYWORDS)}"
+            )
+        ctx = kwargs.get("multiprocessing_context")
+        if ctx is not None:
+            if start_method != "auto":
+                raise ConfigError("give start_method or multiprocessing_context, not both")
+            if isinstance(ctx, str):
+                start_method, why = resolve_start_method(ctx)
+                ctx = context(start_method)
+            else:
+                start_method, why = ctx.get_start_method(), "given as multiprocessing_context"
+            if workers != "processes":
+                raise ConfigError("a multiprocessing_context starts worker processes: it does not go with workers='threads'")
+        else:
+            start_method, why = resolve_start_method(start_method)  # (refuses unknown names now)
+            ctx = context(start_method, remote=bool(dataset.sources.remote_urls())) if workers == "processes" else None
+        if num_workers > 0 and workers == "processes":
+            logger.info("shardstream: worker processes start with %s (%s)", start_method, why)
         self.dataset = dataset
         self.num_workers, self.workers = num_workers, workers if num_workers > 0 else "none"
-        self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
+        self.pin_memory, self.prefetch_factor = pin_memory and torch.cuda.is_available(), prefetch_factor or 2
         self.persistent_workers = persistent_workers and num_workers > 0
         self.log_interval = log_interval
-        self.start_method, self.start_why, self._context = start_method, start_why, context
-        self.timeout, self.first_batch_timeout = timeout, first_batch_timeout
-        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.start_method, self.start_why, self._context = start_method, why, ctx
+        self.timeout = timeout if num_workers > 0 else None
+        self.first_batch_timeout = first_batch_timeout if num_workers > 0 else None
+        self.collate_fn, self.worker_init_fn = kwargs.get("collate_fn"), kwargs.get("worker_init_fn")
         # Batches a client counted in the resumed pass before its checkpoint, for len(): the state
         # counts only those since the pass's last elastic resume, so ShardDataModule saves its own
         # count and sets it here after load_state_dict (which leaves it); None: the state's count.
@@ -202,9 +269,10 @@ class ShardLoader:
                 self._checked = True
             main_without_file()  # python -: its "<stdin>" is no script for a worker to run
             check_main_guarded(method)  # a worker would run the script's unguarded loop again
-        else:
-            ready_for_fork(self.dataset)  # what each worker would make at its first read, made once here
-        runtime = ProcessWorkers(self.dataset, self.num_workers, method=method, as_stored=_as_stored(self.dataset) and self.collate_fn is None, **kw)
+        else:  # the storage clients each worker would make at its first read, made once here for all
+            for url, options in self.dataset.sources.remote_urls():
+                ready_storage_for_fork(url, options, self.dataset.storage)
+        runtime = ProcessWorkers(self.dataset, self.num_workers, method=method, as_stored=self.dataset.as_stored and self.collate_fn is None, **kw)
         runtime.start(self._context)
         return runtime
 
@@ -256,120 +324,4 @@ class ShardLoader:
         self.dataset.set_epoch(epoch)
 
 
-def ready_for_fork(dataset: ShardStream) -> None:
-    """Before ``fork`` starts workers: the storage clients they read remote sources with, made here
-    (``storage.ranges.ready_for_fork``), so every worker inherits them instead of making its own."""
-    for manifest, options in zip(dataset.sources.manifests, dataset.sources.storage_options):
-        if is_remote(manifest):
-            url = manifest.base_url or (manifest.file_url(0) if isinstance(manifest, TableManifest) else manifest.shard_url(0))
-            ready_storage_for_fork(url, options, dataset.storage)
-
-
-def _as_stored(dataset: ShardStream) -> bool:
-    """Whether ``dataset``'s batches are its samples as stored, batched by the default collate: no
-    decoding, no transform, nothing between the read and the batch that sees a field."""
-    return not (dataset.per_sample or dataset.decode.defaults or not dataset.batch_size or dataset.tables or dataset.collate is not default_collate)
-
-
-def make_loader(
-    dataset: ShardStream,
-    *,
-    num_workers: int = 2,
-    workers: str | None = None,
-    pin_memory: bool = True,
-    prefetch_factor: int | None = 2,
-    persistent_workers: bool = True,
-    log_interval: float | None = 60.0,
-    start_method: str = "auto",
-    timeout: float | None = DEFAULT_TIMEOUT,
-    first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
-    **kwargs: Any,
-) -> ShardLoader:
-    """The loader over ``dataset``; checks that ``num_workers`` leaves every worker something to read.
-
-    ``workers`` says what a worker is: ``"threads"`` (threads of this process, for reading,
-    decompression and decoding, which release the GIL: no pickling, no shared memory, no start) or
-    ``"processes"`` (for per-sample Python work that holds the GIL). Default: processes where a
-    ``start_method`` or ``multiprocessing_context`` is given, else threads (docs/performance.md has
-    the figures behind it). ``num_workers=0`` iterates the dataset in the loop's thread.
-
-    ``pin_memory`` only takes effect where CUDA is present. ``prefetch_factor``: batches each
-    worker makes ahead of the loop. ``collate_fn`` (runs in the worker on each batch) and
-    ``worker_init_fn`` (called with the worker's id as it starts) are DataLoader's. Every
-    ``log_interval`` seconds (None: never) the stream counters of this rank are logged at INFO
-    level; ``loader.stats()`` reads them any time. The dataset is not changed.
-
-    Worker processes start as ``start_method`` says, one way for the whole process: ``"auto"``
-    (the default) is ``"forkserver"`` unless the environment variable ``SHARDSTREAM_START_METHOD``
-    names another; ``"fork"``, ``"forkserver"`` or ``"spawn"`` ask for one (so does DataLoader's
-    ``multiprocessing_context``). Processes that are not forked receive the dataset pickled: what a
-    worker can import goes by reference, and a function it cannot (one defined in a notebook cell,
-    ``python -`` or ``python -c``, a lambda, a closure, webdataset's decoders) goes by value with
-    cloudpickle (``shardstream.portable``); what cannot travel at all (an open file, a lock) is a
-    ConfigError at the first pass. ``persistent_workers`` (default True) keeps worker processes
-    between passes; ``set_epoch`` and ``load_state_dict`` still reach them.
-
-    Every wait for a batch is bounded: ``first_batch_timeout`` seconds for the first batch of a
-    pass, ``timeout`` for each later one (None: unbounded). Past it the loop raises
-    ``WorkerTimeout`` naming the rank, the worker, its pid and its last step. Worker processes die
-    with their rank process, whatever the start method.
-
-    In a worker, ``shardstream.get_worker_info()`` says which it is (torch's ``get_worker_info``
-    says None in these workers; it describes torch DataLoader's own).
-    """
-    dataset.check_workers(num_workers)  # raises ConfigError naming the numbers
-    if workers is None:
-        workers = "processes" if start_method != "auto" or kwargs.get("multiprocessing_context") is not None else "threads"
-    if workers not in WORKER_KINDS:
-        raise ConfigError(f"workers must be one of {', '.join(map(repr, WORKER_KINDS))}, got {workers!r}")
-    if "resumed_len" in kwargs:
-        raise ConfigError(
-            "make_loader has no resumed_len any more: len(loader) is always the whole pass (torch's, StatefulDataLoader's "
-            "and Lightning's convention), and loader.remaining is what is left of a resumed one"
-        )
-    if kwargs.get("in_order", True) is not True:
-        raise ConfigError(
-            "make_loader keeps DataLoader's in_order=True: resume counts the batches the loop received, from each "
-            "batch's origin, as the batches of the pass received without a gap (with in_order=False a fast worker's "
-            "batches overtake a slow one's, and a resume would deliver those again)"
-        )
-    kwargs.pop("reuse_shared_memory", None)  # (segments are always reused now: loader/handoff.py)
-    unknown = sorted(set(kwargs) - set(_LOADER_KEYWORDS))
-    if unknown:
-        raise ConfigError(
-            f"make_loader does not take {', '.join(unknown)}: the dataset batches, shuffles and splits itself (give "
-            "batch_size, shuffle and world to ShardStream); make_loader takes num_workers, workers, pin_memory, "
-            f"prefetch_factor, persistent_workers, log_interval, start_method, timeout, first_batch_timeout and {', '.join(_LOADER_KEYWORDS)}"
-        )
-    ctx = kwargs.get("multiprocessing_context")
-    if ctx is not None:
-        if start_method != "auto":
-            raise ConfigError("give start_method or multiprocessing_context, not both")
-        if isinstance(ctx, str):
-            start_method, why = resolve_start_method(ctx)
-            ctx = context(start_method)
-        else:
-            start_method, why = ctx.get_start_method(), "given as multiprocessing_context"
-        if workers != "processes":
-            raise ConfigError("a multiprocessing_context starts worker processes: it does not go with workers='threads'")
-    else:
-        start_method, why = resolve_start_method(start_method)  # once per process for "auto"; refuses unknown names now
-        ctx = context(start_method, remote=any(is_remote(m) for m in dataset.sources.manifests)) if workers == "processes" else None
-    if num_workers > 0 and workers == "processes":
-        logger.info("shardstream: worker processes start with %s (%s)", start_method, why)
-    return ShardLoader(
-        dataset,
-        num_workers=num_workers,
-        workers=workers,
-        pin_memory=pin_memory and torch.cuda.is_available(),
-        prefetch_factor=prefetch_factor or 2,
-        persistent_workers=persistent_workers,
-        log_interval=log_interval,
-        start_method=start_method,
-        start_why=why,
-        context=ctx,
-        timeout=timeout if num_workers > 0 else None,
-        first_batch_timeout=first_batch_timeout if num_workers > 0 else None,
-        collate_fn=kwargs.get("collate_fn"),
-        worker_init_fn=kwargs.get("worker_init_fn"),
-    )
+make_loader = ShardLoader

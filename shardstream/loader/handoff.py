@@ -5,7 +5,7 @@ A batch travels as one pickled message over the worker's socket. Small CPU tenso
 Large tensors and large ``bytes`` fields travel in *segments*: anonymous shared memory
 (``os.memfd_create`` + ``mmap``) whose descriptors ride along (``socket.send_fds``). No segment has
 a name, so nothing is ever left in /dev/shm. The default collate writes large batch fields straight
-into a segment (``plan.topology.shared_allocator``): their bytes are copied once; a large tensor
+into a segment (``WorkerInfo.take``): their bytes are copied once; a large tensor
 made elsewhere (the user's collate) is copied into one.
 
 A worker writes its segments again once the loop's process lets go: each arrived batch views a
@@ -107,45 +107,37 @@ class SegmentPool:
         self._trim()
 
 
-class _Packing:
-    __slots__ = ("fds", "pool")
-
-    def __init__(self, pool: SegmentPool):
-        self.pool = pool
-        self.fds: list[int] = []
-
-    def place(self, data: Any, nbytes: int) -> tuple[int, int, int]:
-        """(segment, offset, fd index or -1) of ``data`` (an array, tensor or Unjoined), copied into
-        a segment unless it lies on one already."""
-        found = self.pool.find(data) if isinstance(data, (torch.Tensor, np.ndarray)) else None
-        if found is None:
-            arena = self.pool.take(nbytes)
-            if isinstance(data, Unjoined):
-                data.copy_into(memoryview(arena))  # type: ignore[arg-type]  # ndarray has the buffer protocol
-            elif isinstance(data, torch.Tensor):
-                torch.from_numpy(arena).view(data.dtype).view(data.shape).copy_(data)
-            else:
-                arena[:] = np.frombuffer(data, np.uint8)
-            found = self.pool.find(arena)
-            assert found is not None
-        seg, offset = found
-        fd = -1
-        if not seg.sent:
-            seg.sent = True
-            fd = len(self.fds)
-            self.fds.append(seg.fd)
-        seg.out = True
-        return seg.number, offset, fd
+def _place(data: Any, nbytes: int, pool: SegmentPool, fds: list[int]) -> tuple[int, int, int]:
+    """(segment, offset, index in ``fds`` or -1) of ``data`` (an array, tensor or Unjoined), copied
+    into a segment unless it lies on one already; a segment new to the loop's process adds its fd."""
+    found = pool.find(data) if isinstance(data, (torch.Tensor, np.ndarray)) else None
+    if found is None:
+        arena = pool.take(nbytes)
+        if isinstance(data, Unjoined):
+            data.copy_into(memoryview(arena))  # type: ignore[arg-type]  # ndarray has the buffer protocol
+        elif isinstance(data, torch.Tensor):
+            torch.from_numpy(arena).view(data.dtype).view(data.shape).copy_(data)
+        else:
+            arena[:] = np.frombuffer(data, np.uint8)
+        found = pool.find(arena)
+        assert found is not None
+    seg, offset = found
+    fd = -1
+    if not seg.sent:
+        seg.sent, fd = True, len(fds)
+        fds.append(seg.fd)
+    seg.out = True
+    return seg.number, offset, fd
 
 
 def pack(batch: Any, pool: SegmentPool) -> tuple[Any, list[int], list[int]]:
     """In a worker: (the batch with small tensors as arrays and large ones as segment markers, the
     descriptors of segments the loop's process has not mapped yet, segments closed since the last
     batch)."""
-    ctx = _Packing(pool)
-    out = rebuild(batch, lambda x: _pack(x, ctx))
+    fds: list[int] = []
+    out = rebuild(batch, lambda x: _pack(x, pool, fds))
     dropped, pool.dropped = pool.dropped, []
-    return out, ctx.fds, dropped
+    return out, fds, dropped
 
 
 @dataclass(slots=True)
@@ -190,14 +182,14 @@ def rebuild(obj: Any, leaf: Any) -> Any:
     return leaf(obj)
 
 
-def _pack(obj: Any, ctx: _Packing) -> Any:
+def _pack(obj: Any, pool: SegmentPool, fds: list[int]) -> Any:
     if isinstance(obj, (bytes, bytearray)):
         if len(obj) >= SHARED_FIELD_MIN_BYTES:
-            number, offset, fd = ctx.place(obj, len(obj))
+            number, offset, fd = _place(obj, len(obj), pool, fds)
             return _OnSegment(number, offset, fd, type(obj).__name__, (len(obj),))
         return obj
     if type(obj) is Unjoined:  # a large member's pieces: joined into its segment, bytes on arrival
-        number, offset, fd = ctx.place(obj, obj.nbytes)
+        number, offset, fd = _place(obj, obj.nbytes, pool, fds)
         return _OnSegment(number, offset, fd, "bytes", (obj.nbytes,))
     if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
         if obj.nbytes <= INLINE_MAX_BYTES:
@@ -205,9 +197,9 @@ def _pack(obj: Any, ctx: _Packing) -> Any:
                 return _Inline(obj.numpy())
             except (TypeError, RuntimeError):  # dtypes numpy lacks (bfloat16), conjugate views
                 return obj
-        if not obj.is_contiguous() and ctx.pool.find(obj) is None:
+        if not obj.is_contiguous() and pool.find(obj) is None:
             obj = obj.contiguous()
-        number, offset, fd = ctx.place(obj, obj.nbytes)  # (the offset of its first element)
+        number, offset, fd = _place(obj, obj.nbytes, pool, fds)  # (the offset of its first element)
         return _OnSegment(number, offset, fd, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), tuple(obj.stride()))
     return obj
 

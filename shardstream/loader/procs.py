@@ -35,7 +35,7 @@ from typing import Any
 from shardstream.errors import WorkerDied
 from shardstream.loader.handoff import Mappings, SegmentPool, pack
 from shardstream.loader.workers import Workers
-from shardstream.plan.topology import WorkerInfo, set_worker, set_worker_process
+from shardstream.plan.topology import WorkerInfo, set_worker
 
 _HEADER = struct.Struct("<QI")
 MAX_FDS = 64  # new segments one message may carry
@@ -65,20 +65,19 @@ def recv(sock: socket.socket) -> tuple[Any, list[int]]:
     head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
     if not head:
         raise EOFError("the other end closed its socket")
-    while len(head) < _HEADER.size:
-        more = sock.recv(_HEADER.size - len(head))
-        if not more:
-            raise EOFError("the other end closed its socket mid-message")
-        head += more
-    size, _ = _HEADER.unpack(head)
-    body = bytearray(size)
-    view, got = memoryview(body), 0
+    size, _ = _HEADER.unpack(head + _exactly(sock, _HEADER.size - len(head)))
+    return pickle.loads(_exactly(sock, size)), fds
+
+
+def _exactly(sock: socket.socket, size: int) -> bytearray:
+    data = bytearray(size)
+    view, got = memoryview(data), 0
     while got < size:
         n = sock.recv_into(view[got:])
         if not n:
             raise EOFError("the other end closed its socket mid-message")
         got += n
-    return pickle.loads(body), fds
+    return data
 
 
 # -- in the worker ------------------------------------------------------------------------------------
@@ -118,12 +117,9 @@ def worker_main(spec: Any) -> None:
     torch.set_num_threads(1)  # as DataLoader's workers do: K workers, not K times torch's pool (a forked pool hangs)
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
-    set_worker(WorkerInfo(spec.worker, spec.num_workers, seed, dataset), thread=False)
     pool = SegmentPool()
-    set_worker_process(pool.take, spec.as_stored)
-    counters = getattr(dataset, "counters", None)
-    if counters is not None:
-        counters.counters(spec.worker).step(f"started ({spec.method}), running worker_init_fn")
+    set_worker(WorkerInfo(spec.worker, spec.num_workers, seed, dataset, pool.take, spec.as_stored), thread=False)
+    dataset.counters.counters(spec.worker).step(f"started ({spec.method}), running worker_init_fn")
     try:
         if spec.init_fn is not None:
             spec.init_fn(spec.worker)

@@ -34,40 +34,21 @@ PRELOAD = ("torch", "numpy", "shardstream.loader.procs")
 # each new worker would otherwise import at its first read (botocore's credential chain 0.3-0.8 s).
 REMOTE_PRELOAD = ("botocore.session", "botocore.credentials", "obstore.store")
 _preload: list[str] = list(PRELOAD)
-_process_method: str | None = None  # what "auto" means in this process, fixed by its first "auto" loader
 
 
 def resolve_start_method(start_method: str) -> tuple[str, str]:
-    """(the start method, why) for ``make_loader``'s ``start_method``. ``"auto"`` is ``forkserver``
-    unless ``SHARDSTREAM_START_METHOD`` names another, fixed by the process's first "auto" loader
-    for every later one; a method asked for is given (with a warning where it differs)."""
-    global _process_method
+    """(the start method, why) for ``make_loader``'s ``start_method``: ``"auto"`` is ``forkserver``
+    unless ``SHARDSTREAM_START_METHOD`` names another (read by each loader); a method asked for is given."""
     if start_method not in START_METHODS:
         raise ConfigError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    method, why = start_method, "asked for"
     if start_method == "auto":
-        if _process_method is not None:
-            return _process_method, "this process's start method, fixed by its first loader"
         asked = os.environ.get(ENV_START_METHOD, "").strip()
-        if asked:
-            if asked not in START_METHODS[1:]:
-                raise ConfigError(f"{ENV_START_METHOD} must be one of {', '.join(START_METHODS[1:])}, got {asked!r}")
-            method, why = asked, f"{ENV_START_METHOD}={asked}"
-        else:
-            method, why = "forkserver", "the default: no fork of a process that has threads"
-    else:
-        method, why = start_method, "asked for"
-        if _process_method is not None and method != _process_method:
-            logger.warning(
-                "shardstream: this loader's workers start with %s, while this process's earlier loaders chose %s: "
-                "one start method per process is what docs/training.md describes",
-                method,
-                _process_method,
-            )
-            return method, why
+        if asked and asked not in START_METHODS[1:]:
+            raise ConfigError(f"{ENV_START_METHOD} must be one of {', '.join(START_METHODS[1:])}, got {asked!r}")
+        method, why = (asked, f"{ENV_START_METHOD}={asked}") if asked else ("forkserver", "the default: no fork of a process that has threads")
     if method == "fork" and not hasattr(os, "fork"):
         raise ConfigError("start_method='fork': this platform has no fork()")
-    if start_method == "auto":
-        _process_method = method
     return method, why
 
 

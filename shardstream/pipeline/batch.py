@@ -24,7 +24,7 @@ from typing import Any
 from shardstream.buffers import BufferPool, active_pool, batch_buffers
 from shardstream.errors import ConfigError, SampleError, TooManyErrors
 from shardstream.format.extensions import IMAGE
-from shardstream.plan.topology import shared_allocator
+from shardstream.plan.topology import get_worker_info
 
 logger = logging.getLogger(__name__)
 
@@ -295,8 +295,8 @@ def _batch_buffer(shape: tuple[int, ...], dtype, nbytes: int):
     import numpy as np
     import torch
 
-    take = shared_allocator()
-    if nbytes >= SHARED_MIN_BYTES and take is not None:
+    take = getattr(get_worker_info(), "take", None) if nbytes >= SHARED_MIN_BYTES else None
+    if take is not None:
         return torch.from_numpy(take(nbytes)).view(dtype).view(shape)  # on a segment of the worker's pool
     if nbytes >= SHARED_MIN_BYTES and nbytes % torch.empty(0, dtype=dtype).element_size() == 0:
         pool = active_pool()  # the pass's pool: memory of batches nobody holds any more

@@ -29,7 +29,7 @@ from shardstream.format.members import iter_member_dicts
 from shardstream.format.scan import hashed, skip_exactly
 from shardstream.format.tar import DEFAULT_READ_SIZE, iter_sample_dicts
 from shardstream.plan.epoch import Range
-from shardstream.plan.topology import handed_as_stored
+from shardstream.plan.topology import get_worker_info
 from shardstream.policy import ErrorPolicy
 from shardstream.storage.cache import ShardCache
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -176,7 +176,7 @@ def read_range(
     Large members (``format.tar.LARGE_MEMBER``) are read into buffers of their own (from
     ``buffers``, a pass's pool, when given); those of the extensions in ``keep_buffers`` stay
     writable memoryviews for decoders that view them in place, all others are ``bytes`` (in a
-    DataLoader worker that hands its samples over as stored, ``plan.topology.handed_as_stored``, those
+    DataLoader worker that hands its samples over as stored, ``WorkerInfo.as_stored``, those
     read on their own are ``format.tar.Unjoined``: joined by the hand-off into its segment). Storage
     (the offset sidecar a range inside a shard needs; the range, if ``read`` is not given) is read
     under ``config``."""
@@ -220,7 +220,7 @@ def read_range(
             keep_buffers=keep_buffers,
             buffers=buffers,
             reuse_blocks=local and not verify,
-            join_later=handed_as_stored(),
+            join_later=getattr(get_worker_info(), "as_stored", False),
         )
     try:
         for samples in chunks:

@@ -118,12 +118,17 @@ def consumed_in(t0: int, t1: int, received: int, num_workers: int, worker: int) 
 class WorkerInfo(NamedTuple):
     """The worker this code runs in, as torch's ``get_worker_info()`` describes one: its ``id``
     (0 to ``num_workers - 1``), ``seed`` (its random generators' seed) and the ``dataset`` copy
-    it iterates."""
+    it iterates. A worker process of make_loader's also says where large batch buffers come from
+    (``take(nbytes)``, its hand-off's segment pool: the batch crosses without a copy) and whether its
+    samples reach the hand-off as stored (``as_stored``: a large member stays in pieces,
+    ``format.tar.Unjoined``, joined once into its segment)."""
 
     id: int
     num_workers: int
     seed: int
     dataset: Any
+    take: Any = None
+    as_stored: bool = False
 
 
 _thread_worker = threading.local()  # a thread worker's own (make_loader(workers="threads"))
@@ -155,26 +160,3 @@ def current_worker() -> tuple[int, int]:
     """(worker id, number of workers) of the worker we run in; (0, 1) in the loop's own process."""
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
-
-
-# What a worker process of make_loader's tells the pipeline as it starts (loader/procs.py): where
-# large batch buffers come from (its hand-off's segment pool: the batch crosses without a copy),
-# and whether its samples reach the hand-off as stored (no decoding, transform or collate of the
-# user's), so that a large member stays in pieces (``format.tar.Unjoined``) and is joined once,
-# into its segment. Elsewhere: None and False.
-_shared_allocator: Any = None
-_as_stored = False
-
-
-def set_worker_process(allocator: Any, as_stored: bool) -> None:
-    global _shared_allocator, _as_stored
-    _shared_allocator, _as_stored = allocator, as_stored
-
-
-def shared_allocator() -> Any:
-    """``take(nbytes) -> uint8 ndarray`` of this worker process's segment pool, None elsewhere."""
-    return _shared_allocator
-
-
-def handed_as_stored() -> bool:
-    return _as_stored
