@@ -13,7 +13,10 @@ the array's reference count says whether a view of it is still alive anywhere. T
 reuses memory that anything can still read or write.
 
 Bounds: at most ``max_bytes`` of buffers are tracked (larger demands are plain allocations, freed
-as usual), and the pool lives as long as the pass that made it.
+as usual). A dataset keeps one pool for all its passes (its thread workers share it; a copy, as a
+worker process receives one, starts empty), so a pass after the first allocates nothing new: fresh
+memory, with the page faults of threads that share one memory map, is what slowed a thread
+runtime's passes over large samples.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class BufferPool:
                 self._arrays.append(fresh)
                 self._bytes += nbytes
             return fresh
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return BufferPool, (self.max_bytes,)  # (a copy starts empty: memory never travels)
 
     @property
     def tracked_bytes(self) -> int:

@@ -209,6 +209,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         # This process's own position (plan/cursor.py): the pass it iterates and the batches it
         # yielded (in a worker, its own share), and how the loaded state reached it.
         self._place = Place()
+        # Large member and batch buffers, reused once unreferenced, pass after pass: shared by the
+        # thread workers' views; a worker process's copy starts its own (buffers.py).
+        self._buffers = BufferPool()
         # Shared with DataLoader workers (persistent ones too), so set_epoch and a loaded state reach them.
         self._clock = EpochClock()
         self._stats = StreamStats()
@@ -426,7 +429,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 fn.bind(epoch, rank, worker)
         counters = self._stats.counters(worker)
         counters.step(f"planning its share of epoch {epoch} (rank {rank}, worker {worker} of {num_workers})")
-        buffers = BufferPool()  # this pass's large member and batch buffers, reused once unreferenced
+        buffers = self._buffers
         policy = ErrorPolicy(self.on_error.policy, self.on_error.tolerance, counters)
         stats = BatchStats()
         if self.tokens:

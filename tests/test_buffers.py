@@ -86,7 +86,34 @@ def test_batches_and_fields_kept_by_the_user_are_never_overwritten(tmp_path, mon
     fields = []
     passes(lambda b: fields.extend(b["npy"][i].clone() for i in range(4)))  # batches dropped: memory reused
     assert all(torch.equal(f, torch.from_numpy(arrays[i % 24])) for i, f in enumerate(fields))
-    assert len(pools) == 2 and all(p.reused > 0 for p in pools)
+    assert len(pools) == 1 and pools[0].reused > 0  # one pool for the dataset's passes
+
+
+def test_later_passes_allocate_nothing_new_and_thread_workers_share_the_pool(tmp_path):
+    import pickle
+
+    from shardstream import make_loader
+
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal((520, 520)).astype(np.float32) for _ in range(16)]  # > 1 MiB members
+    with ShardWriter(str(tmp_path), max_count=4) as w:
+        for i, a in enumerate(arrays):
+            w.write({"__key__": f"{i:04d}", "npy": a})
+    ds = ShardStream(str(tmp_path), batch_size=2, shuffle=False, world=World(0, 1))
+    loader = make_loader(ds, num_workers=2, workers="threads", pin_memory=False, log_interval=None)
+    keys = [sorted(k for b in loader for k in b["__key__"]) for _ in range(3)]
+    assert keys == [[f"{i:04d}" for i in range(16)]] * 3
+    pool = ds._buffers
+    after_first = pool.allocated
+    assert after_first > 0 and pool.tracked_bytes > 0  # the workers' views took their buffers from the dataset's pool
+    for batch in loader:  # a fourth pass, every value checked: reused memory holds this pass's bytes
+        for key, x in zip(batch["__key__"], batch["npy"]):
+            assert torch.equal(x, torch.from_numpy(arrays[int(key)]))
+    # Later passes reuse the first pass's buffers: at most a few more as this loop holds each batch
+    # a little longer (a pool made per pass would allocate the whole working set again, 3 more times).
+    assert pool.allocated < 1.5 * after_first and pool.reused > 2 * after_first
+    copy = pickle.loads(pickle.dumps(pool))  # what a worker process receives: an empty pool of the same bound
+    assert copy.tracked_bytes == 0 and copy.max_bytes == pool.max_bytes
 
 
 def test_a_workers_segments_are_mapped_up_front():

@@ -119,7 +119,9 @@ def worker_main(spec: Any) -> None:
     np.random.seed(seed % 2**32)
     pool = SegmentPool()
     set_worker(WorkerInfo(spec.worker, spec.num_workers, seed, dataset, pool.take, spec.as_stored), thread=False)
-    dataset.counters.counters(spec.worker).step(f"started ({spec.method}), running worker_init_fn")
+    counters = dataset.counters  # (None where the dataset could not be rebuilt here: its first pass says why)
+    if counters is not None:
+        counters.counters(spec.worker).step(f"started ({spec.method}), running worker_init_fn")
     try:
         if spec.init_fn is not None:
             spec.init_fn(spec.worker)
