@@ -42,8 +42,8 @@ _LOADER_KEYWORDS = ("collate_fn", "worker_init_fn", "multiprocessing_context", "
 
 
 class ShardLoader:
-    """The loader over ``dataset`` (``make_loader`` is this class); checks that ``num_workers``
-    leaves every worker something to read. It has ``len`` (the whole pass), ``remaining``,
+    """The loader over ``dataset`` (``make_loader`` builds one, with the same arguments); checks
+    that ``num_workers`` leaves every worker something to read. It has ``len`` (the whole pass), ``remaining``,
     ``set_epoch``, ``stats``, ``state_dict``/``load_state_dict`` (the data position, in batches this
     loop received) and ``map(fn)`` (applied to every batch in the loop's process).
 
@@ -324,4 +324,20 @@ class ShardLoader:
         self.dataset.set_epoch(epoch)
 
 
-make_loader = ShardLoader
+def make_loader(
+    dataset: ShardStream,
+    *,
+    num_workers: int = 2,
+    workers: str | None = None,
+    pin_memory: bool = True,
+    prefetch_factor: int | None = 2,
+    persistent_workers: bool = True,
+    log_interval: float | None = 60.0,
+    start_method: str = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT,
+    first_batch_timeout: float | None = DEFAULT_FIRST_BATCH_TIMEOUT,
+    **kwargs: Any,
+) -> ShardLoader:
+    """The loader over ``dataset``: a ``ShardLoader`` with these arguments (it says what each does)."""
+    given = {name: value for name, value in locals().items() if name not in ("dataset", "kwargs")}
+    return ShardLoader(dataset, **given, **kwargs)

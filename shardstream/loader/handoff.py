@@ -220,8 +220,7 @@ class Mappings:
 
     def _release(self, worker: int, number: int) -> None:
         with self._lock:
-            if worker < len(self._released):
-                self._released[worker].append(number)
+            self._released[worker].append(number)
 
     def unpack(self, worker: int, obj: Any, fds: list[int], dropped: list[int], pinned: bool) -> Any:
         maps = self._maps[worker]

@@ -27,18 +27,15 @@ _JOIN_S = 10.0  # how long a pass left early waits for its threads to stop
 _POLL_S = 0.05  # how often a thread blocked on a full queue looks whether it should stop
 
 
-class _Stopped(Exception):
-    pass
-
-
-def _put(out: queue.Queue, item: Any, stop: threading.Event) -> None:
-    while True:
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` once the queue has room; False where the pass was left first."""
+    while not stop.is_set():
         try:
             out.put(item, timeout=_POLL_S)
-            return
+            return True
         except queue.Full:
-            if stop.is_set():
-                raise _Stopped from None
+            pass
+    return False
 
 
 def _work(
@@ -65,16 +62,12 @@ def _work(
                 batch = collate(batch)
             if pin:
                 batch = pin_batch(batch)
-            _put(out, ("batch", origin, batch), stop)
+            if not _put(out, ("batch", origin, batch), stop):
+                return
             del batch
         _put(out, ("end",), stop)
-    except _Stopped:
-        pass
     except BaseException as exc:  # noqa: BLE001 - raised in the loop
-        try:
-            _put(out, ("error", exc), stop)
-        except _Stopped:
-            pass
+        _put(out, ("error", exc), stop)
     finally:
         close = getattr(batches, "close", None)
         if close is not None:
