@@ -3,7 +3,8 @@ repeats, one JSON line per measurement, CPU time of a process and everything und
 
 A measurement runs as ``python -m benchmarks.child MODULE FUNCTION CONFIG_JSON`` in the peer's
 interpreter with this repository on ``PYTHONPATH``; the child prints one JSON object on its last
-line. Workload modules import only the standard library at their top, so a peer's venv that has
+line (with ``PYTHONDONTWRITEBYTECODE`` removed from its environment: ``Runner.call``). Workload
+modules import only the standard library at their top, so a peer's venv that has
 torch and the peer (and not shardstream's own dependencies) can import them.
 """
 
@@ -147,6 +148,11 @@ class Runner:
     def call(self, peer: str, module: str, function: str, config: dict, timeout: float = 3600) -> dict:
         """``function(config)`` of ``benchmarks.MODULE`` in a fresh process of ``peer``'s interpreter."""
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.env}
+        # Every peer runs from compiled bytecode: pip wrote a peer's .pyc files when it installed
+        # it, and this checkout's are written by its first measurement. With the variable set,
+        # this checkout's modules were compiled from source in every timed pass (~110 ms of its
+        # import here), a cost no installed package pays.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [self.python(peer), "-m", "benchmarks.child", module, function, json.dumps(config)]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
