@@ -12,7 +12,9 @@ take it past ``max_size``), so every shard is known up front and one process bui
 sample crossing a pipe. The plan depends on the listing only, never on the worker count: the
 output is byte-identical for any ``workers``, and to ``ShardWriter``'s for the same samples.
 
-A file whose size changed between the stat and the read is a bad sample (``on_error``), named.
+A file whose size changed between the stat and the read so that its sample's tar size is not the
+planned one is a bad sample (``on_error``), named (a change within its last tar block leaves the
+plan true, and is packed as read).
 Each shard goes to a ``.partial-`` file beside its final name and is renamed into place when
 whole, its sidecar after it; a failure unlinks the partial file. Imports no more than the lean
 loader (``write/loading.py``): os, hashlib and the ustar and sidecar writers.

@@ -354,6 +354,57 @@ def _pack_planned(
     last. The main process lists, stats and adopts shards; it handles no sample."""
     sizes = [sample_size(item) for item in items]
     cuts = plan_shards(sizes, max_count, max_size)
+    workers = loaders if loaders is not None else auto_workers(cuts, sum(sizes))
+    with contextlib.ExitStack() as pool_stack:
+        if isinstance(workers, int) and workers > 1:  # started before the destination is prepared: their start overlaps it
+            workers = _start_loaders(workers, storage_options, config)
+            pool_stack.callback(workers.stop)
+        return _write_planned(
+            items,
+            sizes,
+            cuts,
+            errors,
+            dest,
+            workers,
+            src=src,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            overwrite=overwrite,
+            policy=policy,
+            storage_options=storage_options,
+            label_map=label_map,
+            hidden=hidden,
+            progress=progress,
+            config=config,
+            started=started,
+        )
+
+
+def _write_planned(
+    items: list[Item],
+    sizes: list[int],
+    cuts: list[range],
+    errors: list[tuple[str, str]],
+    dest: str,
+    workers: int | Workers,
+    *,
+    src: str,
+    max_count: int,
+    max_size: int,
+    prefix: str,
+    prefixes: int,
+    overwrite: bool,
+    policy: ErrorPolicy,
+    storage_options: Mapping[str, Any] | None,
+    label_map: dict[str, int] | None,
+    hidden: int,
+    progress: Callable[[int, int], None] | None,
+    config: StorageConfig,
+    started: float,
+) -> PackResult:
+    """``_pack_planned`` once its workers are started (``Workers``; 1: the shards are written here)."""
     with (
         ShardWriter(
             dest,
@@ -374,7 +425,6 @@ def _pack_planned(
             LocalShardTask(writer.root, shard_name(prefix, i, prefixes), items[r.start : r.stop], sizes[r.start : r.stop], policy.on_error)
             for i, r in enumerate(cuts)
         )
-        workers = loaders if loaders is not None else auto_workers(cuts, sum(sizes))
         results: Iterable[LocalShardDone]
         if isinstance(workers, Workers) or workers > 1:  # two a worker: the next is there when one ends
             ahead = 2 * (len(workers.procs) if isinstance(workers, Workers) else workers)
