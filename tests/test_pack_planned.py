@@ -82,12 +82,16 @@ def test_plan_shards_is_the_writers_rule():
     assert plan_shards([9000, 10], 10, 4000) == [range(0, 1), range(1, 2)]  # a sample over the limit: a shard of its own
 
 
-def test_auto_workers_is_one_unless_there_are_shards_and_bytes_for_more():
+def test_auto_workers_is_one_unless_there_are_idle_cpus_shards_and_bytes_for_more():
     many = [range(i, i + 1) for i in range(8)]
-    assert auto_workers(many, 10**9, cpus=2) == 2
-    assert auto_workers(many[:1], 10**9, cpus=4) == 1  # one shard: one process writes it
-    assert auto_workers(many, 10**6, cpus=4) == 1  # too little to pay for a worker's start
-    assert auto_workers(many, 10**9, cpus=1) == 1
+    assert auto_workers(many, 10**9, cpus=2, load=0.2) == 2
+    assert auto_workers(many, 10**9, cpus=16, load=0.0) == 8  # at most one a shard
+    assert auto_workers(many[:1], 10**9, cpus=4, load=0.0) == 1  # one shard: one process writes it
+    assert auto_workers(many, 10**6, cpus=4, load=0.0) == 1  # too little to pay for a worker's start
+    assert auto_workers(many, 10**9, cpus=1, load=0.0) == 1
+    assert auto_workers(many, 10**9, cpus=2, load=1.5) == 1  # the other core is busy
+    assert auto_workers(many, 10**9, cpus=2, load=6.0) == 1
+    assert auto_workers(many, 10**9, cpus=8, load=5.0) == 4  # three idle cores and this process
 
 
 def test_a_file_gone_in_a_worker_fails_the_pack_and_no_shard_looks_complete(tmp_path, monkeypatch):

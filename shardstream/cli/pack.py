@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="processes writing shards (a local folder) or loading samples; output is the same for any N "
-        "(default: a local folder into a local DEST gets one per CPU, at most one per shard and per 32 MB; any other source 1; "
+        "(default: a local folder into a local DEST gets one per idle CPU, at most one per shard and per 32 MB; any other source 1; "
         "docs/packing.md#workers)",
     )
     p.add_argument("--dask", metavar="ADDRESS", help="run shard tasks on this Dask scheduler (tcp://host:8786)")

@@ -319,14 +319,20 @@ def _is_local(dest: str, storage_options: Mapping[str, Any] | None, config: Stor
 AUTO_BYTES_PER_WORKER = 32 * 1000**2  # planned shard bytes that make one more worker worth its start
 
 
-def auto_workers(cuts: Sequence[range], total_bytes: int, cpus: int | None = None) -> int:
+def auto_workers(cuts: Sequence[range], total_bytes: int, cpus: int | None = None, load: float | None = None) -> int:
     """The worker count a pack of planned shards (``localshards.plan_shards``) runs on when none
-    is given: one per CPU this process may run on, but never more than the shards (one is written
-    by one process) nor than one per ``AUTO_BYTES_PER_WORKER`` of data (a worker's start, a new
-    Python, costs more than it saves on less); 1 means no worker process at all."""
+    is given: one per idle CPU, the CPUs this process may run on less the 1-minute load average
+    (as ``make -l`` holds back jobs on a busy machine: where other work already fills the cores, a
+    worker adds its start and shares them, and was slower than none), plus this process; never
+    more than the shards (one is written by one process) nor than one per
+    ``AUTO_BYTES_PER_WORKER`` of data (a worker's start, a new Python, costs more than it saves
+    on less). 1 means no worker process at all."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, len(cuts), 1 + total_bytes // AUTO_BYTES_PER_WORKER))
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    idle = 1 + int(max(0.0, cpus - load))
+    return max(1, min(cpus, idle, len(cuts), 1 + total_bytes // AUTO_BYTES_PER_WORKER))
 
 
 def _pack_planned(
