@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
+from conftest import scaled
 
 from shardstream import ShardWriter
 from shardstream.errors import SourceError
+from shardstream.write.loading import run_task
 from shardstream.write.localfiles import load_local
 from shardstream.write.localshards import LocalShardTask, plan_shards, sample_size, write_local_shard
 from shardstream.write.pack import auto_workers, pack
@@ -134,3 +140,31 @@ def test_a_file_that_changed_size_since_its_stat_is_a_bad_sample(tmp_path):
     done = write_local_shard(LocalShardTask(str(out), "shard-000000.tar", items, sizes, on_error="skip"))
     assert [position for position, _, _ in done.skipped] == [7] and done.samples == 9
     assert sorted(os.listdir(out)) == ["shard-000000.tar", "shard-000000.tar.idx"]
+
+
+def test_a_worker_writes_a_shard_importing_nothing_heavy(tmp_path):
+    # What a spawned worker runs for a local tree (loading.run_task), in a fresh interpreter: the
+    # same shard as in this process, with no numpy, fsspec, pyarrow or format package imported.
+    src = _tree(tmp_path / "src", classes=2, per_class=10)
+    items = list_source(str(src), label_from_dir=True).items
+    sizes = [sample_size(item) for item in items]
+    for name in ("here", "there"):
+        (tmp_path / name).mkdir()
+    here = run_task(LocalShardTask(str(tmp_path / "here"), "shard-000000.tar", items, sizes))
+    heavy = ("numpy", "fsspec", "pyarrow", "torch", "shardstream.storage.fs", "shardstream.format", "shardstream.write.sources")
+    script = textwrap.dedent(
+        f"""
+        import pickle, sys
+        from shardstream.write.loading import run_task
+        done = run_task(pickle.loads(sys.stdin.buffer.read()))
+        sys.stdout.buffer.write(pickle.dumps((done, [m for m in {heavy!r} if m in sys.modules])))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    task = LocalShardTask(str(tmp_path / "there"), "shard-000000.tar", items, sizes)
+    ran = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(task), capture_output=True, env=env, timeout=scaled(60))
+    assert ran.returncode == 0, ran.stderr.decode()
+    there, imported = pickle.loads(ran.stdout)
+    assert imported == []
+    assert there == here and there.samples == 20
+    assert _files(tmp_path / "there") == _files(tmp_path / "here")

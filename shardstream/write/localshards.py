@@ -16,7 +16,8 @@ A file whose size changed between the stat and the read so that its sample's tar
 planned one is a bad sample (``on_error``), named (a change within its last tar block leaves the
 plan true, and is packed as read).
 Each shard goes to a ``.partial-`` file beside its final name and is renamed into place when
-whole, its sidecar after it; a failure unlinks the partial file. Imports no more than the lean
+whole, its sidecar after it; a failure unlinks the partial file. A shard whose every sample
+failed (``on_error="skip"``) is written empty, a valid tar: the names stay the plan's. Imports no more than the lean
 loader (``write/loading.py``): os, hashlib and the ustar and sidecar writers.
 """
 
