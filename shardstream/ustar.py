@@ -59,5 +59,13 @@ def member_header(name: str, size: int) -> bytes:
     return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
 
 
+def header_size(name: str, size: int) -> int:
+    """The bytes of ``member_header(name, size)``, built only for a name that needs a pax header."""
+    raw = name.encode("utf-8")
+    if len(raw) <= 100 and size <= MAX_OCTAL_SIZE and raw.isascii():
+        return BLOCK
+    return len(member_header(name, size))
+
+
 def padding(size: int) -> bytes:
     return bytes(-size % BLOCK)

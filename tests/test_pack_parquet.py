@@ -145,12 +145,14 @@ def test_same_bytes_for_any_workers_and_under_an_executor(tmp_path):
     write_table(tmp_path / "t.parquet", n=40, row_group_size=6)
     pack(str(tmp_path / "t.parquet"), str(tmp_path / "one"), max_count=9, workers=1)
     pack(str(tmp_path / "t.parquet"), str(tmp_path / "two"), max_count=9, workers=2)
+    pack(str(tmp_path / "t.parquet"), str(tmp_path / "three"), max_count=9, workers=3)
+    pack(str(tmp_path / "t.parquet"), str(tmp_path / "default"), max_count=9)
     with ProcessPoolExecutor(2) as executor:
         pack(str(tmp_path / "t.parquet"), str(tmp_path / "tasks"), max_count=9, executor=executor)
     names = sorted(os.listdir(tmp_path / "one"))
     assert len([n for n in names if n.endswith(".tar")]) == 5
     shards = [(s.path, s.samples, s.bytes, s.sha256) for s in load_manifest(str(tmp_path / "one")).shards]
-    for other in ("two", "tasks"):
+    for other in ("two", "three", "default", "tasks"):
         assert sorted(os.listdir(tmp_path / other)) == names
         for name in names:
             if name != "index.json":  # (the manifest records when it was written)

@@ -65,8 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
         type=int,
-        default=1,
-        help="processes loading samples; output is the same for any N (default 1: the fastest on local files, docs/packing.md#workers)",
+        default=None,
+        help="processes writing shards (a local folder) or loading samples; output is the same for any N "
+        "(default: a local folder into a local DEST gets one per idle CPU, at most one per shard and per 32 MB; any other source 1; "
+        "docs/packing.md#workers)",
     )
     p.add_argument("--dask", metavar="ADDRESS", help="run shard tasks on this Dask scheduler (tcp://host:8786)")
     p.add_argument("--retries", type=int, default=2, help="with --dask: times a failed task is retried (default 2)")
@@ -213,7 +215,7 @@ def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
             tokenizer=args.tokenizer,
             text_field=args.text_field,
             eos=args.eos,
-            workers=args.workers,
+            workers=args.workers if args.workers is not None else 1,
             max_count=args.max_count,
             max_size=args.max_size,
             prefix=args.prefix,

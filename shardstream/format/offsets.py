@@ -17,7 +17,6 @@ slice inside the same shards reads each sidecar once.
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import weakref
 from collections import OrderedDict
@@ -27,10 +26,10 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from shardstream.errors import ManifestError
+from shardstream.sidecar import HEADER as HEADER
+from shardstream.sidecar import MAGIC as MAGIC
+from shardstream.sidecar import SUFFIX as SUFFIX
 
-MAGIC = b"SSOFFS\x00\x01"
-HEADER = struct.Struct("<8sQ")
-SUFFIX = ".idx"
 DEFAULT_CACHE_BYTES = 64 << 20
 
 

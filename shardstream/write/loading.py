@@ -1,6 +1,7 @@
 """What a pack worker runs: load listed items and encode each sample as its tar members.
 
-``load_encoded(items)`` gives ``(True, key, (members, extensions, cls))`` or ``(False, where,
+``run_task(task)`` writes a whole shard of a local tree (``write/localshards.py``) or loads a
+batch: ``load_encoded(items)`` gives ``(True, key, (members, extensions, cls))`` or ``(False, where,
 what)`` per item, in order; it runs where the loading runs (a worker of ``write/procs.py``, or the
 one process), so the process that writes the shards only writes.
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from shardstream.errors import SourceError
 from shardstream.write.localfiles import load_local
+from shardstream.write.localshards import LocalShardTask, write_local_shard
 from shardstream.write.members import encode_members
 
 # ``sources.set_worker_storage_options``'s arguments from the last ``set_options``, handed to
@@ -61,3 +63,11 @@ def load_encoded(items: Sequence[Any]) -> list[tuple[bool, str, Any]]:
             b = (b"".join(pieces), sorted(b), b.get("cls"))
         out.append((ok, a, b))
     return out
+
+
+def run_task(task: Any) -> Any:
+    """A pack worker's function: a ``LocalShardTask`` (a whole shard of a local tree) is written
+    here (``localshards``); anything else is a batch of items to load and encode."""
+    if isinstance(task, LocalShardTask):
+        return write_local_shard(task)
+    return load_encoded(task)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -22,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardstream.errors import ConfigError, SourceError
-from shardstream.format.manifest import Manifest, check_dataset_root
+from shardstream.format.manifest import Manifest, ShardInfo, check_dataset_root
 from shardstream.policy import ErrorPolicy
+from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
-from shardstream.write.loading import load_encoded, set_options
+from shardstream.write.loading import load_encoded, run_task, set_options
+from shardstream.write.localshards import LocalShardDone, LocalShardTask, plan_shards, sample_size, write_local_shard
 from shardstream.write.procs import Workers, map_in_order
 from shardstream.write.sources import Item, batches_of, list_source
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
@@ -96,9 +99,7 @@ def pack_source(
     max_size: int = DEFAULT_MAX_SIZE,
     shuffle: bool = False,
     seed: int = 0,
-    # 1: on 2 CPUs, 2 workers were slower than 1 on 20k small local JPEGs and on a Parquet table of
-    # them: the main process lists and writes beside them (BENCHMARKS.md, docs/packing.md#workers)
-    workers: int = 1,
+    workers: int | None = None,
     label_from_dir: bool = False,
     columns: Sequence[str] | None = None,
     key: str | None = None,
@@ -136,12 +137,12 @@ def pack_source(
     """
     policy = ErrorPolicy(on_error, error_tolerance, log=False)  # raises ConfigError on a bad on_error
     check_dataset_root(dest)  # before the source is listed or anything is written
-    if not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ConfigError(f"workers must be an integer >= 1 (or None: chosen by the pack), got {workers!r}")
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        loaders: int | Workers = workers
-        if workers > 1 and executor is None:  # started first: their imports overlap the listing
+        loaders: int | Workers | None = workers
+        if workers is not None and workers > 1 and executor is None:  # started first: their imports overlap the listing
             loaders = _start_loaders(workers, storage_options, config)
             stack.callback(loaders.stop)  # (ended already when the pack went through)
         return _pack_listed(
@@ -175,7 +176,7 @@ def pack_source(
 def _pack_listed(
     src: str,
     dest: str,
-    loaders: int | Workers,
+    loaders: int | Workers | None,
     *,
     kind: str,
     max_count: int,
@@ -199,7 +200,8 @@ def _pack_listed(
     allow_outside: Sequence[str],
     started: float,
 ) -> PackResult:
-    """``pack_source`` once its loaders are started (``Workers``, or a count: 1 loads here)."""
+    """``pack_source`` once its loaders are started (``Workers``, or a count: 1 loads here; None:
+    chosen here, ``auto_workers``)."""
     listing = list_source(
         src,
         kind,
@@ -227,6 +229,28 @@ def _pack_listed(
         random.Random(seed).shuffle(items)
     if not items and not listing.errors:
         raise SourceError(src, "source holds no samples")
+    if executor is None and items and all(payload[0] == "local" for _, payload in items) and _is_local(dest, storage_options, config):
+        return _pack_planned(
+            items,
+            listing.errors,
+            dest,
+            loaders,
+            src=src,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            overwrite=overwrite,
+            policy=policy,
+            storage_options=storage_options,
+            label_map=listing.label_map,
+            hidden=listing.hidden,
+            progress=progress,
+            config=config,
+            started=started,
+        )
+    if loaders is None:
+        loaders = 1
     if executor is not None:
         done = _pack_tasks(
             items,
@@ -286,6 +310,157 @@ def _pack_listed(
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
     return PackResult.of(writer, started, skipped=writer.skipped, skipped_count=writer.skipped_count, hidden=listing.hidden)
+
+
+def _is_local(dest: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> bool:
+    return storage.is_local(storage.get_fs(dest, storage_options, config)[0])
+
+
+AUTO_BYTES_PER_WORKER = 32 * 1000**2  # planned shard bytes that make one more worker worth its start
+
+
+def auto_workers(cuts: Sequence[range], total_bytes: int, cpus: int | None = None, load: float | None = None) -> int:
+    """The worker count a pack of planned shards (``localshards.plan_shards``) runs on when none
+    is given: one per idle CPU, the CPUs this process may run on less the 1-minute load average
+    (as ``make -l`` holds back jobs on a busy machine: where other work already fills the cores, a
+    worker adds its start and shares them, and was slower than none), plus this process; never
+    more than the shards (one is written by one process) nor than one per
+    ``AUTO_BYTES_PER_WORKER`` of data (a worker's start, a new Python, costs more than it saves
+    on less). 1 means no worker process at all."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load is None:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    idle = 1 + int(max(0.0, cpus - load))
+    return max(1, min(cpus, idle, len(cuts), 1 + total_bytes // AUTO_BYTES_PER_WORKER))
+
+
+def _pack_planned(
+    items: list[Item],
+    errors: list[tuple[str, str]],
+    dest: str,
+    loaders: int | Workers | None,
+    *,
+    src: str,
+    max_count: int,
+    max_size: int,
+    prefix: str,
+    prefixes: int,
+    overwrite: bool,
+    policy: ErrorPolicy,
+    storage_options: Mapping[str, Any] | None,
+    label_map: dict[str, int] | None,
+    hidden: int,
+    progress: Callable[[int, int], None] | None,
+    config: StorageConfig,
+    started: float,
+) -> PackResult:
+    """A local tree into a local destination: shards planned from the files' sizes
+    (``localshards``), each written whole by one process (here with one worker), the manifest
+    last. The main process lists, stats and adopts shards; it handles no sample."""
+    sizes = [sample_size(item) for item in items]
+    cuts = plan_shards(sizes, max_count, max_size)
+    workers = loaders if loaders is not None else auto_workers(cuts, sum(sizes))
+    with contextlib.ExitStack() as pool_stack:
+        if isinstance(workers, int) and workers > 1:  # started before the destination is prepared: their start overlaps it
+            workers = _start_loaders(workers, storage_options, config)
+            pool_stack.callback(workers.stop)
+        return _write_planned(
+            items,
+            sizes,
+            cuts,
+            errors,
+            dest,
+            workers,
+            src=src,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            overwrite=overwrite,
+            policy=policy,
+            storage_options=storage_options,
+            label_map=label_map,
+            hidden=hidden,
+            progress=progress,
+            config=config,
+            started=started,
+        )
+
+
+def _write_planned(
+    items: list[Item],
+    sizes: list[int],
+    cuts: list[range],
+    errors: list[tuple[str, str]],
+    dest: str,
+    workers: int | Workers,
+    *,
+    src: str,
+    max_count: int,
+    max_size: int,
+    prefix: str,
+    prefixes: int,
+    overwrite: bool,
+    policy: ErrorPolicy,
+    storage_options: Mapping[str, Any] | None,
+    label_map: dict[str, int] | None,
+    hidden: int,
+    progress: Callable[[int, int], None] | None,
+    config: StorageConfig,
+    started: float,
+) -> PackResult:
+    """``_pack_planned`` once its workers are started (``Workers``; 1: the shards are written here)."""
+    with (
+        ShardWriter(
+            dest,
+            max_count=max_count,
+            max_size=max_size,
+            prefix=prefix,
+            prefixes=prefixes,
+            storage_options=storage_options,
+            overwrite=overwrite,
+            label_map=label_map,
+            config=config,
+        ) as writer,
+        contextlib.ExitStack() as stack,
+    ):
+        for where, what in errors:
+            writer.skip(where, what)
+        tasks = (
+            LocalShardTask(writer.root, shard_name(prefix, i, prefixes), items[r.start : r.stop], sizes[r.start : r.stop], policy.on_error)
+            for i, r in enumerate(cuts)
+        )
+        results: Iterable[LocalShardDone]
+        if isinstance(workers, Workers) or workers > 1:  # two a worker: the next is there when one ends
+            ahead = 2 * (len(workers.procs) if isinstance(workers, Workers) else workers)
+            results = stack.enter_context(
+                contextlib.closing(map_in_order(run_task, tasks, workers=workers, ahead=ahead, describe=_describe_local_task))
+            )
+        else:
+            results = map(write_local_shard, tasks)
+        for done in results:
+            at = 0
+            for position, where, what in done.skipped:
+                if position > at:
+                    policy.ok()
+                policy.failed(SourceError(where, what))  # raises past the tolerance
+                writer.skip(where, what)
+                at = position + 1
+            if at < len(done.keys) + len(done.skipped):
+                policy.ok()
+            info = ShardInfo(done.name, done.samples, done.bytes, done.sha256, index=done.sidecar, span=done.span)
+            writer.add_shard(info, done.extensions, done.label_counts)
+            if progress is not None:
+                progress(writer.samples_written, writer.bytes_written)
+        if writer.samples_written == 0:
+            raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
+    return PackResult.of(writer, started, skipped=writer.skipped, skipped_count=writer.skipped_count, hidden=hidden)
+
+
+def _describe_local_task(task: LocalShardTask) -> str:
+    first, last = task.items[0][0], task.items[-1][0]
+    return f"shard {task.name} ({len(task.items)} samples, {first} to {last})"
 
 
 def pack_fn(
@@ -447,8 +622,9 @@ def _describe_batch(batch: Sequence[Item]) -> str:
 
 
 def _start_loaders(workers: int, storage_options, config: StorageConfig) -> Workers:
-    """The processes that load and encode items (``loading.load_encoded``), reading under ``config``."""
-    return Workers(load_encoded, workers, initializer=set_options, initargs=(dict(storage_options or {}), config))
+    """The processes that write whole shards of a local tree or load and encode items
+    (``loading.run_task``), reading under ``config``."""
+    return Workers(run_task, workers, initializer=set_options, initargs=(dict(storage_options or {}), config))
 
 
 def _load_all(items: list[Item], workers: int | Workers, storage_options, config: StorageConfig = DEFAULT_STORAGE):
@@ -467,7 +643,7 @@ def _load_all(items: list[Item], workers: int | Workers, storage_options, config
     # workers never wait for the main process to ask (a Parquet row group's span: up to
     # parquet.SPAN_BYTES each, so two a worker is also the memory bound).
     pool = workers if isinstance(workers, Workers) else _start_loaders(workers, storage_options, config)
-    results = map_in_order(load_encoded, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
+    results = map_in_order(run_task, batches, workers=pool, ahead=2 * len(pool.procs), describe=_describe_batch)
     with contextlib.closing(results):
         for batch in results:
             yield from batch

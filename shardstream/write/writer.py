@@ -256,10 +256,15 @@ class ShardWriter:
         return [storage.join(self.root, e) for e in ours]
 
     def _clean_up_failed(self) -> None:
-        """After a failure: a destination this writer made loses everything the pack wrote, itself
-        included; one that existed keeps the marker beside any shard left there (pack again to
-        complete it), and loses it where nothing else of a pack is left."""
+        """After a failure (the pack's processes stopped): a destination this writer made loses
+        everything the pack wrote, itself included; one that existed loses the temporary files of
+        unfinished shards and keeps the marker beside any shard left there (pack again to complete
+        it), and loses it where nothing else of a pack is left."""
         ours = self._ours()
+        for path in [p for p in ours if _PARTIAL_MARK in p.rsplit("/", 1)[-1]]:
+            # a shard's temporary file: never part of what is kept (a worker stopped mid-shard left it)
+            self._remove_if_there(path)
+            ours.remove(path)
         marker = storage.join(self.root, PACK_MARKER)
         if not self._created and any(p != marker for p in ours):
             return
