@@ -93,6 +93,14 @@ def document_order(count: int, *, seed: int, epoch: int, source: int, shard: int
     return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, DOCUMENTS_TAG, source, shard]).permutation(count)
 
 
+def npy_header_size(data: bytes) -> int:
+    """Bytes before a ``.npy`` file's data (version 1: 10 + header length; 2 and 3: 12 + it): a
+    document's token count is ``(len(data) - npy_header_size(data)) // itemsize``."""
+    if data[6] == 1:
+        return 10 + int.from_bytes(data[8:10], "little")
+    return 12 + int.from_bytes(data[8:12], "little")
+
+
 def check_ids(array: np.ndarray, dtype: np.dtype) -> str | None:
     """What is wrong with a document's token ids for a corpus of ``dtype`` (None: nothing): an id
     below 0, or beyond ``dtype`` (an array of a wider dtype than the corpus's), or beyond int64
