@@ -118,3 +118,27 @@ def test_bad_settings_are_one_clear_error(tmp_path, corpus):  # noqa: F811
     with pytest.raises(ConfigError, match="one boundaries="):
         shardstream.ShardStream(sources, batch_size=4)
     json.dumps(shardstream.ShardStream(shardstream.Tokens(dest, seq_len=SEQ_LEN, boundaries=None), batch_size=4).state_dict())
+
+
+def test_a_documents_ids_are_read_without_parsing_its_header_the_slow_way():
+    """``token_vector`` reads what ``np.save`` writes for 1-D integer arrays, and leaves every
+    other ``.npy`` (2-D, floats, format 2.0) to ``load_npy``."""
+    import io
+
+    from shardstream.pipeline.tokens import token_vector
+
+    def npy(array, version=None):
+        buf = io.BytesIO()
+        if version is None:
+            np.save(buf, array)
+        else:
+            np.lib.format.write_array(buf, array, version=version)
+        return buf.getvalue()
+
+    for array in (np.arange(5, dtype=np.uint16), np.arange(70_000, dtype=np.uint32), np.zeros(0, np.int64), np.arange(3, dtype=">i4")):
+        got = token_vector(npy(array))
+        assert got is not None and got.dtype == array.dtype and np.array_equal(got, array)
+    for other in (npy(np.zeros((2, 2), np.uint16)), npy(np.zeros(3, np.float32)), npy(np.arange(3, dtype=np.uint16), version=(2, 0))):
+        assert token_vector(other) is None
+    with pytest.raises(ValueError, match="EOF"):
+        token_vector(npy(np.arange(10, dtype=np.uint16))[:-4])

@@ -200,17 +200,9 @@ def _dask_executor(args: argparse.Namespace) -> tuple[Any, Any]:
 def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
     from shardstream.write.tokens import pack_tokens
 
-    if (
-        args.shuffle
-        or args.label_from_dir
-        or args.columns
-        or args.key
-        or args.prefixes != 1
-        or args.kind not in ("auto", "jsonl", "parquet")
-    ):
+    if args.shuffle or args.label_from_dir or args.columns or args.key or args.prefixes != 1 or args.kind not in ("auto", "jsonl", "parquet"):
         raise ConfigError(
-            "--tokenizer packs documents in order: --shuffle, --label-from-dir, --columns, --key, "
-            "--prefixes and --kind dir/shards do not apply"
+            "--tokenizer packs documents in order: --shuffle, --label-from-dir, --columns, --key, --prefixes and --kind dir/shards do not apply"
         )
     client = executor = None
     if args.dask:

@@ -24,6 +24,7 @@ more is computed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -44,6 +45,27 @@ EPOCH_SHIFT = 56  # shuffled documents: the ref's data epoch, mod 128 (refs of t
 SOURCE_MASK = (1 << (EPOCH_SHIFT - SOURCE_SHIFT)) - 1
 EPOCH_TAGS = 1 << (63 - EPOCH_SHIFT)
 MAX_SOURCES = SOURCE_MASK + 1  # token sources of a mix
+
+
+# The header np.save writes for a 1-D array (format 1.0): its dtype and length, padded to 64 bytes.
+_VECTOR_HEADER = re.compile(rb"\{'descr': '([<>|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \} *\n")
+
+
+def token_vector(data: bytes | memoryview) -> np.ndarray | None:
+    """A document's ``.npy`` as ``np.save`` writes a 1-D integer array: a view of its ids, its
+    header matched by one regular expression (``load_npy`` caches parsed headers, but documents
+    differ in length, so theirs are never alike and each would be parsed with ``ast``); None for
+    any other ``.npy``, which ``load_npy`` reads. The caller copies (the shard's concatenation)."""
+    if bytes(data[:8]) != b"\x93NUMPY\x01\x00":
+        return None
+    offset = 10 + int.from_bytes(bytes(data[8:10]), "little")
+    found = _VECTOR_HEADER.fullmatch(bytes(data[10:offset]))
+    if found is None:
+        return None
+    dtype, count = np.dtype(found.group(1).decode()), int(found.group(2))
+    if memoryview(data).nbytes - offset < count * dtype.itemsize:
+        raise ValueError(f"EOF: .npy data holds {memoryview(data).nbytes - offset} bytes, its header needs {count * dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 
 class _Shard:
@@ -173,7 +195,9 @@ class TokenReader:
                 if data is None:
                     raise ShardFormatError(f"{where} has no {field} (not a token corpus's shard)")
                 try:
-                    array = load_npy(data)
+                    array = token_vector(data)
+                    if array is None:
+                        array = load_npy(data)
                 except ValueError as exc:
                     raise ShardFormatError(f"{where}: {field} is not a .npy array ({exc})") from exc
                 if array.ndim != 1:
@@ -237,6 +261,6 @@ def boundary_tensors(marks: np.ndarray, boundaries: str) -> dict[str, Any]:
         return {"cu_seqlens": torch.from_numpy(cu), "max_seqlen": int(np.diff(cu).max())}
     # positions: the column minus the column of the last document start at or before it
     columns = np.arange(width, dtype=np.int64)
-    last = np.where(marks.astype(bool), columns, 0)
+    last = marks * columns
     np.maximum.accumulate(last, axis=1, out=last)
     return {"position_ids": torch.from_numpy(columns - last)}
