@@ -123,7 +123,7 @@ class TokenReader:
             self._window(i, seq, tag, ids[row], marks[row] if marks is not None else None)
         self._release(sources, refs & SEQUENCE_MASK)
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(ids)}
-        if marks is not None:
+        if marks is not None and boundaries is not None:
             batch.update(boundary_tensors(marks, boundaries))
         if self.names:
             batch["__source__"] = [self.names[i] for i in sources]
