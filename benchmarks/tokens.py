@@ -7,7 +7,9 @@ documents, written with ``ShardWriter`` as ``pack_tokens`` writes them (no token
 Peers, each reading the same documents in the same order from files of its own format:
 
 - ``shardstream`` (``--shuffle`` for ``Shuffle(1000)``, and ``--documents`` for
-  ``Shuffle(1000, documents=True)``): ``input_ids`` and ``position_ids``.
+  ``Shuffle(1000, documents=True)``): ``input_ids`` and, by ``--boundaries``
+  (``Tokens(boundaries=...)``), ``position_ids`` (the default), ``document_ids``, ``cu_seqlens``
+  and ``max_seqlen``, or nothing (``none``).
 - ``litdata``: ``litdata.optimize(..., item_loader=TokensLoader())`` chunks of the documents
   end to end, ``StreamingDataset(item_loader=TokensLoader(block_size=seq_len + 1))`` and
   ``StreamingDataLoader`` (``--shuffle``: ``shuffle=True``). Its blocks are the same windows of
@@ -18,7 +20,8 @@ Peers, each reading the same documents in the same order from files of its own f
   documents). Its split keeps a document whole in a window where it fits, so its windows are not
   byte for byte the others'.
 - ``floor``: the documents already in memory, concatenated once before the clock, cut into the
-  same windows with position ids.
+  same windows with what ``--boundaries`` asks, each token's document found by a search of the
+  documents' starts (``none``: the ids alone, a reshaped slice of the stream).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 
 UNIT = "tokens/s"
 PEERS = ("shardstream", "litdata", "grain", "floor")
+BOUNDARIES = ("positions", "documents", "offsets", "none")
 
 
 def add_arguments(p) -> None:
@@ -36,6 +40,12 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--shuffle", action="store_true", help="shardstream with Shuffle(1000), litData shuffle=True, Grain .shuffle(seed)")
     p.add_argument("--documents", action="store_true", help="shardstream with Shuffle(1000, documents=True) (with --shuffle)")
+    p.add_argument(
+        "--boundaries",
+        choices=BOUNDARIES,
+        default="positions",
+        help="what shardstream and the floor yield beside the ids: Tokens(boundaries=...), none for None (default positions)",
+    )
 
 
 def documents(tokens: int):
@@ -68,6 +78,7 @@ def prepare(args, runner, peers: list[str]) -> list[dict]:
     if "grain" in peers:
         runner.call("grain", "tokens", "make_grain", {"tokens": args.tokens, "root": root + "-grain"})
     base = {"tokens": args.tokens, "seq_len": args.seq_len, "batch": args.batch, "shuffle": args.shuffle, "documents": args.documents}
+    base["boundaries"] = args.boundaries
     base.update({"runtime": args.runtime, "_root": root})
     base.update({"_litdata": root + "-litdata", "_grain": os.path.join(root + "-grain", "docs.array_record")})
     return [{"workers": w, **base} for w in args.workers]
@@ -141,14 +152,26 @@ def measure(config: dict) -> dict:
         stream = np.concatenate(docs)
         starts = np.concatenate([[0], np.cumsum([len(d) for d in docs])[:-1]])
         width = seq_len + 1
+        boundaries = config.get("boundaries", "positions")
 
         def batches():
             for b in range(len(stream) // width // batch):
                 a = b * batch * width
                 ids = torch.from_numpy(stream[a : a + batch * width].astype(np.int64).reshape(batch, width))
+                if boundaries == "none":
+                    yield {"input_ids": ids}
+                    continue
                 at = np.arange(a, a + batch * width, dtype=np.int64).reshape(batch, width)
-                begins = np.maximum(starts[np.searchsorted(starts, at, side="right") - 1], at[:, :1])
-                yield {"input_ids": ids, "position_ids": torch.from_numpy(at - begins)}
+                doc = np.searchsorted(starts, at, side="right") - 1
+                if boundaries == "documents":
+                    yield {"input_ids": ids, "document_ids": torch.from_numpy(doc - doc[:, :1])}
+                elif boundaries == "offsets":
+                    flat = (doc + (np.arange(batch) * len(starts))[:, None]).reshape(-1)  # a row's first token starts a sequence too
+                    cu = np.append(np.flatnonzero(np.diff(flat, prepend=-1)), batch * width).astype(np.int32)
+                    yield {"input_ids": ids, "cu_seqlens": torch.from_numpy(cu), "max_seqlen": int(np.diff(cu).max())}
+                else:
+                    begins = np.maximum(starts[doc], at[:, :1])
+                    yield {"input_ids": ids, "position_ids": torch.from_numpy(at - begins)}
 
         return timed_pass(batches, lambda b: b["input_ids"].numel())
 
@@ -187,7 +210,9 @@ def measure(config: dict) -> dict:
         from shardstream import ShardStream, Shuffle, Tokens, World, make_loader
 
         shuffle = Shuffle(1000, documents=config.get("documents", False)) if config["shuffle"] else False
-        ds = ShardStream(Tokens(config["_root"], seq_len=seq_len), batch_size=batch, shuffle=shuffle, world=World(0, 1))
+        boundaries = config.get("boundaries", "positions")
+        tokens = Tokens(config["_root"], seq_len=seq_len, boundaries=None if boundaries == "none" else boundaries)
+        ds = ShardStream(tokens, batch_size=batch, shuffle=shuffle, world=World(0, 1))
         return make_loader(ds, num_workers=config["workers"], **loader_options(config))
 
     return timed_pass(make, lambda b: b["input_ids"].numel())

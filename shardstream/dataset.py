@@ -249,6 +249,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ConfigError(f"a mix of token corpora takes at most {MAX_SOURCES} sources, got {len(corpora)}")
         if len({m.seq_len for m in corpora}) > 1:
             raise ConfigError(f"the Tokens sources of a mix need one seq_len, got {sorted({m.seq_len for m in corpora})}")
+        if len({m.boundaries for m in corpora}) > 1:  # one batch's rows come from several sources: one set of keys
+            raise ConfigError(f"the Tokens sources of a mix need one boundaries=, got {sorted({repr(m.boundaries) for m in corpora})}")
         if mode != "drop":
             raise ConfigError(f'Tokens sources stream in mode="drop" (no token is used twice in an epoch), got mode={mode!r}')
         if self.per_sample or self.batch_transform is not None:

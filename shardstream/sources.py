@@ -412,7 +412,10 @@ def load_tokens(source: Tokens, storage_options: Mapping[str, Any] | None, confi
             docs = load_root(url, storage_options, config)
     if isinstance(docs, TableManifest):
         return TokenManifest(
-            table_tokens(docs, source.field or TABLE_FIELD, storage_options, config), source.seq_len, field=source.field or TABLE_FIELD
+            table_tokens(docs, source.field or TABLE_FIELD, storage_options, config),
+            source.seq_len,
+            field=source.field or TABLE_FIELD,
+            boundaries=source.boundaries,
         )
     known = (docs.token_info or {}).get("field") if docs is not None else None  # what `index --tokens` counted
     field = source.field or known or FIELD
@@ -426,7 +429,7 @@ def load_tokens(source: Tokens, storage_options: Mapping[str, Any] | None, confi
             raise ConfigError(f"no shards match {url!r}")
         logger.info("counting the tokens of %d shards (one full read each)", len(urls))
         docs = index_token_shards(urls, field, storage_options, config=config)
-    return TokenManifest(docs, source.seq_len, field=field)
+    return TokenManifest(docs, source.seq_len, field=field, boundaries=source.boundaries)
 
 
 def list_int_dtype(arrow_type: str) -> str | None:

@@ -184,18 +184,21 @@ def test_shuffled_epochs_use_each_token_once(tmp_path, corpus):
     assert orders[0] != orders[1]
 
 
-def _rank_main(rank: int, world: int, store: str, dest: str, out: str) -> None:
+def _rank_main(rank: int, world: int, store: str, dest: str, out: str, boundaries: str | None = "positions") -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Embedding(8192, 2))
-    ds = shardstream.ShardStream(shardstream.Tokens(dest, seq_len=15), batch_size=4, seed=1, shuffle=shardstream.Shuffle(64))
+    ds = shardstream.ShardStream(shardstream.Tokens(dest, seq_len=15, boundaries=boundaries), batch_size=4, seed=1, shuffle=shardstream.Shuffle(64))
     loader = shardstream.make_loader(ds, num_workers=2)
     tokens, batches = [], 0
     for batch in loader:
         model(batch["input_ids"][:, :-1]).sum().backward()  # all-reduce: a rank with fewer batches would hang here
+        if boundaries == "offsets":  # every document and every row starts a sequence, the last ends the batch
+            cu = batch["cu_seqlens"]
+            assert cu[-1] == batch["input_ids"].numel() and set(range(0, cu[-1], 16)) <= set(cu.tolist())
         tokens += [t for t in batch["input_ids"].reshape(-1).tolist() if t != 1]
         batches += 1
     with open(f"{out}.{rank}", "w") as f:
@@ -204,11 +207,12 @@ def _rank_main(rank: int, world: int, store: str, dest: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_two_workers_under_ddp(tmp_path, corpus):
+@pytest.mark.parametrize("boundaries", ["positions", "offsets"])
+def test_two_ranks_two_workers_under_ddp(tmp_path, corpus, boundaries):
     texts, tokenizer, _ = corpus
     dest = packed(tmp_path, corpus)
     out = str(tmp_path / "result.json")
-    run_ranks(_rank_main, 2, (2, str(tmp_path / "store"), dest, out))
+    run_ranks(_rank_main, 2, (2, str(tmp_path / "store"), dest, out, boundaries))
     ranks = rank_results(out, 2)
     assert ranks[0]["batches"] == ranks[1]["batches"] == ranks[0]["len"] > 0
     seen = ranks[0]["tokens"] + ranks[1]["tokens"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from shardstream.errors import ConfigError
 from shardstream.write.limits import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE
@@ -33,7 +34,9 @@ examples:
 --tokenizer packs a token corpus (pip install 'shardstream[tokens]'): each document of a .jsonl
 file (its --text-field) or of Parquet files (that column) becomes its token ids, read back as
 fixed-length sequences with shardstream.Tokens (docs/tokens.md). The tokenizer is a Hugging Face
-tokenizer.json or module:function (a function returning a tokenizer).
+tokenizer.json or module:function (a function returning a tokenizer). With --dask a .jsonl corpus
+packs one task per shard of --max-count documents (the tokenizer file must be readable from the
+workers); Parquet documents pack with --workers only.
 
 --dask ADDRESS runs one task per shard on a Dask cluster (pip install 'shardstream[dask]'); the
 output is byte-identical to --workers 1. Sources must be readable from the workers (S3, a shared
@@ -132,15 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tokenizer:
         return _run_tokens(args, progress, bar)
-    client = None
-    executor = None
+    client = executor = None
     if args.dask:
-        try:
-            from distributed import Client
-        except ImportError:
-            raise ValueError("--dask needs Dask's distributed package: pip install 'shardstream[dask]'") from None
-        client = Client(args.dask)
-        executor = client.get_executor(pure=False, retries=args.retries)
+        client, executor = _dask_executor(args)
     try:
         result = pack(
             args.src,
@@ -192,22 +189,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dask_executor(args: argparse.Namespace) -> tuple[Any, Any]:
+    """A client of the ``--dask`` scheduler and its executor (tasks retried ``--retries`` times)."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise ValueError("--dask needs Dask's distributed package: pip install 'shardstream[dask]'") from None
+    client = Client(args.dask)
+    return client, client.get_executor(pure=False, retries=args.retries)
+
+
 def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
     from shardstream.write.tokens import pack_tokens
 
-    if (
-        args.dask
-        or args.shuffle
-        or args.label_from_dir
-        or args.columns
-        or args.key
-        or args.prefixes != 1
-        or args.kind not in ("auto", "jsonl", "parquet")
-    ):
+    if args.shuffle or args.label_from_dir or args.columns or args.key or args.prefixes != 1 or args.kind not in ("auto", "jsonl", "parquet"):
         raise ConfigError(
-            "--tokenizer packs documents in order: --dask, --shuffle, --label-from-dir, --columns, --key, "
-            "--prefixes and --kind dir/shards do not apply"
+            "--tokenizer packs documents in order: --shuffle, --label-from-dir, --columns, --key, --prefixes and --kind dir/shards do not apply"
         )
+    client = executor = None
+    if args.dask:
+        client, executor = _dask_executor(args)
     try:
         result = pack_tokens(
             args.src,
@@ -223,6 +224,7 @@ def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
             storage_options=storage_options_from(args),
             progress=progress,
             config=storage_config_from(args),
+            executor=executor,
         )
     except KeyboardInterrupt:
         print("shardstream pack: interrupted; no manifest was written (run again to complete)", file=sys.stderr)
@@ -230,6 +232,8 @@ def _run_tokens(args: argparse.Namespace, progress, bar) -> int:
     finally:
         if bar is not None:
             bar.close()
+        if client is not None:
+            client.close()
     info = result.manifest.token_info or {}
     print(
         f"packed {result.samples} documents, {result.tokens} tokens ({info.get('dtype')}, vocabulary {info.get('vocab_size')}, "

@@ -36,6 +36,7 @@ TABLE_FIELD = "input_ids"  # a Parquet table's column of token ids by default (a
 DTYPES = ("uint16", "uint32")  # what pack_tokens writes
 INT_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")  # what a corpus may hold
 INT64_MAX = np.iinfo(np.int64).max
+BOUNDARIES = ("positions", "documents", "offsets", None)  # what a batch says of where its documents start
 DOCUMENTS_TAG = 0x646F63  # "doc": keeps the documents' random streams apart from the plan's
 
 
@@ -56,17 +57,27 @@ class Tokens:
     document; or tar shards (URLs, a pattern, or a root indexed by ``shardstream index --tokens
     FIELD``) with one 1-D integer ``.npy`` member ``field`` per sample (``"npy"`` as
     ``webdataset.TarWriter`` names it). ``field`` defaults to ``"tokens.npy"`` for tar shards,
-    what ``pack_tokens`` writes, or to what the manifest says."""
+    what ``pack_tokens`` writes, or to what the manifest says.
+
+    ``boundaries``: what a batch says of where documents start, for attention to keep them apart:
+    ``"positions"`` (default) ``position_ids`` counting from 0 at each document; ``"documents"``
+    ``document_ids``, each row's documents numbered from 0 (a document mask); ``"offsets"``
+    ``cu_seqlens`` (int32, the starts of the documents in the batch flattened to ``B * W``, and its
+    end) and ``max_seqlen`` (flash attention's varlen kernels); ``None``: ``input_ids`` alone. The
+    sequences, the plan and the resume state are the same for every setting."""
 
     url: str | Sequence[str] | Manifest
     seq_len: int
     field: str | None = None  # where each document's ids are: a tar member's extension, or a Parquet column
+    boundaries: str | None = "positions"  # BOUNDARIES: what a batch carries beside input_ids
 
     def __post_init__(self) -> None:
         if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
             raise ConfigError(f"Tokens(seq_len=...) must be a positive integer, got {self.seq_len!r}")
         if self.field is not None and (not isinstance(self.field, str) or not self.field):
             raise ConfigError(f"Tokens(field=...) must be a non-empty string (a .npy member's extension or a Parquet column), got {self.field!r}")
+        if self.boundaries not in BOUNDARIES:
+            raise ConfigError(f"Tokens(boundaries=...) must be one of {', '.join(map(repr, BOUNDARIES))}, got {self.boundaries!r}")
 
     @property
     def label(self) -> str:
@@ -80,6 +91,14 @@ def document_order(count: int, *, seed: int, epoch: int, source: int, shard: int
     ``Shuffle(documents=True)``: a permutation of (seed, epoch, source, shard), the same in every
     rank, worker and resumed run, so a sequence's tokens are a function of the plan alone."""
     return np.random.default_rng([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, epoch, DOCUMENTS_TAG, source, shard]).permutation(count)
+
+
+def npy_header_size(data: bytes) -> int:
+    """Bytes before a ``.npy`` file's data (version 1: 10 + header length; 2 and 3: 12 + it): a
+    document's token count is ``(len(data) - npy_header_size(data)) // itemsize``."""
+    if data[6] == 1:
+        return 10 + int.from_bytes(data[8:10], "little")
+    return 12 + int.from_bytes(data[8:12], "little")
 
 
 def check_ids(array: np.ndarray, dtype: np.dtype) -> str | None:
@@ -104,9 +123,10 @@ class TokenManifest(Manifest):
 
     ``token_starts[i]``: where shard i's tokens start in the corpus's stream (``token_starts[-1]``
     is T); ``first[i]``: the first sequence that starts in shard i; ``sequences``: T // W. Paths,
-    sizes and digests are the corpus's shards'; ``counts`` are sequences."""
+    sizes and digests are the corpus's shards'; ``counts`` are sequences. ``boundaries``:
+    ``Tokens.boundaries``, what the batches carry (not what they hold)."""
 
-    def __init__(self, docs: Manifest, seq_len: int, field: str = FIELD):
+    def __init__(self, docs: Manifest, seq_len: int, field: str = FIELD, boundaries: str | None = "positions"):
         super().__init__(extensions=docs.extensions, base_url=docs.base_url, token_info=docs.token_info)
         if docs.tokens is None or docs.token_info is None:
             where = docs.base_url or "this dataset"
@@ -118,6 +138,7 @@ class TokenManifest(Manifest):
         if dtype not in INT_DTYPES:
             raise ManifestError(f"{docs.base_url or 'manifest'}: token dtype {dtype!r} is not one of {', '.join(INT_DTYPES)}")
         self.docs, self.seq_len, self.window, self.field = docs, seq_len, seq_len + 1, field
+        self.boundaries = boundaries  # what a batch carries beside input_ids (Tokens.boundaries); no part of the plan or its digest
         self.dtype = np.dtype(dtype)
         self.token_starts = np.concatenate([[0], np.cumsum(docs.tokens)]).astype(np.int64)
         total = int(self.token_starts[-1])

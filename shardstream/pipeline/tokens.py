@@ -5,7 +5,8 @@ Record shape: the plan's ranges of a source become sequence refs (int64 arrays, 
 the source's index in the high bits, the sequence's number below), which the shuffle and
 ``batch_refs`` move as they move a table's row refs; ``TokenReader.gather`` turns a batch's refs
 into ``{"input_ids": int64 [B, W], "position_ids": int64 [B, W]}`` (W = seq_len + 1), plus
-``__source__`` in a mix. Shards are read whole, through the stream's own range reads (retries,
+``__source__`` in a mix; ``Tokens(boundaries=...)`` swaps ``position_ids`` for ``document_ids``,
+for ``cu_seqlens`` and ``max_seqlen``, or for nothing (``boundary_tensors``). Shards are read whole, through the stream's own range reads (retries,
 cache, checksums), when a batch needs their tokens, and let go once no sequence waiting in the
 shuffle buffer can need them; a shard let go too early is only read again, never wrong.
 
@@ -17,10 +18,13 @@ then also carries its data epoch's low bits (``EPOCH_SHIFT``), and a shard is he
 Position ids count from 0 at each document's first token and at the sequence's first token, so
 a model with learned or rotary positions of length W never sees a larger one, and attention can
 keep documents apart (a document starts where the position id is 0 after the first column).
+With ids alone a sequence is a slice of its shard's tokens (two where it spans shards) and no
+more is computed.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,6 +45,27 @@ EPOCH_SHIFT = 56  # shuffled documents: the ref's data epoch, mod 128 (refs of t
 SOURCE_MASK = (1 << (EPOCH_SHIFT - SOURCE_SHIFT)) - 1
 EPOCH_TAGS = 1 << (63 - EPOCH_SHIFT)
 MAX_SOURCES = SOURCE_MASK + 1  # token sources of a mix
+
+
+# The header np.save writes for a 1-D array (format 1.0): its dtype and length, padded to 64 bytes.
+_VECTOR_HEADER = re.compile(rb"\{'descr': '([<>|][iu][1248])', 'fortran_order': False, 'shape': \((\d+),\), \} *\n")
+
+
+def token_vector(data: bytes | memoryview) -> np.ndarray | None:
+    """A document's ``.npy`` as ``np.save`` writes a 1-D integer array: a view of its ids, its
+    header matched by one regular expression (``load_npy`` caches parsed headers, but documents
+    differ in length, so theirs are never alike and each would be parsed with ``ast``); None for
+    any other ``.npy``, which ``load_npy`` reads. The caller copies (the shard's concatenation)."""
+    if bytes(data[:8]) != b"\x93NUMPY\x01\x00":
+        return None
+    offset = 10 + int.from_bytes(bytes(data[8:10]), "little")
+    found = _VECTOR_HEADER.fullmatch(bytes(data[10:offset]))
+    if found is None:
+        return None
+    dtype, count = np.dtype(found.group(1).decode()), int(found.group(2))
+    if memoryview(data).nbytes - offset < count * dtype.itemsize:
+        raise ValueError(f"EOF: .npy data holds {memoryview(data).nbytes - offset} bytes, its header needs {count * dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset)
 
 
 class _Shard:
@@ -83,24 +108,30 @@ class TokenReader:
             yield np.arange(first + rng.start, first + rng.stop, dtype=np.int64) | (i << SOURCE_SHIFT) | (tag << EPOCH_SHIFT)
 
     def gather(self, refs: np.ndarray) -> dict[str, Any]:
-        """A batch: each ref's sequence of W tokens and its position ids (see the module docstring)."""
+        """A batch: each ref's sequence of W tokens, and what ``boundaries`` asks of where its
+        documents start (see the module docstring)."""
         import torch
 
         refs = np.asarray(refs, dtype=np.int64)
-        width = self.manifests[int((refs[0] >> SOURCE_SHIFT) & SOURCE_MASK)].window
+        first = self.manifests[int((refs[0] >> SOURCE_SHIFT) & SOURCE_MASK)]
+        width, boundaries = first.window, first.boundaries
         ids = np.empty((len(refs), width), dtype=np.int64)
-        positions = np.empty((len(refs), width), dtype=np.int64)
+        marks = np.zeros((len(refs), width), dtype=np.int64) if boundaries is not None else None  # 1 where a document starts (column 0 too)
         sources = ((refs >> SOURCE_SHIFT) & SOURCE_MASK).tolist()
         tags = (refs >> EPOCH_SHIFT).tolist()
         for row, (i, seq, tag) in enumerate(zip(sources, (refs & SEQUENCE_MASK).tolist(), tags)):
-            self._window(i, seq, tag, ids[row], positions[row])
+            self._window(i, seq, tag, ids[row], marks[row] if marks is not None else None)
         self._release(sources, refs & SEQUENCE_MASK)
-        batch: dict[str, Any] = {"input_ids": torch.from_numpy(ids), "position_ids": torch.from_numpy(positions)}
+        batch: dict[str, Any] = {"input_ids": torch.from_numpy(ids)}
+        if marks is not None and boundaries is not None:
+            batch.update(boundary_tensors(marks, boundaries))
         if self.names:
             batch["__source__"] = [self.names[i] for i in sources]
         return batch
 
-    def _window(self, i: int, seq: int, tag: int, ids: np.ndarray, positions: np.ndarray) -> None:
+    def _window(self, i: int, seq: int, tag: int, ids: np.ndarray, marks: np.ndarray | None) -> None:
+        """Sequence ``seq``'s tokens into ``ids`` (a slice per shard it spans), and 1 into
+        ``marks`` where one of its documents starts (None: ids alone)."""
         m = self.manifests[i]
         a = seq * m.window
         b = a + m.window
@@ -111,13 +142,12 @@ class TokenReader:
             base = int(m.token_starts[s])
             ids[lo - a : hi - a] = shard.tokens[lo - base : hi - base]
             starts.append(shard.doc_starts)
+        if marks is None:
+            return
         doc_starts = np.concatenate(starts) if len(starts) > 1 else starts[0]
-        # The documents starting inside the window: positions count from each of them (O(W), no search per token).
-        inside = doc_starts[np.searchsorted(doc_starts, a, side="right") : np.searchsorted(doc_starts, b, side="left")] - a
-        last = np.zeros(m.window, dtype=np.int64)
-        last[inside] = inside
-        np.maximum.accumulate(last, out=last)
-        np.subtract(np.arange(m.window, dtype=np.int64), last, out=positions)
+        # The documents starting inside the window (O(W) at most, no search per token).
+        marks[doc_starts[np.searchsorted(doc_starts, a, side="left") : np.searchsorted(doc_starts, b, side="left")] - a] = 1
+        marks[0] = 1
 
     def _shard(self, i: int, s: int, tag: int = 0) -> _Shard:
         held = self.held.get((i, s, tag))
@@ -165,7 +195,9 @@ class TokenReader:
                 if data is None:
                     raise ShardFormatError(f"{where} has no {field} (not a token corpus's shard)")
                 try:
-                    array = load_npy(data)
+                    array = token_vector(data)
+                    if array is None:
+                        array = load_npy(data)
                 except ValueError as exc:
                     raise ShardFormatError(f"{where}: {field} is not a .npy array ({exc})") from exc
                 if array.ndim != 1:
@@ -212,3 +244,23 @@ class TokenReader:
             lo = int(self.reach[i][s])
             if not self.waiting[i][lo : s + 1].any():
                 del self.held[(i, s, tag)]
+
+
+def boundary_tensors(marks: np.ndarray, boundaries: str) -> dict[str, Any]:
+    """A batch's document boundaries as ``boundaries`` asks (format/tokens.py, ``Tokens``), from
+    ``marks`` (int64 [B, W], 1 where a document starts in a row, column 0 always): numpy over
+    the whole batch, nothing per token in Python."""
+    import torch
+
+    rows, width = marks.shape
+    if boundaries == "documents":  # each row's documents numbered from 0
+        return {"document_ids": torch.from_numpy(np.cumsum(marks, axis=1) - 1)}
+    flat = np.flatnonzero(marks)  # where each document starts in the batch flattened to B * W
+    if boundaries == "offsets":
+        cu = np.append(flat, rows * width).astype(np.int32)
+        return {"cu_seqlens": torch.from_numpy(cu), "max_seqlen": int(np.diff(cu).max())}
+    # positions: the column minus the column of the last document start at or before it
+    columns = np.arange(width, dtype=np.int64)
+    last = marks * columns
+    np.maximum.accumulate(last, axis=1, out=last)
+    return {"position_ids": torch.from_numpy(columns - last)}

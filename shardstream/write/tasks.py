@@ -32,6 +32,8 @@ from shardstream.format.manifest import ShardInfo
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE
+from shardstream.format.tokens import FIELD as TOKENS_FIELD
+from shardstream.format.tokens import npy_header_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
@@ -56,6 +58,7 @@ class ShardTask:
     on_error: str = "raise"
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     config: StorageConfig = DEFAULT_STORAGE  # the storage policy: the destination's uploads, and the reads of listed items
+    token_itemsize: int = 0  # a token corpus (write/tokens.py): its ids' itemsize; each sample's FIELD tokens counted into the shard's entry
 
 
 @dataclass
@@ -117,6 +120,7 @@ def write_shard(task: ShardTask) -> ShardResult:
     seen: set[str] = set()
     skipped: list[tuple[str, str]] = []
     size = 0
+    tokens = 0
     try:
         with open(tmp, "wb") as f:
             for key, fields in _samples_of(task):
@@ -140,6 +144,9 @@ def write_shard(task: ShardTask) -> ShardResult:
                 f.write(block)
                 size += n
                 keys.append(key)
+                if task.token_itemsize:
+                    data = fields[TOKENS_FIELD]
+                    tokens += (len(data) - npy_header_size(data)) // task.token_itemsize
                 for ext in fields:
                     extensions[ext] = extensions.get(ext, 0) + 1
                 if "cls" in fields:
@@ -159,7 +166,9 @@ def write_shard(task: ShardTask) -> ShardResult:
             os.unlink(tmp)
     sidecar = task.name + SIDECAR_SUFFIX
     storage.write_bytes_atomic(fs, storage.join(root, sidecar), encode_offsets(offsets))
-    info = ShardInfo(task.name, len(keys), size, digest.hexdigest(), index=sidecar, span=(offsets[0], offsets[-1]))
+    info = ShardInfo(
+        task.name, len(keys), size, digest.hexdigest(), index=sidecar, span=(offsets[0], offsets[-1]), tokens=tokens if task.token_itemsize else None
+    )
     return ShardResult(info, extensions, labels, keys, skipped)
 
 

@@ -11,6 +11,14 @@ size, EOS id, tokenizer), which is what ``Tokens(root, seq_len)`` plans by (form
 Documents are taken in their order and tokenized in chunks whose results are written in order,
 so the output is byte-identical for any ``workers``.
 
+With an ``executor`` (Dask's ``Client.get_executor()``, a process pool) a JSONL corpus packs as
+shard tasks (write/tasks.py): the driver reads the file once to find where its lines start (no
+parsing, no tokenizing), cuts the documents into shards of ``max_count``, and each task reads its
+shard's byte range, tokenizes it and writes the shard; the driver adopts them in order and writes
+the manifest last. Tokens are deterministic, so the shards and manifest are byte-identical to
+``workers=1`` wherever ``max_size`` cuts no shard there (under an executor only ``max_count``
+cuts, as for samples). Parquet and iterable sources are not split into tasks yet.
+
 A tokenizer is a Hugging Face ``tokenizer.json`` file (read with the ``tokenizers`` library), a
 ``tokenizers.Tokenizer``, or ``"module:function"``, a function of no arguments that returns a
 tokenizer: any object with ``encode_batch(list[str])`` (returning ``Encoding``s or id lists) and
@@ -22,8 +30,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -31,12 +41,15 @@ import numpy as np
 from shardstream.errors import ConfigError, SourceError
 from shardstream.format.manifest import check_dataset_root
 from shardstream.format.parquet import is_table_url, list_table_files
-from shardstream.format.tokens import FIELD, token_dtype
+from shardstream.format.tokens import FIELD, npy_header_size, token_dtype
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.pack import PackResult
 from shardstream.write.procs import map_in_order
-from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter
+from shardstream.write.tasks import ShardTask, run_tasks
+from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
+
+logger = logging.getLogger(__name__)
 
 CHUNK = 256  # documents per tokenizer call (and per task of a worker)
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "[SEP]")
@@ -144,23 +157,33 @@ def read_documents(
                 raise SourceError(f"document {n}", f"expected a string, got {type(text).__name__}")
             yield f"document {n}", text
         return
-    if is_table_url(src) or any(c in src for c in "*?[") or not src.rstrip("/").endswith((".jsonl", ".json", ".ndjson")):
+    if not is_jsonl(src):
         yield from _parquet_documents(src, text_field, storage_options, config)
         return
     fs, path = storage.get_fs(src, storage_options, config)
     with fs.open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            where = f"{src}:{n}"
-            if not raw.strip():
-                continue
-            try:
-                doc = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise SourceError(where, f"not valid JSON ({exc})") from None
-            value = doc.get(text_field) if isinstance(doc, dict) else None
-            if not isinstance(value, str):
-                raise SourceError(where, f"no string field {text_field!r} (--text-field)")
-            yield where, value
+            if raw.strip():
+                yield _jsonl_text(raw, f"{src}:{n}", text_field)
+
+
+def _jsonl_text(raw: bytes, where: str, text_field: str) -> tuple[str, str]:
+    """One JSONL line's document: ``(where, its text_field)``; a SourceError naming the line."""
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceError(where, f"not valid JSON ({exc})") from None
+    value = doc.get(text_field) if isinstance(doc, dict) else None
+    if not isinstance(value, str):
+        raise SourceError(where, f"no string field {text_field!r} (--text-field)")
+    return where, value
+
+
+def is_jsonl(src: Any) -> bool:
+    """Whether ``read_documents`` reads ``src`` as one JSONL file (else Parquet, or an iterable)."""
+    return isinstance(src, str) and not (
+        is_table_url(src) or any(c in src for c in "*?[") or not src.rstrip("/").endswith((".jsonl", ".json", ".ndjson"))
+    )
 
 
 def _parquet_documents(src: str, text_field: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> Iterator[tuple[str, str]]:
@@ -210,12 +233,14 @@ def pack_tokens(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
     config: StorageConfig = DEFAULT_STORAGE,
+    executor: Executor | None = None,
 ) -> PackResult:
     """Tokenize ``src``'s documents into a token corpus at ``dest`` (see the module docstring).
     ``src``: a ``.jsonl`` file (``text_field`` of each line's object), Parquet files (a file, a
     glob, a folder: the ``text_field`` column) or an iterable of strings. ``workers`` processes
     tokenize (spawned: ``tokenizer`` is rebuilt in each from its file or ``module:function``, or
-    pickled); the output is the same for any number. A bad line or row is a SourceError naming it."""
+    pickled); the output is the same for any number. A bad line or row is a SourceError naming it.
+    ``executor``: one task per shard on it (a ``.jsonl`` source only; see the module docstring)."""
     check_dataset_root(dest)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ConfigError(f"workers must be an integer >= 1, got {workers!r}")
@@ -230,6 +255,17 @@ def pack_tokens(
         "tokenizer": tokenizer if isinstance(tokenizer, str) else type(tokenizer).__name__,
         "text_field": text_field if isinstance(src, str) else None,
     }
+    if executor is not None:
+        if not is_jsonl(src):
+            raise ConfigError(
+                "token packing as shard tasks (--dask, executor=) reads a .jsonl corpus only so far: "
+                "pack Parquet files or an iterable of strings with workers=N (--workers N)"
+            )
+        assert isinstance(src, str)
+        return _pack_token_tasks(
+            src, dest, encoder, info, dtype, executor=executor, text_field=text_field, max_count=max_count, max_size=max_size,
+            prefix=prefix, overwrite=overwrite, storage_options=storage_options, progress=progress, config=config, started=started,
+        )  # fmt: skip
     documents = read_documents(src, text_field, storage_options, config)
     with contextlib.ExitStack() as stack:
         mapped: Iterator[list[bytes]]
@@ -259,7 +295,7 @@ def pack_tokens(
         n = 0
         for arrays in mapped:
             for data in arrays:
-                tokens = (len(data) - _header_size(data)) // itemsize
+                tokens = (len(data) - npy_header_size(data)) // itemsize
                 writer.write_encoded(f"{n:012d}", {FIELD: data}, tokens=tokens)
                 n += 1
                 if progress is not None:
@@ -269,12 +305,113 @@ def pack_tokens(
     return PackResult.of(writer, started, tokens=writer.tokens_written)
 
 
+class _LineRange:
+    """A shard's documents in a JSONL file: bytes ``[start, stop)``, which begin at line ``line``
+    with document number ``document`` (a task's one unit: small, picklable)."""
+
+    __slots__ = ("document", "line", "src", "start", "stop")
+
+    def __init__(self, src: str, start: int, stop: int, line: int, document: int):
+        self.src, self.start, self.stop, self.line, self.document = src, start, stop, line, document
+
+    def __getstate__(self) -> tuple[str, int, int, int, int]:
+        return self.src, self.start, self.stop, self.line, self.document
+
+    def __setstate__(self, state: tuple[str, int, int, int, int]) -> None:
+        self.src, self.start, self.stop, self.line, self.document = state
+
+    def __repr__(self) -> str:
+        return f"{self.src} from line {self.line}"
+
+
+def line_ranges(src: str, max_count: int, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> list[_LineRange]:
+    """A JSONL file's documents (its non-blank lines) cut into shards of ``max_count``, as byte
+    ranges: one read of the file, nothing parsed."""
+    fs, path = storage.get_fs(src, storage_options, config)
+    bounds: list[list[int]] = []  # [start, line, document] of each shard
+    offset = count = 0
+    with fs.open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.strip():
+                if count % max_count == 0:
+                    bounds.append([offset, n, count])
+                count += 1
+            offset += len(raw)
+    stops = [b[0] for b in bounds[1:]] + [offset]
+    return [_LineRange(src, start, stop, line, document) for (start, line, document), stop in zip(bounds, stops)]
+
+
+class _ShardDocuments:
+    """A shard task's function (write/tasks.py): its ``_LineRange`` -> its documents' samples,
+    tokenized as ``pack_tokens`` tokenizes in order (picklable: the encoder rebuilds its tokenizer)."""
+
+    def __init__(self, encoder: _Encoder, text_field: str, storage_options: Mapping[str, Any], config: StorageConfig):
+        self.encoder, self.text_field, self.storage_options, self.config = encoder, text_field, dict(storage_options), config
+
+    def __call__(self, unit: _LineRange) -> list[dict[str, Any]]:
+        fs, path = storage.get_fs(unit.src, self.storage_options, self.config)
+        with fs.open(path, "rb") as f:
+            f.seek(unit.start)
+            data = f.read(unit.stop - unit.start)
+        try:
+            docs = [_jsonl_text(raw, f"{unit.src}:{unit.line + k}", self.text_field) for k, raw in enumerate(data.split(b"\n")) if raw.strip()]
+            arrays = [a for chunk in _chunks(iter(docs), CHUNK) for a in self.encoder(chunk)]
+        except SourceError as exc:  # the task names its unit; the line goes in the message
+            raise SourceError(exc.where, f"{exc.where}: {exc.what}") from None
+        return [{"__key__": f"{unit.document + n:012d}", FIELD: a} for n, a in enumerate(arrays)]
+
+
+def _pack_token_tasks(
+    src: str,
+    dest: str,
+    encoder: _Encoder,
+    info: dict[str, Any],
+    dtype: np.dtype,
+    *,
+    executor: Executor,
+    text_field: str,
+    max_count: int,
+    max_size: int,
+    prefix: str,
+    overwrite: bool,
+    storage_options: Mapping[str, Any] | None,
+    progress: Callable[[int, int], None] | None,
+    config: StorageConfig,
+    started: float,
+) -> PackResult:
+    """A JSONL corpus packed as one task a shard on ``executor``; the manifest written last."""
+    ranges = line_ranges(src, max_count, storage_options, config)
+    if not ranges:
+        raise SourceError(src, "no documents to pack")
+    options = dict(storage_options or {})
+    fn = _ShardDocuments(encoder, text_field, options, config)
+    tokens = 0
+    with ShardWriter(
+        dest, max_count=max_count, max_size=max_size, prefix=prefix, storage_options=options, overwrite=overwrite,
+        check_unique_keys=False, config=config, token_info=info,
+    ) as writer:  # fmt: skip
+        tasks = (
+            ShardTask(dest=writer.dest, name=shard_name(prefix, i), index=i, first=i, units=[r], fn=fn, storage_options=options,
+                      config=config, token_itemsize=dtype.itemsize)
+            for i, r in enumerate(ranges)
+        )  # fmt: skip
+        results = run_tasks(executor, tasks)
+        with contextlib.closing(results):
+            for result in results:
+                writer.add_shard(result.info, result.extensions, result.label_counts)
+                tokens += int(result.info.tokens or 0)
+                if result.info.bytes > max_size:
+                    logger.warning(
+                        "%s is %d bytes, above max_size %d (shard tasks are cut by max_count only: lower it)",
+                        result.info.path,
+                        result.info.bytes,
+                        max_size,
+                    )
+                if progress is not None:
+                    progress(writer.samples_written, writer.bytes_written)
+        writer.remove_partials()  # left by attempts the engine killed and retried elsewhere
+    return PackResult.of(writer, started, tokens=tokens)
+
+
 def _describe_chunk(chunk: list[tuple[str, str]]) -> str:
     return f"tokenizing {len(chunk)} documents, {chunk[0][0]} to {chunk[-1][0]}"
-
-
-def _header_size(data: bytes) -> int:
-    """Bytes before a .npy file's data (version 1: 10 + header length; 2 and 3: 12 + it)."""
-    if data[6] == 1:
-        return 10 + int.from_bytes(data[8:10], "little")
-    return 12 + int.from_bytes(data[8:12], "little")
