@@ -31,7 +31,7 @@ from shardstream.write.loading import load_encoded, run_task, set_options
 from shardstream.write.localshards import LocalShardDone, LocalShardTask, plan_shards, sample_size, write_local_shard
 from shardstream.write.procs import Workers, map_in_order
 from shardstream.write.sources import Item, batches_of, list_source
-from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, cut_shards, run_tasks, write_shard
+from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, adopt, cut_shards, run_tasks, write_shard
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
 logger = logging.getLogger(__name__)
@@ -591,16 +591,7 @@ def _pack_tasks(
             if clash is not None:  # across shards: found only once both are written, so never skipped
                 raise SourceError(f"key {clash!r}", f"duplicate key: appears again in {result.info.path}")
             keys.update(result.keys)
-            writer.add_shard(result.info, result.extensions, result.label_counts)
-            if result.info.bytes > max_size:
-                logger.warning(
-                    "%s is %d bytes, above max_size %d (under an executor shards are cut by max_count only: lower it)",
-                    result.info.path,
-                    result.info.bytes,
-                    max_size,
-                )
-            if progress is not None:
-                progress(writer.samples_written, writer.bytes_written)
+            adopt(writer, result, max_size, progress)
         if writer.samples_written == 0:
             raise SourceError(src, f"no sample could be packed ({writer.skipped_count} skipped)")
         writer.remove_partials()  # left by attempts the engine killed and retried elsewhere

@@ -177,6 +177,18 @@ def cut_shards(count: int, max_count: int) -> list[range]:
     return [range(a, min(a + max_count, count)) for a in range(0, count, max_count)]
 
 
+def adopt(writer: Any, result: Any, max_size: int, progress: Callable[[int, int], None] | None) -> None:
+    """A finished task's shard into ``writer``'s manifest (in shard order), with a warning where it
+    came out above ``max_size`` (tasks are cut by count alone) and the progress said."""
+    writer.add_shard(result.info, result.extensions, result.label_counts)
+    if result.info.bytes > max_size:
+        logger.warning(
+            "%s is %d bytes, above max_size %d (shard tasks are cut by max_count only: lower it)", result.info.path, result.info.bytes, max_size
+        )
+    if progress is not None:
+        progress(writer.samples_written, writer.bytes_written)
+
+
 def run_tasks(executor: Executor | None, tasks: Iterable[ShardTask], *, in_flight: int = DEFAULT_IN_FLIGHT) -> Generator[ShardResult, None, None]:
     """Results in task order; at most ``in_flight`` tasks submitted ahead. ``None`` runs them here."""
     if executor is None:

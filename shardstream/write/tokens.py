@@ -46,7 +46,7 @@ from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.pack import PackResult
 from shardstream.write.procs import map_in_order
-from shardstream.write.tasks import ShardTask, run_tasks
+from shardstream.write.tasks import ShardTask, adopt, run_tasks
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
 
 logger = logging.getLogger(__name__)
@@ -398,17 +398,8 @@ def _pack_token_tasks(
         results = run_tasks(executor, tasks)
         with contextlib.closing(results):
             for result in results:
-                writer.add_shard(result.info, result.extensions, result.label_counts)
+                adopt(writer, result, max_size, progress)
                 tokens += int(result.info.tokens or 0)
-                if result.info.bytes > max_size:
-                    logger.warning(
-                        "%s is %d bytes, above max_size %d (shard tasks are cut by max_count only: lower it)",
-                        result.info.path,
-                        result.info.bytes,
-                        max_size,
-                    )
-                if progress is not None:
-                    progress(writer.samples_written, writer.bytes_written)
         writer.remove_partials()  # left by attempts the engine killed and retried elsewhere
     return PackResult.of(writer, started, tokens=tokens)
 
