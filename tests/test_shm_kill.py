@@ -110,7 +110,8 @@ def test_a_killed_job_leaves_nothing_in_dev_shm(tmp_path, point, method):
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["line"] == "point", out.stderr
+    # (each of the 2 workers says it reached the point; beside CPU hogs their words can share a line)
+    assert result["line"] and result["line"].replace("point", "") == "", out.stderr
     assert result["processes"] >= 3  # the rank and its two workers (and a forkserver): all killed at once
     assert result["after"] == []
 
