@@ -168,3 +168,81 @@ def test_a_worker_writes_a_shard_importing_nothing_heavy(tmp_path):
     assert imported == []
     assert there == here and there.samples == 20
     assert _files(tmp_path / "there") == _files(tmp_path / "here")
+
+
+def _contexts(monkeypatch):
+    """The start method of every pool the pack starts (``procs.Workers``' ``context``)."""
+    from shardstream.write import pack as pack_module
+    from shardstream.write.procs import Workers
+
+    seen: list[str] = []
+
+    class Recorded(Workers):
+        def __init__(self, *args, context="spawn", **kwargs):
+            seen.append(context)
+            super().__init__(*args, context=context, **kwargs)
+
+    monkeypatch.setattr(pack_module, "Workers", Recorded)
+    return seen
+
+
+def test_workers_are_forked_holding_the_listing_where_no_other_thread_runs(tmp_path):
+    # In a process of one thread (the CLI's, a script's; not this one: pytest-timeout runs a
+    # thread beside each test) the workers fork after the listing, holding it (no pickled item,
+    # no new Python) and share the stat; any count writes the same bytes as one process.
+    src = _tree(tmp_path / "src")
+    pack(str(src), str(tmp_path / "one"), label_from_dir=True, workers=1, max_count=25)
+    script = textwrap.dedent(
+        f"""
+        import json, threading
+        from shardstream.write import pack as pack_module
+        from shardstream.write.procs import Workers
+
+        seen = []
+
+        class Recorded(Workers):
+            def __init__(self, *args, context="spawn", **kwargs):
+                seen.append((context, threading.active_count()))
+                super().__init__(*args, context=context, **kwargs)
+
+        pack_module.Workers = Recorded
+        for workers in (2, 3):
+            pack_module.pack({str(src)!r}, {str(tmp_path)!r} + f"/w{{workers}}", label_from_dir=True, workers=workers, max_count=25)
+        print(json.dumps(seen))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, env=env, timeout=scaled(120))
+    assert ran.returncode == 0, ran.stderr.decode()
+    assert json.loads(ran.stdout) == [["fork", 1], ["fork", 1]]
+    for workers in (2, 3):
+        assert _files(tmp_path / f"w{workers}") == _files(tmp_path / "one")
+        assert _manifest(tmp_path / f"w{workers}") == _manifest(tmp_path / "one")
+
+
+def test_a_process_with_another_thread_spawns_its_workers_and_writes_the_same_bytes(tmp_path, monkeypatch):
+    # A fork copies only the calling thread (a lock another one holds stays held in the child):
+    # with a second thread alive the workers are spawned and get each shard's items.
+    import threading
+
+    seen = _contexts(monkeypatch)
+    src = _tree(tmp_path / "src")
+    pack(str(src), str(tmp_path / "one"), label_from_dir=True, workers=1, max_count=25)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="the user's thread")
+    other.start()
+    try:
+        pack(str(src), str(tmp_path / "two"), label_from_dir=True, workers=2, max_count=25)
+    finally:
+        stop.set()
+        other.join()
+    assert seen == ["spawn"]
+    assert _files(tmp_path / "two") == _files(tmp_path / "one")
+    assert _manifest(tmp_path / "two") == _manifest(tmp_path / "one")
+
+
+def test_a_task_by_positions_is_refused_without_its_listing(tmp_path):
+    task = LocalShardTask(str(tmp_path), "shard-000000.tar", (), [1024], positions=range(0, 1))
+    with pytest.raises(ValueError, match="runs on the listing that holds them"):
+        write_local_shard(task)
+    assert os.listdir(tmp_path) == []

@@ -70,17 +70,19 @@ PARENT = textwrap.dedent("""
     from shardstream.write.procs import Workers
 
     if __name__ == "__main__":
-        pool = Workers(packfns.pid_and_wait, 2)
+        pool = Workers(packfns.pid_and_wait, 2, context=sys.argv[2])
         results = pool.map(range(10), ahead=4)
         print(next(results), *(p.pid for p in pool.procs), flush=True)
         list(results)  # waits for good: the test kills this process
 """)
 
 
-def test_workers_exit_when_their_parent_is_killed(tmp_path):
+@pytest.mark.parametrize("context", ["spawn", "fork"])
+def test_workers_exit_when_their_parent_is_killed(tmp_path, context):
+    # (a forked worker closes its copies of the parent's pipe ends, or it would never see them end)
     (tmp_path / "parent.py").write_text(PARENT)
     here = os.path.dirname(__file__)
-    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), here], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), here, context], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()[1:]]
         assert len(pids) == 2 and not any(_gone(p) for p in pids)
@@ -94,15 +96,18 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path):
 
 
 def _workers_of(pid: int) -> list[int]:
-    """The spawned workers among ``pid``'s children (not multiprocessing's resource tracker, which
-    spawn starts beside them and which has nothing to track here)."""
+    """The workers among ``pid``'s children: spawned ones, or forked ones (the parent's command
+    line), not multiprocessing's resource tracker (which spawn starts beside them)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        own = f.read()
     out = []
     for entry in os.listdir("/proc"):
         with contextlib.suppress(ValueError, OSError), open(f"/proc/{entry}/stat") as f:
             if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                 with open(f"/proc/{entry}/cmdline", "rb") as c:
-                    if b"spawn_main" in c.read():
-                        out.append(int(entry))
+                    line = c.read()
+                if b"spawn_main" in line or line == own:
+                    out.append(int(entry))
     return out
 
 

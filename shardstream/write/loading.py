@@ -5,9 +5,10 @@ batch: ``load_encoded(items)`` gives ``(True, key, (members, extensions, cls))``
 what)`` per item, in order; it runs where the loading runs (a worker of ``write/procs.py``, or the
 one process), so the process that writes the shards only writes.
 
-A worker is a new (spawned) process, and what it imports is most of what it costs: importing the
-storage layer and the reader (fsspec, numpy, the format package) took about 0.5 CPU-s, more than
-loading 20,000 small local files. So this module imports only ``localfiles`` and ``members``
+A spawned worker is a new Python, and what it imports is most of what it costs (a forked one,
+``write/localshards.ListedWork``, has it all already): importing the storage layer and the
+reader (fsspec, numpy, the format package) took about 0.5 CPU-s, more than loading 20,000 small
+local files. So this module imports only ``localfiles`` and ``members``
 (os, stat and the ustar header), enough for a local tree's items; any other item (a remote
 tree, JSONL, tar shards, Parquet) imports ``sources`` on first use, in that worker only.
 """

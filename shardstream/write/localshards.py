@@ -4,6 +4,10 @@
         -> write_local_shard (a worker, or the one process): read, encode, hash, write, publish
         -> LocalShardDone (the shard's manifest entry, its counts and keys) back to the main process
 
+Workers forked after the listing (``procs.fork_safe()``) hold it already: ``ListedWork`` runs
+their tasks by position in it, the stat of a span of items (``Sizes``) as well as whole shards,
+so the stat is split among them and no item is pickled. Spawned workers get each shard's items.
+
 A sample of a local tree is its files' bytes as they are (plus ``cls`` from its folder), so its
 tar members' size is known from ``os.stat`` before any byte is read: header (``ustar``) + data +
 padding per field. ``plan_shards`` cuts those sizes with the writer's own rule
@@ -27,7 +31,7 @@ import hashlib
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardstream.errors import SourceError
 from shardstream.sidecar import SUFFIX as SIDECAR_SUFFIX
@@ -75,13 +79,38 @@ def plan_shards(sizes: Sequence[int], max_count: int, max_size: int) -> list[ran
 @dataclass(frozen=True)
 class LocalShardTask:
     """Write shard ``name`` under the local folder ``root`` from ``items`` (local tree items),
-    whose samples' planned sizes are ``sizes``."""
+    whose samples' planned sizes are ``sizes``. ``positions``: the items are these positions of
+    the listing a forked worker holds (``ListedWork``), and ``items`` is empty."""
 
     root: str
     name: str
     items: Sequence[tuple[str, tuple]]
     sizes: Sequence[int]
     on_error: str = "raise"
+    positions: range | None = None
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The planned sizes (``sample_size``) of the listing's items ``start:stop``."""
+
+    start: int
+    stop: int
+
+
+class ListedWork:
+    """A forked worker's function over the listing it inherited: ``Sizes`` gives those items'
+    sizes, a ``LocalShardTask`` by ``positions`` writes that shard."""
+
+    def __init__(self, items: Sequence[tuple[str, tuple]]):
+        self.items = items
+
+    def __call__(self, task: Sizes | LocalShardTask) -> list[int] | LocalShardDone:
+        if isinstance(task, Sizes):
+            return [sample_size(item) for item in self.items[task.start : task.stop]]
+        if task.positions is not None:
+            task = replace(task, items=self.items[task.positions.start : task.positions.stop], positions=None)
+        return write_local_shard(task)
 
 
 @dataclass
@@ -102,6 +131,8 @@ class LocalShardDone:
 
 def write_local_shard(task: LocalShardTask) -> LocalShardDone:
     """Build shard ``task.name`` and publish it (rename), then its sidecar; see the module docstring."""
+    if task.positions is not None:
+        raise ValueError(f"{task.name}: a task by positions runs on the listing that holds them (ListedWork)")
     folder, _, base = task.name.rpartition("/")
     where_to = os.path.join(task.root, folder)
     os.makedirs(where_to, exist_ok=True)

@@ -28,8 +28,8 @@ from shardstream.policy import ErrorPolicy
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.loading import load_encoded, run_task, set_options
-from shardstream.write.localshards import LocalShardDone, LocalShardTask, plan_shards, sample_size, write_local_shard
-from shardstream.write.procs import Workers, map_in_order
+from shardstream.write.localshards import ListedWork, LocalShardDone, LocalShardTask, Sizes, plan_shards, sample_size, write_local_shard
+from shardstream.write.procs import Workers, fork_safe, map_in_order
 from shardstream.write.sources import Item, batches_of, list_source
 from shardstream.write.tasks import DEFAULT_IN_FLIGHT, ShardTask, adopt, cut_shards, run_tasks, write_shard
 from shardstream.write.writer import DEFAULT_MAX_COUNT, DEFAULT_MAX_SIZE, ShardWriter, shard_name
@@ -142,8 +142,8 @@ def pack_source(
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         loaders: int | Workers | None = workers
-        if workers is not None and workers > 1 and executor is None:  # started first: their imports overlap the listing
-            loaders = _start_loaders(workers, storage_options, config)
+        if workers is not None and workers > 1 and executor is None and not _forks_after_listing(src, dest, storage_options, config):
+            loaders = _start_loaders(workers, storage_options, config)  # started first: their imports overlap the listing
             stack.callback(loaders.stop)  # (ended already when the pack went through)
         return _pack_listed(
             src,
@@ -316,6 +316,14 @@ def _is_local(dest: str, storage_options: Mapping[str, Any] | None, config: Stor
     return storage.is_local(storage.get_fs(dest, storage_options, config)[0])
 
 
+def _forks_after_listing(src: str, dest: str, storage_options: Mapping[str, Any] | None, config: StorageConfig) -> bool:
+    """Whether a pack's workers are best forked once the source is listed (``_pack_planned``):
+    a local folder into a local destination, in a process where a fork is sound
+    (``procs.fork_safe``). Spawned workers start before the listing instead, so that their
+    imports overlap it; forked ones start in milliseconds holding the listing."""
+    return fork_safe() and "://" not in src and os.path.isdir(src) and _is_local(dest, storage_options, config)
+
+
 AUTO_BYTES_PER_WORKER = 32 * 1000**2  # planned shard bytes that make one more worker worth its start
 
 
@@ -357,14 +365,27 @@ def _pack_planned(
 ) -> PackResult:
     """A local tree into a local destination: shards planned from the files' sizes
     (``localshards``), each written whole by one process (here with one worker), the manifest
-    last. The main process lists, stats and adopts shards; it handles no sample."""
-    sizes = [sample_size(item) for item in items]
-    cuts = plan_shards(sizes, max_count, max_size)
-    workers = loaders if loaders is not None else auto_workers(cuts, sum(sizes))
+    last. The main process lists, plans and adopts shards; it handles no sample. Where a fork is
+    sound (``procs.fork_safe``) the workers are forked holding the listing: a given count is
+    started before the stat, which they share; the default's count comes from the plan."""
     with contextlib.ExitStack() as pool_stack:
+        workers: int | Workers | None = loaders
+        if isinstance(workers, int) and workers > 1 and fork_safe():
+            workers = pool_stack.enter_context(_forked(items, workers))
+        if isinstance(workers, Workers) and workers.forked:
+            spans = _spans(len(items), 2 * len(workers.procs))
+            sizes = [n for part in workers.map(spans, ahead=len(spans), describe=_describe_sizes(items)) for n in part]
+        else:
+            sizes = [sample_size(item) for item in items]
+        cuts = plan_shards(sizes, max_count, max_size)
+        if workers is None:
+            workers = auto_workers(cuts, sum(sizes))
         if isinstance(workers, int) and workers > 1:  # started before the destination is prepared: their start overlaps it
-            workers = _start_loaders(workers, storage_options, config)
-            pool_stack.callback(workers.stop)
+            if fork_safe():
+                workers = pool_stack.enter_context(_forked(items, workers))
+            else:
+                workers = _start_loaders(workers, storage_options, config)
+                pool_stack.callback(workers.stop)
         return _write_planned(
             items,
             sizes,
@@ -427,16 +448,23 @@ def _write_planned(
     ):
         for where, what in errors:
             writer.skip(where, what)
+        listed = isinstance(workers, Workers) and workers.forked  # the workers hold the listing: shards go by position
         tasks = (
-            LocalShardTask(writer.root, shard_name(prefix, i, prefixes), items[r.start : r.stop], sizes[r.start : r.stop], policy.on_error)
+            LocalShardTask(
+                writer.root,
+                shard_name(prefix, i, prefixes),
+                () if listed else items[r.start : r.stop],
+                sizes[r.start : r.stop],
+                policy.on_error,
+                positions=r if listed else None,
+            )
             for i, r in enumerate(cuts)
         )
         results: Iterable[LocalShardDone]
         if isinstance(workers, Workers) or workers > 1:  # two a worker: the next is there when one ends
             ahead = 2 * (len(workers.procs) if isinstance(workers, Workers) else workers)
-            results = stack.enter_context(
-                contextlib.closing(map_in_order(run_task, tasks, workers=workers, ahead=ahead, describe=_describe_local_task))
-            )
+            describe = _describe_local_task(items)
+            results = stack.enter_context(contextlib.closing(map_in_order(run_task, tasks, workers=workers, ahead=ahead, describe=describe)))
         else:
             results = map(write_local_shard, tasks)
         for done in results:
@@ -458,9 +486,29 @@ def _write_planned(
     return PackResult.of(writer, started, skipped=writer.skipped, skipped_count=writer.skipped_count, hidden=hidden)
 
 
-def _describe_local_task(task: LocalShardTask) -> str:
-    first, last = task.items[0][0], task.items[-1][0]
-    return f"shard {task.name} ({len(task.items)} samples, {first} to {last})"
+def _describe_local_task(items: Sequence[Item]) -> Callable[[LocalShardTask], str]:
+    """How a WorkerDied names a shard task (its items, or its positions in ``items``)."""
+
+    def describe(task: LocalShardTask) -> str:
+        span = items[task.positions.start : task.positions.stop] if task.positions is not None else task.items
+        return f"shard {task.name} ({len(span)} samples, {span[0][0]} to {span[-1][0]})"
+
+    return describe
+
+
+def _describe_sizes(items: Sequence[Item]) -> Callable[[Sizes], str]:
+    return lambda task: f"the sizes of {items[task.start][0]} to {items[task.stop - 1][0]}"
+
+
+def _spans(n: int, parts: int) -> list[Sizes]:
+    """``0:n`` in ``parts`` spans about as long (none empty)."""
+    bounds = sorted({n * i // parts for i in range(parts + 1)})
+    return [Sizes(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _forked(items: Sequence[Item], n: int) -> Workers:
+    """``n`` workers forked now, holding the listing (``localshards.ListedWork``)."""
+    return Workers(ListedWork(items), n, context="fork")
 
 
 def pack_fn(

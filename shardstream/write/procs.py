@@ -3,12 +3,21 @@
     tasks -> parent (at most ``ahead`` in flight, ``per_worker`` on each) -> Pipe -> worker: fn(task)
           <- results, reordered by task number <- Pipe <-
 
-Built on the public API only: ``multiprocessing.get_context("spawn").Process``, one duplex
-``ctx.Pipe()`` per worker (a socketpair), ``multiprocessing.connection.wait`` over the pipes and
-``Process.sentinel``. There is no Queue, Lock, Event or Pool, so nothing here makes a named POSIX
-semaphore: a kill -9 of every process of the job at once (a cgroup, SLURM, a container runtime;
-multiprocessing's resource tracker included, which spawn starts beside the workers and which has
-nothing of ours to track) leaves nothing in /dev/shm.
+Built on the public API only: ``multiprocessing.get_context("spawn")`` (or ``"fork"``, see
+below) ``.Process``, one duplex ``ctx.Pipe()`` per worker (a socketpair),
+``multiprocessing.connection.wait`` over the pipes and ``Process.sentinel``. There is no Queue,
+Lock, Event or Pool, so nothing here makes a named POSIX semaphore: a kill -9 of every process of
+the job at once (a cgroup, SLURM, a container runtime; multiprocessing's resource tracker
+included, which spawn starts beside the workers and which has nothing of ours to track) leaves
+nothing in /dev/shm.
+
+``context="fork"`` is for a caller whose workers need what it holds already (a local tree's
+listing: ``write/localshards.ListedWork``): ``fn`` and its arguments are inherited, not pickled,
+and a worker starts in milliseconds instead of a new Python's imports. ``fork_safe()`` says when
+that is sound: on Linux, with no other Python thread in the process (a fork copies only the
+thread that calls it; a lock another thread held stays held in the child). A forked worker
+closes its copies of the parent's pipe ends (its own and earlier workers'), so that it still
+sees its parent's death as the end of its pipe.
 
 - A worker's exception comes back as the same exception (its traceback stays in the worker) and is
   raised here; one that cannot be pickled comes back as a RuntimeError with its type and first line.
@@ -32,6 +41,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import threading
 from collections.abc import Callable, Generator, Iterable
 from multiprocessing.connection import Connection, wait
@@ -59,9 +69,18 @@ def _portable(exc: BaseException) -> BaseException:
     return RuntimeError(_first_line(exc))
 
 
-def _serve(conn: Connection, payload: bytes) -> None:
-    """A worker's life: unpickle (fn, initializer, initargs), then ``fn(task)`` for each task, in order."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (already ignored since exec; kept if started otherwise)
+def fork_safe() -> bool:
+    """Whether ``Workers(..., context="fork")`` is sound here: Linux, and no Python thread but this one."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1 and threading.current_thread() is threading.main_thread()
+
+
+def _serve(conn: Connection, payload: bytes | tuple, siblings: tuple[Connection, ...] = ()) -> None:
+    """A worker's life: unpickle (fn, initializer, initargs) (a forked worker has them as they
+    are), then ``fn(task)`` for each task, in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (already ignored since exec or fork; kept if started otherwise)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a forked worker's copy of its parent's handler: stop() ends it)
+    for sibling in siblings:  # a forked worker's copies of the parent's pipe ends (its own and earlier workers')
+        sibling.close()
     tasks: collections.deque[Any] = collections.deque()
     ready = threading.Condition()
 
@@ -78,7 +97,7 @@ def _serve(conn: Connection, payload: bytes) -> None:
                 return
 
     try:
-        fn, initializer, initargs = pickle.loads(payload)
+        fn, initializer, initargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
         if initializer is not None:
             initializer(*initargs)
     except Exception as exc:  # noqa: BLE001 - said by the parent, as the worker's own error
@@ -118,8 +137,9 @@ def _exit_text(code: int | None) -> str:
 
 
 class Workers:
-    """``n`` spawned worker processes that run ``fn(task)`` (``fn``, ``initializer`` and
-    ``initargs`` are pickled once, at start). Use as a context manager; ``map`` runs tasks."""
+    """``n`` worker processes that run ``fn(task)``: spawned (``fn``, ``initializer`` and
+    ``initargs`` pickled once, at start) or, with ``context="fork"`` where ``fork_safe()``,
+    forked (inherited as they are). Use as a context manager; ``map`` runs tasks."""
 
     def __init__(
         self,
@@ -131,12 +151,17 @@ class Workers:
         name: str = "pack worker",
         context: str = "spawn",
     ):
-        payload = pickle.dumps((fn, initializer, initargs))  # a function that cannot be pickled fails here
-        ctx: Any = multiprocessing.get_context(context)  # spawn: no fork of a process holding event-loop threads
+        forked = context == "fork"
+        if forked and not fork_safe():
+            raise RuntimeError("fork workers need Linux and a process with no other thread (procs.fork_safe())")
+        # spawn by default: no fork of a process holding event-loop threads
+        payload: bytes | tuple = (fn, initializer, initargs) if forked else pickle.dumps((fn, initializer, initargs))
+        ctx: Any = multiprocessing.get_context(context)
         self.name = name
+        self.forked = forked
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
-        # Children start with SIGINT ignored (inherited through exec, before they import anything).
+        # Children start with SIGINT ignored (inherited through fork and exec, before they import anything).
         main = threading.current_thread() is threading.main_thread()
         previous = signal.getsignal(signal.SIGINT) if main else None
         if main:
@@ -144,7 +169,8 @@ class Workers:
         try:
             for _ in range(n):
                 ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_serve, args=(theirs, payload), name=f"shardstream-{name.replace(' ', '-')}", daemon=True)
+                args = (theirs, payload, (*self.conns, ours)) if forked else (theirs, payload)  # (its copies of our ends)
+                proc = ctx.Process(target=_serve, args=args, name=f"shardstream-{name.replace(' ', '-')}", daemon=True)
                 proc.start()
                 theirs.close()  # the worker holds its end: its death reads as the end of ours
                 self.procs.append(proc)
