@@ -369,9 +369,15 @@ def _pack_planned(
     sound (``procs.fork_safe``) the workers are forked holding the listing: a given count is
     started before the stat, which they share; the default's count comes from the plan."""
     with contextlib.ExitStack() as pool_stack:
+
+        def start(n: int) -> Workers:
+            pool = Workers(ListedWork(items), n, context="fork") if fork_safe() else _start_loaders(n, storage_options, config)
+            pool_stack.callback(pool.stop)  # (ended already when the pack went through)
+            return pool
+
         workers: int | Workers | None = loaders
-        if isinstance(workers, int) and workers > 1 and fork_safe():
-            workers = pool_stack.enter_context(_forked(items, workers))
+        if isinstance(workers, int) and workers > 1 and fork_safe():  # a given count: forked now, to share the stat
+            workers = start(workers)
         if isinstance(workers, Workers) and workers.forked:
             spans = _spans(len(items), 2 * len(workers.procs))
             sizes = [n for part in workers.map(spans, ahead=len(spans), describe=_describe_sizes(items)) for n in part]
@@ -381,11 +387,7 @@ def _pack_planned(
         if workers is None:
             workers = auto_workers(cuts, sum(sizes))
         if isinstance(workers, int) and workers > 1:  # started before the destination is prepared: their start overlaps it
-            if fork_safe():
-                workers = pool_stack.enter_context(_forked(items, workers))
-            else:
-                workers = _start_loaders(workers, storage_options, config)
-                pool_stack.callback(workers.stop)
+            workers = start(workers)
         return _write_planned(
             items,
             sizes,
@@ -504,11 +506,6 @@ def _spans(n: int, parts: int) -> list[Sizes]:
     """``0:n`` in ``parts`` spans about as long (none empty)."""
     bounds = sorted({n * i // parts for i in range(parts + 1)})
     return [Sizes(a, b) for a, b in zip(bounds, bounds[1:])]
-
-
-def _forked(items: Sequence[Item], n: int) -> Workers:
-    """``n`` workers forked now, holding the listing (``localshards.ListedWork``)."""
-    return Workers(ListedWork(items), n, context="fork")
 
 
 def pack_fn(

@@ -71,7 +71,7 @@ def _portable(exc: BaseException) -> BaseException:
 
 def fork_safe() -> bool:
     """Whether ``Workers(..., context="fork")`` is sound here: Linux, and no Python thread but this one."""
-    return sys.platform.startswith("linux") and threading.active_count() == 1 and threading.current_thread() is threading.main_thread()
+    return sys.platform.startswith("linux") and threading.active_count() == 1
 
 
 def _serve(conn: Connection, payload: bytes | tuple, siblings: tuple[Connection, ...] = ()) -> None:
