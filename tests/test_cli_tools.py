@@ -145,6 +145,27 @@ def test_index_webdataset_shards_then_stream_them(tmp_path, capsys):
     assert "exists; pass --overwrite" in capsys.readouterr().err
 
 
+def test_index_without_dest_is_one_line_naming_what_to_run(tmp_path):
+    """Forgetting DEST (or giving --upgrade two inputs) is one line and exit 1, as the CLI's other
+    errors are, not a traceback; for a local folder it names the command that indexes it."""
+    with wds.ShardWriter(str(tmp_path / "w-%02d.tar"), maxcount=20, verbose=0) as w:
+        w.write({"__key__": "k0", "txt": "t0"})
+    q = shlex.quote(str(tmp_path))
+    needs = "index needs SHARDS... DEST, the manifest's directory or .json path last"
+    cases = [
+        (
+            ["index", str(tmp_path)],
+            f"{needs} (this folder's shards: shardstream index {q} DEST, DEST a folder of its own for the manifest, or {q} to write it beside them)",
+        ),
+        (["index", str(tmp_path / "w-*.tar")], needs),
+        (["index", "--upgrade", str(tmp_path), str(tmp_path)], "index --upgrade takes one dataset root or index.json, got 2"),
+    ]
+    for argv, line in cases:
+        done = subprocess.run([sys.executable, "-m", "shardstream", *argv], capture_output=True, text=True, timeout=scaled(60))
+        assert (done.returncode, done.stdout, done.stderr) == (1, "", f"shardstream index: error: {line}\n")
+    assert not (tmp_path / "index.json").exists()
+
+
 def test_allow_root_reaches_every_command_that_reads_a_manifest(tmp_path, capsys):
     # A dataset whose manifest lists its shards outside its root (../elsewhere/) is refused unless
     # --allow-root names that place: pack's source side, merge's parts, index --upgrade and bench

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+
+from shardstream.errors import ConfigError
 
 from .options import add_storage_arguments, storage_config_from, storage_options_from, writer_deadline_help
 
@@ -56,14 +60,14 @@ def run(args: argparse.Namespace) -> int:
     config = storage_config_from(args)
     if args.upgrade:
         if len(args.shards) + (args.dest is not None) != 1:
-            raise ValueError("index --upgrade takes one dataset root or index.json")
+            raise ConfigError(f"index --upgrade takes one dataset root or index.json, got {len(args.shards) + (args.dest is not None)}")
         manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options, config=config)
         state = "upgraded to version 2" if upgraded else "already version 2, left as it is"
         print(f"{url}: {state} ({len(manifest.paths)} shards, {manifest.total_samples} samples)")
         return 0
     if args.dest is None:  # argparse gives every positional to SHARDS...; the last one is DEST
         if len(args.shards) < 2:
-            raise ValueError("index needs SHARDS... DEST")
+            raise ConfigError(f"index needs SHARDS... DEST, the manifest's directory or .json path last{_in_place(args.shards[0])}")
         args.dest = args.shards.pop()
     manifest, url = write_index(
         args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config, tokens=args.tokens
@@ -75,3 +79,12 @@ def run(args: argparse.Namespace) -> int:
         tokens = f", {manifest.total_tokens} tokens ({(manifest.token_info or {}).get('dtype')})" if manifest.total_tokens is not None else ""
         print(f"indexed {len(manifest.shards)} shards, {manifest.total_samples} samples{tokens}; manifest: {url}")
     return 0
+
+
+def _in_place(given: str) -> str:
+    """For a local folder ``given``, the command that indexes its shards (into a folder of their
+    own, as the manifest-not-found advice says, or in place)."""
+    if "://" in given or not os.path.isdir(given):
+        return ""
+    folder = shlex.quote(given)
+    return f" (this folder's shards: shardstream index {folder} DEST, DEST a folder of its own for the manifest, or {folder} to write it beside them)"

@@ -194,7 +194,7 @@ def _dask_executor(args: argparse.Namespace) -> tuple[Any, Any]:
     try:
         from distributed import Client
     except ImportError:
-        raise ValueError("--dask needs Dask's distributed package: pip install 'shardstream[dask]'") from None
+        raise ConfigError("--dask needs Dask's distributed package: pip install 'shardstream[dask]'") from None
     client = Client(args.dask)
     return client, client.get_executor(pure=False, retries=args.retries)
 
