@@ -59,15 +59,16 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options_from(args)
     config = storage_config_from(args)
     if args.upgrade:
-        if len(args.shards) + (args.dest is not None) != 1:
-            raise ConfigError(f"index --upgrade takes one dataset root or index.json, got {len(args.shards) + (args.dest is not None)}")
+        given = len(args.shards) + (args.dest is not None)
+        if given != 1:
+            raise ConfigError(f"index --upgrade takes one dataset root or index.json, got {given}")
         manifest, url, upgraded = upgrade_manifest(args.shards[0], storage_options=options, config=config)
         state = "upgraded to version 2" if upgraded else "already version 2, left as it is"
         print(f"{url}: {state} ({len(manifest.paths)} shards, {manifest.total_samples} samples)")
         return 0
     if args.dest is None:  # argparse gives every positional to SHARDS...; the last one is DEST
         if len(args.shards) < 2:
-            raise ConfigError(f"index needs SHARDS... DEST, the manifest's directory or .json path last{_in_place(args.shards[0])}")
+            raise ConfigError(f"index needs SHARDS... DEST, the manifest's directory or .json path last{_how_to_index(args.shards[0])}")
         args.dest = args.shards.pop()
     manifest, url = write_index(
         args.shards, args.dest, storage_options=options, threads=args.threads, overwrite=args.overwrite, config=config, tokens=args.tokens
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _in_place(given: str) -> str:
+def _how_to_index(given: str) -> str:
     """For a local folder ``given``, the command that indexes its shards (into a folder of their
     own, as the manifest-not-found advice says, or in place)."""
     if "://" in given or not os.path.isdir(given):
