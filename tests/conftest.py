@@ -193,17 +193,36 @@ def forget_aws_credentials(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, samples=None, storage_options=None) -> str:
+def write_dataset(url, n: int = 60, *, max_count: int = 20, size: int = 100, samples=None, storage_options=None, member_sidecars: bool = True) -> str:
     """The one "small dataset" helper: ``n`` samples from make_samples (or ``samples``) packed with
     ShardWriter into ``url`` (a local folder or an s3:// URL), ``max_count`` samples per shard.
-    Returns the dataset URL as a string."""
+    ``member_sidecars=False``: as packed before member sidecars (``drop_member_sidecars``), read
+    through its offset sidecars and parsed. Returns the dataset URL as a string."""
     from shardstream import ShardWriter
 
     url = str(url)
     with ShardWriter(url, max_count=max_count, storage_options=storage_options) as w:
         for s in samples if samples is not None else make_samples(n, size=size):
             w.write(s)
+    if not member_sidecars:
+        drop_member_sidecars(url, storage_options)
     return url
+
+
+def drop_member_sidecars(url, storage_options=None) -> None:
+    """The dataset at ``url`` as a shardstream before member sidecars packed it: its ``.members``
+    files and the manifest's ``shards.members`` column gone (what a test of the offset sidecar and
+    the parser reads; format/members.py)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(url), **dict(storage_options or {}))
+    for path in fs.find(root):
+        if path.endswith(".members"):
+            fs.rm_file(path)
+    manifest = f"{root}/index.json"
+    doc = json.loads(fs.cat_file(manifest))
+    doc["shards"].pop("members", None)
+    fs.pipe_file(manifest, json.dumps(doc).encode())
 
 
 # -- leak check -------------------------------------------------------------------------------

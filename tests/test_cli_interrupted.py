@@ -132,8 +132,10 @@ def test_a_failed_pack_on_s3_removes_its_objects_and_keeps_others(s3, tmp_path):
         "held/notes.txt",
         "held/shard-000000.tar",
         "held/shard-000000.tar.idx",
+        "held/shard-000000.tar.members",
         "held/shard-000001.tar",
         "held/shard-000001.tar.idx",
+        "held/shard-000001.tar.members",
     ]
     assert main(["index", f"s3://{bucket}/held/*.tar", f"s3://{bucket}/held", "--endpoint-url", options["endpoint_url"]]) == 1
     lines[25] = '{"__key__": "k025", "txt": "fixed"}'

@@ -99,7 +99,7 @@ def test_a_mix_source_that_cannot_be_read_keeps_both_classes(s3, tmp_path):
 
 
 def test_a_missing_offset_sidecar_is_not_found_naming_its_shard(tmp_path):
-    root = write_dataset(tmp_path / "ds", n=40, max_count=40, samples=make_samples(40))
+    root = write_dataset(tmp_path / "ds", n=40, max_count=40, samples=make_samples(40), member_sidecars=False)
     os.remove(os.path.join(root, "shard-000000.tar.idx"))
     ds = ShardStream(root, batch_size=5, shuffle=False, world=World(1, 2))  # rank 1 starts mid-shard: offsets needed
     with pytest.raises(StorageNotFound, match=r"shard-000000\.tar\.idx: cannot read the offset sidecar of .*shard-000000\.tar"):

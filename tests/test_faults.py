@@ -182,7 +182,7 @@ def test_an_offset_sidecar_is_read_under_the_streams_storage_config(s3, s3_clien
     from shardstream.format.offsets import OFFSET_CACHE
 
     bucket, options, _ = s3
-    url = write_dataset(f"s3://{bucket}/sidecar-policy", 80, max_count=20, size=2000, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/sidecar-policy", 80, max_count=20, size=2000, storage_options=options, member_sidecars=False)
     OFFSET_CACHE.clear()
     config = StorageConfig(s3_client=s3_client, max_attempts=2, backoff_base=0.001, backoff_cap=0.01)
     with FaultProxy(options["endpoint_url"]) as proxy:

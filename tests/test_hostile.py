@@ -114,24 +114,31 @@ def test_zero_length_object_and_non_utf8_name(tmp_path):
         parse_all(buf.getvalue())
 
 
-def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog):
-    root = write_dataset(tmp_path / "d", max_count=10)
+@pytest.mark.parametrize("members", [False, True], ids=["parsed", "sliced"])
+def test_broken_shard_skipped_by_policy_batches_stay_equal(tmp_path, caplog, members):
+    """A broken header: the parser's checksum finds it in a shard without a member sidecar; in one
+    with a sidecar (what pack writes), its fingerprint, before any sample of its block goes out."""
+    root = write_dataset(tmp_path / "d", max_count=10, member_sidecars=members)
     shard = tmp_path / "d" / "shard-000002.tar"
     data = bytearray(shard.read_bytes())
     offset = int(load_manifest(root).offsets(2)[3])
     data[offset + 10] ^= 0xFF  # the header of the shard's 4th sample
     shard.write_bytes(bytes(data))
-    with pytest.raises(ShardFormatError, match=r"shard-000002.tar at byte \d+: tar header checksum mismatch"):
+    what = "this member's header is not the one its member sidecar records" if members else "tar header checksum mismatch"
+    with pytest.raises(ShardFormatError, match=rf"shard-000002.tar at byte {offset}: {what}"):
         list(ShardStream(root, batch_size=4, shuffle=False, world=World(0, 1)))
     ds = ShardStream(root, batch_size=4, shuffle=False, on_error="skip", world=World(0, 1))
     with caplog.at_level("WARNING"):
         batches = list(ds)
-    # the sample in progress at the break is dropped too: the broken header might have been its own
-    assert "skipped 8 bad samples, repeated 8 to keep batches equal" in caplog.text
     keys = [k for b in batches for k in b["__key__"]]
     assert len(batches) == len(ds) == 15
-    assert all(f"s{i:06d}" not in keys for i in range(22, 30))  # the rest of that range was skipped
-    assert {"s000020", "s000021"} <= set(keys)  # what came before the break was kept
+    if members:  # the block's samples never went out: the whole range is skipped
+        assert "skipped 10 bad samples, repeated 10 to keep batches equal" in caplog.text
+        assert all(f"s{i:06d}" not in keys for i in range(20, 30))
+    else:  # the sample in progress at the break is dropped too: the broken header might have been its own
+        assert "skipped 8 bad samples, repeated 8 to keep batches equal" in caplog.text
+        assert all(f"s{i:06d}" not in keys for i in range(22, 30))  # the rest of that range was skipped
+        assert {"s000020", "s000021"} <= set(keys)  # what came before the break was kept
 
 
 def test_missing_shard_names_url(tmp_path):
@@ -142,7 +149,7 @@ def test_missing_shard_names_url(tmp_path):
 
 
 def test_offsets_past_the_end_and_bytes_that_lie(tmp_path):
-    root = write_dataset(tmp_path / "d", max_count=10)
+    root = write_dataset(tmp_path / "d", max_count=10, member_sidecars=False)  # (member sidecars that lie: test_members.py)
     path = tmp_path / "d" / "index.json"
     doc = json.loads(path.read_text())
     doc["shards"]["data_end"][0] = doc["shards"]["bytes"][0] + 512

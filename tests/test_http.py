@@ -136,7 +136,7 @@ class RangeServer:
 
 @pytest.fixture
 def served(tmp_path):
-    """A packed dataset (60 samples, 3 shards with offset sidecars) under /ds of a running server."""
+    """A packed dataset (60 samples, 3 shards with offset and member sidecars) under /ds of a running server."""
     write_dataset(tmp_path / "ds", n=60, max_count=20)
     server = RangeServer(str(tmp_path))
     try:
@@ -157,8 +157,11 @@ def test_a_dataset_streams_over_http_with_ranged_gets(served):
     assert server.gets("/ds/index.json")  # the manifest
     shard_gets = server.gets(".tar")
     assert shard_gets and all(rng and status == 206 for _, _, rng, status in shard_gets)  # every shard read is a range
-    # rank 0 of 2 reads part of a shard: that shard's offset sidecar is read, as a range too
-    assert server.gets(".tar.idx")
+    # rank 0 of 2 reads part of a shard: that shard's member sidecar (which holds its offsets) is
+    # read, as a range too; a whole shard is one GET, parsed: no sidecar
+    sidecars = server.gets(".tar.members")
+    assert sidecars and all(rng and status == 206 for _, _, rng, status in sidecars) and not server.gets(".tar.idx")
+    assert len(sidecars) == 1
 
 
 def test_a_connection_dropped_midway_is_read_again_from_where_it_broke(served):

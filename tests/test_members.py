@@ -16,7 +16,7 @@ import webdataset as wds
 import shardstream
 from shardstream.errors import ManifestError, ShardFormatError
 from shardstream.format.manifest import load_manifest
-from shardstream.format.members import DIGEST, HEADER, MEMBER_CACHE
+from shardstream.format.members import DIGEST, HEADER, MEMBER_CACHE, REBUILD
 from shardstream.format.offsets import OFFSET_CACHE
 from shardstream.pipeline.read import read_range
 from shardstream.plan.epoch import Range
@@ -113,7 +113,7 @@ def test_a_shard_rewritten_after_indexing_is_a_format_error_naming_it(tmp_path):
     _webdataset_shard(shard, 400, tag="j")  # same sizes, same offsets, other names: other headers
     assert shard.stat().st_size == manifest.shards[0].bytes
     for rng in (Range(0, 0, 400), Range(0, 100, 200)):
-        with pytest.raises(ShardFormatError, match=r"w\.tar at byte \d+: .*changed since it was indexed") as info:
+        with pytest.raises(ShardFormatError, match=r"w\.tar at byte \d+: .*changed since it was packed or indexed") as info:
             _samples(manifest, rng)
         assert str(shard) in str(info.value)
 
@@ -131,7 +131,7 @@ def test_a_shard_rewritten_larger_never_gives_other_bytes(tmp_path):
     shard, url = _indexed(tmp_path)
     manifest = load_manifest(url)
     _webdataset_shard(shard, 400, size=1500, seed=5)  # the recorded offsets now land inside other members
-    with pytest.raises(ShardFormatError, match="changed since it was indexed"):
+    with pytest.raises(ShardFormatError, match="changed since it was packed or indexed"):
         _samples(manifest, Range(0, 0, 400))
 
 
@@ -171,7 +171,7 @@ def test_a_sidecar_that_does_not_fit_its_shard_is_a_manifest_error_naming_the_sh
         )
     manifest = load_manifest(url)
     if damage == "start moved (digest redone)":  # a sidecar that checks out on its own: the headers do not
-        with pytest.raises(ShardFormatError, match="changed since it was indexed") as fmt:
+        with pytest.raises(ShardFormatError, match="changed since it was packed or indexed") as fmt:
             _samples(manifest, Range(0, 0, 400))
         assert str(shard) in str(fmt.value)
         return
@@ -216,7 +216,7 @@ def test_verify_checks_the_member_sidecar(tmp_path):
     MEMBER_CACHE.clear()
     problems = verify_dataset(load_manifest(url))
     assert [str(p) for p in problems] == [
-        f"{shard}: the member sidecar {tmp_path / 'w.tar.members'} is not what a scan of the shard records; re-run `shardstream index`"
+        f"{shard}: the member sidecar {tmp_path / 'w.tar.members'} is not what a scan of the shard records; {REBUILD}"
     ]
 
 

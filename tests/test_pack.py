@@ -81,9 +81,12 @@ def test_writer_round_trip_s3_over_http(s3, tmp_path):
     manifest, got = read_with_manifest(f"s3://{bucket}/ds", options)
     assert got == expected_bytes(samples)
     names = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket)["Contents"])
-    assert names == ["ds/index.json"] + [f"ds/shard-00000{i}.tar{x}" for i in range(3) for x in ("", ".idx")]
+    assert names == ["ds/index.json"] + [f"ds/shard-00000{i}.tar{x}" for i in range(3) for x in ("", ".idx", ".members")]
+    assert manifest.member_bytes.tolist() == [
+        client.head_object(Bucket=bucket, Key=f"ds/shard-00000{i}.tar.members")["ContentLength"] for i in range(3)
+    ]
     local = []
-    for name in names[1::2]:
+    for name in names[1::3]:
         path = tmp_path / name.split("/")[-1]
         path.write_bytes(client.get_object(Bucket=bucket, Key=name)["Body"].read())
         local.append(path)
@@ -214,7 +217,7 @@ def test_refuses_non_empty_destination_and_overwrites_on_request(image_folder, t
     with pytest.raises(DestinationError, match="not empty"):
         pack(str(root), str(other))
     result = pack(str(root), str(dest), max_count=100, overwrite=True)
-    assert sorted(p.name for p in dest.iterdir()) == ["index.json", "shard-000000.tar", "shard-000000.tar.idx"]
+    assert sorted(p.name for p in dest.iterdir()) == ["index.json", "shard-000000.tar", "shard-000000.tar.idx", "shard-000000.tar.members"]
     assert result.shards == 1
     assert main(["pack", str(root), str(dest), "--no-progress"]) == 1
 

@@ -231,7 +231,7 @@ def test_dask_packs_a_table_like_one_process(tmp_path):
     ):
         assert main(["pack", str(tmp_path / "t.parquet"), str(tmp_path / "dask"), "--dask", cluster.scheduler_address, *common]) == 0
     names = sorted(n for n in os.listdir(tmp_path / "one") if n != "index.json")
-    assert len(names) == 8  # 4 shards and their sidecars
+    assert len(names) == 12  # 4 shards and their offset and member sidecars
     assert sorted(n for n in os.listdir(tmp_path / "dask") if n != "index.json") == names
     for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "dask" / name).read_bytes()

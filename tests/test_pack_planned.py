@@ -139,7 +139,7 @@ def test_a_file_that_changed_size_since_its_stat_is_a_bad_sample(tmp_path):
     assert os.listdir(out) == []  # no shard, no partial file
     done = write_local_shard(LocalShardTask(str(out), "shard-000000.tar", items, sizes, on_error="skip"))
     assert [position for position, _, _ in done.skipped] == [7] and done.samples == 9
-    assert sorted(os.listdir(out)) == ["shard-000000.tar", "shard-000000.tar.idx"]
+    assert sorted(os.listdir(out)) == ["shard-000000.tar", "shard-000000.tar.idx", "shard-000000.tar.members"]
 
 
 def test_a_worker_writes_a_shard_importing_nothing_heavy(tmp_path):

@@ -15,6 +15,7 @@ from conftest import make_samples, write_dataset
 from faultproxy import FaultProxy
 
 from shardstream import Read, ShardStream, Store, World, make_loader
+from shardstream.format.members import MEMBER_CACHE
 from shardstream.format.offsets import OFFSET_CACHE
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.readahead import SENT_AHEAD, Prefetcher
@@ -63,6 +64,7 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, s3_client):
     bucket, options, _ = s3
     url = write_dataset(f"s3://{bucket}/part", 80, max_count=20, size=6000, storage_options=options)
     OFFSET_CACHE.clear()
+    MEMBER_CACHE.clear()
     with FaultProxy(options["endpoint_url"]) as proxy:
         # 3 ranks of 5 batches of 5: rank 0 reads shard 0 whole and samples [0, 5) of shard 1
         ds = ShardStream(
@@ -74,9 +76,11 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, s3_client):
         )
         assert sum(len(b["__key__"]) for b in ds) == 25
         gets = _shard_gets(proxy, bucket)
-    offsets = ds.manifest.offsets(1)
+    offsets = ds.manifest.member_table(1).offsets  # (read for the range, cached: no request here)
     assert gets[("part/shard-000001.tar", f"bytes={int(offsets[0])}-{int(offsets[5]) - 1}")] == 1
-    assert sum(n for (key, _), n in gets.items() if key == "part/shard-000001.tar.idx") == 1
+    # the shard's member sidecar (pack's) holds its offsets: read in place of the offset sidecar
+    assert sum(n for (key, _), n in gets.items() if key == "part/shard-000001.tar.members") == 1
+    assert not [key for key, _ in gets if key.endswith(".idx")] and ds.stats()["ranges_sliced"] == 1
     assert sum(n for (key, _), n in gets.items() if key.endswith(".tar")) == 2
     assert ds.stats()["requests"] == 2
 
@@ -513,13 +517,14 @@ def test_a_mix_read_from_s3_makes_the_gets_its_plan_counts(s3, world, workers):
         proxy.log.clear()
         for rank in range(world):
             OFFSET_CACHE.clear()  # every rank is a process of its own
+            MEMBER_CACHE.clear()
             ds = stream(rank)
             batches = list(make_loader(ds, num_workers=workers, workers="processes", pin_memory=False, log_interval=None) if workers else ds)
             assert len(batches) == len(ds)
         gets = _shard_gets(proxy, bucket)
     count = count_mix_requests(plan, ds.sources.manifests)
     assert count.ranges == sum(n for (key, _), n in gets.items() if key.endswith(".tar"))
-    assert count.sidecars == sum(n for (key, _), n in gets.items() if key.endswith(".tar.idx")) > 0
+    assert count.sidecars == sum(n for (key, _), n in gets.items() if key.endswith((".tar.idx", ".tar.members"))) > 0
     per_prefix: Counter = Counter()
     for (key, _), n in gets.items():
         if ".tar" in key:

@@ -15,7 +15,7 @@ from multiprocessing import get_context
 import distributed
 import numpy as np
 import pytest
-from conftest import make_samples, write_image_folder
+from conftest import drop_member_sidecars, make_samples, write_image_folder
 from packfns import make_pair  # importable by pack's spawned workers without this module's imports
 
 from shardstream import ShardStream, ShardWriter, Shuffle, World
@@ -89,10 +89,12 @@ def to_version_1(root):
 
 # -- manifest version 2 ---------------------------------------------------------------------------
 def _two_shards(url: str, options: dict) -> Manifest:
-    """20 samples in two shards (each with its offset sidecar) under ``url``; their manifest."""
+    """20 samples in two shards (each with its offset sidecar, and no member sidecar: what these
+    tests read is the offset sidecar) under ``url``; their manifest."""
     with ShardWriter(url, max_count=10, storage_options=options) as w:
         for s in make_samples(20):
             w.write(s)
+    drop_member_sidecars(url, options)
     return load_manifest(url, storage_options=options)
 
 
@@ -187,6 +189,7 @@ def test_manifest_grows_with_shards_and_sidecars_hold_the_offsets(tmp_path):
 
 def test_whole_shard_ranges_read_no_sidecar_and_partial_ones_one_each(tmp_path):
     root = write(tmp_path / "d", n=60, max_count=10)
+    drop_member_sidecars(root)  # (with them, the member sidecar holds the offsets: test_pack_members.py)
     OFFSET_CACHE.clear()
     before = OFFSET_CACHE.fetches
     ds = ShardStream(root, batch_size=10, shuffle=False, world=World(0, 1))
@@ -328,7 +331,7 @@ def test_verify_checks_sidecars(tmp_path, damage, message):
 def test_index_writes_sidecars_for_shards_outside_the_manifest_dir(tmp_path):
     src = write(tmp_path / "src", n=30, max_count=10)
     for name in os.listdir(src):
-        if name.endswith(".idx") or name == "index.json":
+        if name.endswith((".idx", ".members")) or name == "index.json":  # shards as others write them
             os.unlink(os.path.join(src, name))
     assert main(["index", f"{src}/shard-{{000000..000002}}.tar", str(tmp_path / "meta")]) == 0
     # an offset sidecar and a member sidecar (format/members.py) per shard

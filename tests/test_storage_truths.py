@@ -54,7 +54,7 @@ def test_a_sidecar_offset_of_2_64_minus_512_is_refused_naming_sidecar_and_offset
 
 
 def test_a_hostile_sidecar_is_a_manifest_error_on_local_disk(tmp_path):
-    root = write_dataset(tmp_path / "d", max_count=10)
+    root = write_dataset(tmp_path / "d", max_count=10, member_sidecars=False)
     sidecar = tmp_path / "d" / "shard-000000.tar.idx"
     sidecar.write_bytes(hostile_sidecar(sidecar.read_bytes()))
     # 12 ranks x 5 samples: rank 0 reads samples 0-4 of shard 0, from the sidecar's first offset
@@ -65,7 +65,7 @@ def test_a_hostile_sidecar_is_a_manifest_error_on_local_disk(tmp_path):
 @pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
 def test_a_hostile_sidecar_is_a_manifest_error_on_s3(s3, s3_client):
     bucket, options, client = s3
-    url = write_dataset(f"s3://{bucket}/d", max_count=10, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/d", max_count=10, storage_options=options, member_sidecars=False)
     key = "d/shard-000000.tar.idx"
     data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     client.put_object(Bucket=bucket, Key=key, Body=hostile_sidecar(data))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from conftest import write_dataset
+from conftest import drop_member_sidecars, write_dataset
 from PIL import Image
 
 from shardstream import Decode, ShardStream, Shuffle, World, make_loader, to_device
@@ -187,6 +187,10 @@ def test_manifests_that_lie(tmp_path, dataset_root):
     lying["shards"]["samples"][0] -= 1
     lying["total_samples"] -= 1
     path.write_text(json.dumps(lying))
+    # the shard's member sidecar (what pack writes) says otherwise: loading it finds the lie
+    with pytest.raises(ManifestError, match=r"member sidecar .* describes a shard of 23 samples and \d+ bytes .*the manifest one of 22"):
+        list(ShardStream(dataset_root, batch_size=1, shuffle=False, world=World(0, 1)))
+    drop_member_sidecars(dataset_root)  # without it, the parser counts the samples the shard holds
     with pytest.raises(ShardFormatError, match="manifest lists 22 samples"):
         list(ShardStream(dataset_root, batch_size=1, shuffle=False, world=World(0, 1)))
     cases = [

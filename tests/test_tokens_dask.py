@@ -42,7 +42,7 @@ def test_dask_packs_the_same_bytes_as_one_process(tmp_path, corpus, cluster):  #
     assert main(["pack", src, str(tmp_path / "one"), *common, "--workers", "1"]) == 0
     assert main(["pack", src, str(tmp_path / "dask"), *common, "--dask", c.scheduler_address]) == 0
     one, dask = files_of(tmp_path / "one"), files_of(tmp_path / "dask")
-    assert len(one) == 2 * 8 + 1  # 8 shards, their sidecars, index.json
+    assert len(one) == 3 * 8 + 1  # 8 shards, their offset and member sidecars, index.json
     manifests = [json.loads(files.pop("index.json")) for files in (one, dask)]
     assert dask == one  # the shards and their sidecars, byte for byte
     for m in manifests:

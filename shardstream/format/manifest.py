@@ -29,7 +29,7 @@ import numpy as np
 from shardstream.errors import BucketNotFound, ConfigError, ManifestError, StorageError, StorageNotFound, restated
 from shardstream.format.compression import SUFFIXES as COMPRESSED_SUFFIXES
 from shardstream.format.compression import UNKNOWN_END, shard_compression
-from shardstream.format.members import MEMBER_CACHE, MemberTable, decode_members, members_path
+from shardstream.format.members import MEMBER_CACHE, REBUILD, MemberTable, decode_members, members_path
 from shardstream.format.offsets import OFFSET_CACHE, SUFFIX, decode_offsets, encode_offsets, sidecar_size
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -57,6 +57,7 @@ class ShardInfo:
     span: tuple[int, int] | None = None  # (first sample's header, end of the last sample's data)
     tokens: int | None = None  # a token corpus's shard: the tokens its documents hold (format/tokens.py)
     members: builtins.bytes | None = None  # a just-scanned shard's member sidecar (format/members.py), before it is written
+    member_bytes: int | None = None  # the size of its member sidecar, written already (by pack), or None
 
 
 def default_sidecar(path: str) -> str:
@@ -86,6 +87,7 @@ class ShardTable(Sequence[ShardInfo]):
             index=m.sidecar_path(i),
             span=(int(m.spans[i, 0]), int(m.spans[i, 1])),
             tokens=int(m.tokens[i]) if m.tokens is not None else None,
+            member_bytes=int(m.member_bytes[i]) if m.member_bytes[i] >= 0 else None,
         )
 
     def __iter__(self) -> Iterator[ShardInfo]:
@@ -183,6 +185,8 @@ class Manifest:
             if s.members is not None:
                 self._inline_members[i] = s.members
                 self.member_bytes[i] = len(s.members)
+            elif s.member_bytes is not None:
+                self.member_bytes[i] = s.member_bytes
 
     def _set_arrays(
         self,
@@ -288,7 +292,10 @@ class Manifest:
                 try:
                     data = read_head(url, expected + 1, options, config=config, counters=counters)  # one GET; one byte more shows a longer file
                 except StorageError as exc:
-                    raise restated(exc, f"{url}: cannot read the member sidecar of {shard} ({exc}); re-run `shardstream index`") from exc
+                    raise restated(
+                        exc,
+                        f"{url}: cannot read the member sidecar of {shard} ({exc}); {REBUILD}",
+                    ) from exc
             return decode_members(data, url, shard, samples, size, sha, expected)
 
         return MEMBER_CACHE.get(f"{url}#{sha or size}#{expected}", load)

@@ -7,6 +7,8 @@ and all) to find where each field's data starts, checks that those bytes are the
 and records it. A shard where anything is unusual (a sparse member, a directory or metadata
 member inside a sample, a member of ``LARGE_MEMBER`` bytes or more) gets no member sidecar and is
 read by the parser as before: the sidecar only ever says what the parser itself found.
+``pack`` writes the same sidecar for the shards it writes (``sidecar.MemberLog``: it knows each
+member's header and data start as it writes them), with no parsing.
 
 Layout (``SHARD.members`` beside the offset sidecar; all little-endian):
 
@@ -32,7 +34,6 @@ ShardFormatError naming the shard and the byte, before any of that block's sampl
 from __future__ import annotations
 
 import hashlib
-import struct
 import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
@@ -53,15 +54,15 @@ from shardstream.format.tar import (
     _pax_int,
     _sparse_pax,
 )
+from shardstream.sidecar import MEMBERS_HEADER, MEMBERS_MAGIC, MEMBERS_SUFFIX, WEIGHTS, encode_member_table
 
-MAGIC = b"SSMEMB\x00\x01"
-HEADER = struct.Struct("<8sQQQII32s")
+MAGIC, HEADER, MEMBERS_SUFFIX = MEMBERS_MAGIC, MEMBERS_HEADER, MEMBERS_SUFFIX
 DIGEST = 32
-MEMBERS_SUFFIX = ".members"
-# A header's fingerprint: its 64 words times these odd constants, summed modulo 2**64. Any change
-# to one word changes it; the indexed header was checked (checksum, name) by the parser.
-_WEIGHTS = ((np.arange(1, 65, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)).astype(np.uint64)
+# A header's fingerprint (``sidecar.WEIGHTS``): its 64 words times odd constants, summed modulo
+# 2**64. Any change to one word changes it; the indexed header was checked (checksum, name) by the parser.
+_WEIGHTS = np.array(WEIGHTS, dtype=np.uint64)
 _FLUSH = 4096  # headers fingerprinted at once while indexing
+REBUILD = "re-pack the dataset; for shards written elsewhere, re-run `shardstream index`"  # what a sidecar or shard that do not match needs
 
 
 def fingerprints(rows: np.ndarray) -> np.ndarray:
@@ -103,31 +104,11 @@ class MemberTable:
         self.nbytes = offsets.nbytes + firsts.nbytes + starts.nbytes + sizes.nbytes + fps.nbytes + 64 * (len(keys) + len(self.exts))
 
 
-def encode_members(offsets, firsts, starts, sizes, fps, ext_ids, names: list[str], keys: list[str], size: int, sha256: str | None) -> bytes:
-    ext_blob = "\0".join(names).encode("utf-8")
-    key_blob = "\0".join(keys).encode("utf-8")
-    sha = bytes.fromhex(sha256) if sha256 else bytes(32)
-    body = b"".join(
-        (
-            HEADER.pack(MAGIC, size, len(keys), len(starts), len(ext_blob), len(key_blob), sha),
-            np.asarray(offsets, "<u8").tobytes(),
-            np.asarray(firsts, "<u8").tobytes(),
-            np.asarray(starts, "<u8").tobytes(),
-            np.asarray(fps, "<u8").tobytes(),
-            np.asarray(sizes, "<u4").tobytes(),
-            np.asarray(ext_ids, "<u2").tobytes(),
-            ext_blob,
-            key_blob,
-        )
-    )
-    return body + hashlib.sha256(body).digest()
-
-
 def decode_members(data: bytes, url: str, shard: str, samples: int, size: int, sha256: str | None, expected_bytes: int) -> MemberTable:
     """Parse and check a member sidecar ``url`` of shard ``shard``; ManifestError naming both."""
 
     def bad(what: str) -> ManifestError:
-        return ManifestError(f"{shard}: its member sidecar {url} {what}; re-run `shardstream index` to rebuild it")
+        return ManifestError(f"{shard}: its member sidecar {url} {what}; {REBUILD}")
 
     if len(data) != expected_bytes:
         return _raise(bad(f"is {len(data)} bytes, the manifest says {expected_bytes} (truncated or overwritten)"))
@@ -296,7 +277,7 @@ class MemberRecorder:
         self._flush()
         names = [name for name, _ in sorted(self._names.items(), key=lambda kv: kv[1])]
         fps = np.concatenate(self._fps) if self._fps else np.zeros(0, np.uint64)
-        return encode_members(offsets, self._firsts, self._starts, self._sizes, fps, self._ext_ids, names, self._keys, size, sha256)
+        return encode_member_table(offsets, self._firsts, self._starts, self._sizes, fps.tolist(), self._ext_ids, names, self._keys, size, sha256)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -355,23 +336,19 @@ def iter_member_dicts(
             while got < total:
                 n = readinto(into[got:total])  # type: ignore[misc]
                 if not n:
-                    raise ShardFormatError(
-                        url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard, or changed since it was indexed)"
-                    )
+                    raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
                 got += n
                 fetched += n
             buf, filled = arena, total
         else:
             parts: list[Any] = [memoryview(buf)[filled - keep : filled]] if keep else []
-            missing = want
-            while missing > 0:
-                chunk = read(missing)
+            got = 0
+            while got < need:  # up to ``want``, but on once sample s is whole: a first read may be small (``_FirstReadsSmall``)
+                chunk = read(want - got)
                 if not chunk:
-                    raise ShardFormatError(
-                        url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard, or changed since it was indexed)"
-                    )
+                    raise ShardFormatError(url, fetched, f"stream ended at byte {fetched}, expected {end} (truncated shard)")
                 fetched += len(chunk)
-                missing -= len(chunk)
+                got += len(chunk)
                 parts.append(chunk)
             buf = parts[0] if len(parts) == 1 and type(parts[0]) in (bytes, bytearray) else b"".join(parts)
             filled = len(buf)
@@ -391,8 +368,8 @@ def iter_member_dicts(
                 raise ShardFormatError(
                     url,
                     bufbase + int(at[bad]) * BLOCK,
-                    "this member's header is not the one `shardstream index` recorded: the shard changed since it "
-                    "was indexed; re-run `shardstream index`",
+                    "this member's header is not the one its member sidecar records (a corrupt shard, or one changed "
+                    f"since it was packed or indexed); {REBUILD}",
                 )
             a_list = rel.tolist()
             b_list = (rel + table.sizes[m0:m1]).tolist()

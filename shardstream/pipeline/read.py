@@ -48,6 +48,11 @@ FIRST_READ = 256 << 10
 LOCAL_READ = 512 << 10
 
 
+def _is_local(url: str) -> bool:
+    """A path or ``file://`` URL: read with no request."""
+    return "://" not in url or url.startswith("file://")
+
+
 def open_range(
     url: str,
     start: int,
@@ -67,7 +72,7 @@ def open_range(
     compression = shard_compression(url)
     if not compression:
         return open_object_range(url, start, end, storage_options, counters, config=config, cache=cache, shard_size=shard_size, sha256=sha256)
-    if shard_size is None and "://" in url and not url.startswith("file://"):
+    if shard_size is None and not _is_local(url):
         raise ValueError(f"{url}: reading a compressed remote shard needs its size (shard_size)")
     raw_read, close = open_object_range(
         url,
@@ -203,9 +208,14 @@ def read_range(
         skip_exactly(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
-    # A shard indexed with a member sidecar is sliced at its members' offsets, not parsed (every
-    # member's header still checked against its fingerprint); verify parses every header as well.
-    table = None if verify else manifest.member_table(rng.shard, storage_options, config=config, counters=counters)
+    whole = rng.start == 0 and rng.stop == shard.samples
+    # A shard with a member sidecar (pack's, or ``shardstream index``'s) is sliced at its members'
+    # offsets, not parsed (every member's header still checked against its fingerprint), where the
+    # sidecar costs no request of its own: a local one, or a range inside the shard (whose offsets
+    # it holds: read in place of the offset sidecar). A whole remote shard stays one GET, parsed.
+    # Verify parses every header as well.
+    sliced = not verify and (not whole or _is_local(manifest.members_url(rng.shard)))
+    table = manifest.member_table(rng.shard, storage_options, config=config, counters=counters) if sliced else None
     if table is not None:
         if counters is not None:
             counters.add("ranges_sliced")

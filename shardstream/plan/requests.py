@@ -66,13 +66,13 @@ class RequestCount:
     """The requests of one epoch over all ranks (``count_requests``; a mix's, ``count_mix_requests``)."""
 
     ranges: int  # GETs of shard bytes: one per planned range
-    sidecars: int  # GETs of offset sidecars, at most
+    sidecars: int  # GETs of sidecars (offset or member sidecars), at most
     bytes: int  # bytes the epoch reads, about (a mix: all its sources', a local one's too)
     world_size: int
     by_prefix: tuple[tuple[str, int], ...]  # (prefix, GETs), the busiest first
     parts: tuple[tuple[str, RequestCount], ...] = ()  # a mix: each source's count, by name
     local: bool = False  # a source on local disk: its bytes take reading time, it makes no requests
-    side: str = "offset sidecars"  # what ``sidecars`` counts: a table's are its files' footers (format/parquet.py)
+    side: str = "sidecars"  # what ``sidecars`` counts: a table's are its files' footers (format/parquet.py)
 
     @property
     def gets(self) -> int:
@@ -93,7 +93,7 @@ class RequestCount:
         for _, part in parts:
             for name, gets in part.by_prefix:
                 by_prefix[name] = by_prefix.get(name, 0) + gets
-        sides = sorted({p.side for _, p in parts if not p.local})  # a table's are footers, a tar dataset's offset sidecars
+        sides = sorted({p.side for _, p in parts if not p.local})  # a table's are footers, a tar dataset's offset or member sidecars
         return cls(
             ranges=sum(p.ranges for _, p in parts),
             sidecars=sum(p.sidecars for _, p in parts),
@@ -101,7 +101,7 @@ class RequestCount:
             world_size=max((p.world_size for _, p in parts), default=1),
             by_prefix=_ranked(by_prefix.items()),
             parts=tuple(parts),
-            side=" and ".join(sides) if sides else "offset sidecars",
+            side=" and ".join(sides) if sides else "sidecars",
         )
 
     def seconds(self, rate: float = DEFAULT_RATE) -> float:

@@ -97,6 +97,7 @@ def merge_datasets(
                     offsets=offsets,
                     index=_relative(part.sidecar_url(i), base),
                     span=(int(part.spans[i, 0]), int(part.spans[i, 1])),
+                    member_bytes=int(part.member_bytes[i]) if part.member_bytes[i] >= 0 else None,  # (beside the sidecar: ``members_path``)
                 )
             )
     manifest = Manifest(shards=shards, extensions=extensions, label_map=label_map, label_counts=label_counts, skipped=skipped)

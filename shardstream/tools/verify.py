@@ -12,6 +12,7 @@ from typing import Any
 
 from shardstream.errors import SampleError, ShardstreamError, StorageError, StorageNotFound
 from shardstream.format.manifest import Manifest
+from shardstream.format.members import REBUILD
 from shardstream.format.scan import scan_stream
 from shardstream.pipeline.decode import Decoder, default_decoders
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -74,7 +75,8 @@ def verify_shard(
         problems.append(Problem(url, f"holds {scan.samples} samples, the manifest says {info.samples}"))
     else:
         problems += _check_offsets(manifest, index, scan.offsets, storage_options)
-        if members and not problems:
+        changed = bool(info.sha256) and scan.sha256 != info.sha256  # (the member sidecar names the sha256: it would differ too)
+        if members and not problems and not changed:
             problems += _check_members(manifest, index, scan.members, storage_options, config)
     if info.sha256 and scan.sha256 != info.sha256:
         problems.append(Problem(url, f"sha256 is {scan.sha256}, the manifest says {info.sha256}"))
@@ -108,9 +110,19 @@ def _check_members(manifest: Manifest, index: int, found: bytes | None, storage_
     except ShardstreamError as exc:
         return [Problem(url, str(exc))]
     if found is None:
-        return [Problem(url, f"has a member sidecar {side}, but a scan finds the shard is not one to slice; re-run `shardstream index`")]
+        return [
+            Problem(
+                url,
+                f"has a member sidecar {side}, but a scan finds the shard is not one to slice; {REBUILD}",
+            )
+        ]
     if stored != found:
-        return [Problem(url, f"the member sidecar {side} is not what a scan of the shard records; re-run `shardstream index`")]
+        return [
+            Problem(
+                url,
+                f"the member sidecar {side} is not what a scan of the shard records; {REBUILD}",
+            )
+        ]
     return []
 
 

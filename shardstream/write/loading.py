@@ -1,7 +1,7 @@
 """What a pack worker runs: load listed items and encode each sample as its tar members.
 
 ``run_task(task)`` writes a whole shard of a local tree (``write/localshards.py``) or loads a
-batch: ``load_encoded(items)`` gives ``(True, key, (members, extensions, cls))`` or ``(False, where,
+batch: ``load_encoded(items)`` gives ``(True, key, (members, extensions, cls, layout))`` or ``(False, where,
 what)`` per item, in order; it runs where the loading runs (a worker of ``write/procs.py``, or the
 one process), so the process that writes the shards only writes.
 
@@ -56,12 +56,13 @@ def _loaded(items: Sequence[Any]):
 
 def load_encoded(items: Sequence[Any]) -> list[tuple[bool, str, Any]]:
     """``items`` loaded, each sample encoded as its tar members: ``(True, key, (members,
-    extensions, cls))`` or ``(False, where, what)``."""
+    extensions, cls, layout))`` (``ShardWriter.write_members``' arguments) or ``(False, where, what)``."""
     out: list[tuple[bool, str, Any]] = []
     for ok, a, b in _loaded(items):
         if ok:
-            pieces, _ = encode_members(a, b)
-            b = (b"".join(pieces), sorted(b), b.get("cls"))
+            layout: list[tuple[str, int, int, int]] = []
+            pieces, _ = encode_members(a, b, layout)
+            b = (b"".join(pieces), sorted(b), b.get("cls"), layout)
         out.append((ok, a, b))
     return out
 

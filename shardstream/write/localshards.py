@@ -20,7 +20,7 @@ A file whose size changed between the stat and the read so that its sample's tar
 planned one is a bad sample (``on_error``), named (a change within its last tar block leaves the
 plan true, and is packed as read).
 Each shard goes to a ``.partial-`` file beside its final name and is renamed into place when
-whole, its sidecar after it; a failure unlinks the partial file. A shard whose every sample
+whole, its sidecars after it (offsets, then members: ``sidecar.MemberLog``); a failure unlinks the partial file. A shard whose every sample
 failed (``on_error="skip"``) is written empty, a valid tar: the names stay the plan's. Imports no more than the lean
 loader (``write/loading.py``): os, hashlib and the ustar and sidecar writers.
 """
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from shardstream.errors import SourceError
+from shardstream.sidecar import MEMBERS_SUFFIX, MemberLog, encode_offsets
 from shardstream.sidecar import SUFFIX as SIDECAR_SUFFIX
-from shardstream.sidecar import encode_offsets
 from shardstream.ustar import BLOCK, END_OF_ARCHIVE, header_size
 from shardstream.write.localfiles import load_local
 from shardstream.write.members import encode_members
@@ -123,6 +123,7 @@ class LocalShardDone:
     sha256: str
     sidecar: str
     span: tuple[int, int]
+    member_bytes: int | None = None  # its member sidecar's size (beside the offset sidecar), None for none
     extensions: dict[str, int] = field(default_factory=dict)
     label_counts: dict[int, int] = field(default_factory=dict)
     keys: list[str] = field(default_factory=list)
@@ -141,15 +142,17 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
     done = LocalShardDone(task.name, 0, 0, "", task.name + SIDECAR_SUFFIX, (0, 0))
     digest = hashlib.sha256()
     offsets: list[int] = []
+    members = MemberLog()
     pending: list[bytes] = []
     pending_bytes = size = 0
     try:
         with open(tmp, "wb") as f:
             for position, (item, planned) in enumerate(zip(task.items, task.sizes)):
                 where, payload = item
+                layout: list[tuple[str, int, int, int]] = []
                 try:
                     key, fields = load_local(where, payload)
-                    pieces, n = encode_members(key, fields)
+                    pieces, n = encode_members(key, fields, layout)
                     if n != planned:
                         raise SourceError(where, "a file of this sample changed size while it was being packed")
                 except SourceError as exc:
@@ -157,6 +160,7 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
                         raise
                     done.skipped.append((position, exc.where, exc.what))
                     continue
+                members.add(size, key, layout)
                 offsets.append(size)
                 pending += pieces
                 pending_bytes += n
@@ -185,6 +189,10 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
     done.samples = len(done.keys)
     done.bytes = size
     done.sha256 = digest.hexdigest()
+    table = members.encoded(offsets, size, done.sha256)
+    if table is not None:
+        _write_atomic(os.path.join(task.root, task.name + MEMBERS_SUFFIX), table)
+        done.member_bytes = len(table)
     done.span = (offsets[0], offsets[-1])
     return done
 

@@ -479,7 +479,7 @@ def _write_planned(
                 at = position + 1
             if at < len(done.keys) + len(done.skipped):
                 policy.ok()
-            info = ShardInfo(done.name, done.samples, done.bytes, done.sha256, index=done.sidecar, span=done.span)
+            info = ShardInfo(done.name, done.samples, done.bytes, done.sha256, index=done.sidecar, span=done.span, member_bytes=done.member_bytes)
             writer.add_shard(info, done.extensions, done.label_counts)
             if progress is not None:
                 progress(writer.samples_written, writer.bytes_written)

@@ -6,7 +6,7 @@ The driver lists the source once and cuts the list into shards before anything i
 input of ``pack(fn, inputs)``). A task is "write shard i from these units": small (paths, line
 ranges, inputs; never sample bytes), deterministic (the same units give the same bytes on any
 machine), and idempotent: the shard is built in a temporary file and published under its final
-name in one atomic step (rename, or one S3 PUT), then its offset sidecar, so an engine that retries
+name in one atomic step (rename, or one S3 PUT), then its offset and member sidecars, so an engine that retries
 a failed or lost task rewrites the same bytes under the same names and never leaves two versions.
 The driver adopts the results in shard order and writes the manifest last.
 
@@ -34,6 +34,7 @@ from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE
 from shardstream.format.tokens import FIELD as TOKENS_FIELD
 from shardstream.format.tokens import npy_header_size
+from shardstream.sidecar import MEMBERS_SUFFIX, MemberLog
 from shardstream.storage import fs as storage
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
 from shardstream.write.encode import check_key, encode_sample
@@ -114,6 +115,7 @@ def write_shard(task: ShardTask) -> ShardResult:
         os.close(fd)
     digest = hashlib.sha256()
     offsets: list[int] = []
+    members = MemberLog()
     extensions: dict[str, int] = {}
     labels: dict[int, int] = {}
     keys: list[str] = []
@@ -137,7 +139,9 @@ def write_shard(task: ShardTask) -> ShardResult:
                     skipped.append((f"key {key!r}", "duplicate key: two samples would share one key"))
                     continue
                 seen.add(key)
-                pieces, n = encode_members(key, fields)
+                layout: list[tuple[str, int, int, int]] = []
+                pieces, n = encode_members(key, fields, layout)
+                members.add(size, key, layout)
                 offsets.append(size)
                 block = b"".join(pieces)
                 digest.update(block)
@@ -166,8 +170,19 @@ def write_shard(task: ShardTask) -> ShardResult:
             os.unlink(tmp)
     sidecar = task.name + SIDECAR_SUFFIX
     storage.write_bytes_atomic(fs, storage.join(root, sidecar), encode_offsets(offsets))
+    sha256 = digest.hexdigest()
+    table = members.encoded(offsets, size, sha256)
+    if table is not None:
+        storage.write_bytes_atomic(fs, storage.join(root, task.name + MEMBERS_SUFFIX), table)
     info = ShardInfo(
-        task.name, len(keys), size, digest.hexdigest(), index=sidecar, span=(offsets[0], offsets[-1]), tokens=tokens if task.token_itemsize else None
+        task.name,
+        len(keys),
+        size,
+        sha256,
+        index=sidecar,
+        span=(offsets[0], offsets[-1]),
+        tokens=tokens if task.token_itemsize else None,
+        member_bytes=len(table) if table is not None else None,
     )
     return ShardResult(info, extensions, labels, keys, skipped)
 

@@ -37,6 +37,7 @@ from shardstream.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, chec
 from shardstream.format.offsets import SUFFIX as SIDECAR_SUFFIX
 from shardstream.format.offsets import encode_offsets
 from shardstream.format.tar import END_OF_ARCHIVE
+from shardstream.sidecar import MEMBERS_SUFFIX, MemberLog
 from shardstream.storage import fs as storage
 from shardstream.storage.classify import release_frames
 from shardstream.storage.config import DEFAULT_STORAGE, StorageConfig
@@ -167,7 +168,7 @@ class ShardWriter:
         self.config = config
         self.fs, self.root = storage.get_fs(self.dest, storage_options, config)
         self._local = storage.is_local(self.fs)
-        self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar(" + re.escape(SIDECAR_SUFFIX) + ")?")
+        self._shard_re = re.compile(re.escape(prefix) + r"-\d{6}\.tar(" + re.escape(SIDECAR_SUFFIX) + "|" + re.escape(MEMBERS_SUFFIX) + ")?")
         self._created = False  # set by _prepare_destination: the destination did not exist (no object under it)
         self._stale = self._prepare_destination(overwrite)
         self._mark_in_progress()
@@ -294,16 +295,34 @@ class ShardWriter:
     def write_encoded(self, key: str, fields: Mapping[str, bytes], tokens: int = 0) -> None:
         """Append a sample whose fields are already bytes (``tokens``: a token corpus's document's
         tokens, counted in its shard's manifest entry)."""
-        pieces, size = encode_members(key, fields)
-        self._append(key, pieces, size, fields, fields.get("cls"), tokens)
+        layout: list[tuple[str, int, int, int]] = []
+        pieces, size = encode_members(key, fields, layout)
+        self._append(key, pieces, size, fields, fields.get("cls"), tokens, layout)
 
-    def write_members(self, key: str, members: bytes, extensions: Sequence[str], cls: bytes | None = None) -> None:
+    def write_members(
+        self,
+        key: str,
+        members: bytes,
+        extensions: Sequence[str],
+        cls: bytes | None = None,
+        layout: Sequence[tuple[str, int, int, int]] | None = None,
+    ) -> None:
         """Append a sample already encoded as its tar members (``encode_members``' pieces, joined),
-        with its fields' extensions and its ``cls`` field's bytes: what pack's workers hand over,
-        so the tar headers are built there and the process that writes only writes."""
-        self._append(key, [members], len(members), extensions, cls, 0)
+        with its fields' extensions, its ``cls`` field's bytes and the members' ``layout`` (as
+        ``encode_members`` gives it; without one the shard gets no member sidecar): what pack's
+        workers hand over, so the tar headers are built there and the process that writes only writes."""
+        self._append(key, [members], len(members), extensions, cls, 0, layout)
 
-    def _append(self, key: str, pieces: list[bytes], size: int, extensions: Iterable[str], cls: bytes | None, tokens: int) -> None:
+    def _append(
+        self,
+        key: str,
+        pieces: list[bytes],
+        size: int,
+        extensions: Iterable[str],
+        cls: bytes | None,
+        tokens: int,
+        layout: Sequence[tuple[str, int, int, int]] | None,
+    ) -> None:
         if self._closed:
             raise ValueError("ShardWriter is closed")
         if self._keys is not None:
@@ -314,6 +333,7 @@ class ShardWriter:
             self._finish_shard()
         if self._file is None:
             self._start_shard()
+        self._members.add(self._size, key, layout)
         self._offsets.append(self._size)
         self._pending += pieces
         self._pending_bytes += size
@@ -392,6 +412,7 @@ class ShardWriter:
         self._name = name
         self._hash = hashlib.sha256()
         self._offsets: list[int] = []
+        self._members = MemberLog()
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._size = 0
@@ -421,15 +442,21 @@ class ShardWriter:
         # billion-sample pack keeps O(shards) here.
         sidecar = self._name + SIDECAR_SUFFIX
         storage.write_bytes_atomic(self.fs, storage.join(self.root, sidecar), encode_offsets(self._offsets))
+        sha256 = self._hash.hexdigest()
+        table = self._members.encoded(self._offsets, self._size, sha256)  # (format/members.py: read by slicing)
+        if table is not None:
+            storage.write_bytes_atomic(self.fs, storage.join(self.root, self._name + MEMBERS_SUFFIX), table)
+        self._members = MemberLog()
         self.shards.append(
             ShardInfo(
                 self._name,
                 self._count,
                 self._size,
-                self._hash.hexdigest(),
+                sha256,
                 index=sidecar,
                 span=(self._offsets[0], self._offsets[-1]),
                 tokens=self._tokens if self.token_info is not None else None,
+                member_bytes=len(table) if table is not None else None,
             )
         )
         logger.debug("published %s (%d samples, %d bytes)", dest_path, self._count, self._size)
@@ -442,7 +469,7 @@ class ShardWriter:
         if self._file is not None:
             self._finish_shard()
         self._closed = True
-        kept = {storage.join(self.root, p) for s in self.shards for p in (s.path, s.index or "")}
+        kept = {storage.join(self.root, p) for s in self.shards for p in (s.path, s.index or "", s.path + MEMBERS_SUFFIX)}
         for path in self._stale:
             if path not in kept:
                 self.fs.rm_file(path)
