@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from operator import mul
 
 MAGIC = b"SSOFFS\x00\x01"
 HEADER = struct.Struct("<8sQ")
@@ -34,13 +33,18 @@ LARGE_MEMBER = 1 << 20  # ``format.tar.LARGE_MEMBER``: a shard holding a member 
 MASK = (1 << 64) - 1
 # A header's fingerprint: its 64 little-endian words times these odd constants, summed modulo 2**64.
 WEIGHTS = tuple(((i * 0x9E3779B97F4A7C15) & MASK) | 1 for i in range(1, 65))
-_WORDS = struct.Struct("<64Q")
 
 
-def header_fingerprint(block: bytes) -> int:
-    """The fingerprint of one 512-byte header (``format.members.fingerprints`` computes the same
-    for many at once, with numpy)."""
-    return sum(map(mul, WEIGHTS, _WORDS.unpack(block))) & MASK
+def block_fingerprints(block: bytes, headers: Sequence[int]) -> list[int]:
+    """The fingerprints of the 512-byte headers at byte positions ``headers`` of ``block`` (a
+    whole number of 512-byte blocks), as ``format.members.fingerprints`` computes them. numpy is
+    imported here, on first use: a pack worker forked from the main process has it already, a
+    spawned one imports it once, at its first shard's first block."""
+    import numpy as np
+
+    rows = np.frombuffer(block, dtype="<u8", count=len(block) // 8).reshape(-1, 64)
+    at = np.asarray(headers, dtype=np.int64) >> 9
+    return np.matmul(rows.take(at, axis=0), np.array(WEIGHTS, dtype=np.uint64)).tolist()
 
 
 def encode_member_table(
@@ -79,43 +83,56 @@ def encode_member_table(
 
 
 class MemberLog:
-    """A shard's members as its writer appends them, for its member sidecar: ``add(offset, key,
-    layout)`` per sample (``layout``: ``(extension, data start within the sample, size,
-    header fingerprint)`` per member, in member order; None where the writer cannot say), then
-    ``encoded(offsets, size, sha256)``. A shard with a sample of unknown layout or a member of
-    ``LARGE_MEMBER`` bytes or more gets no sidecar (None): its reader parses it."""
+    """A shard's members as its writer appends them, for its member sidecar.
 
-    __slots__ = ("firsts", "starts", "sizes", "fps", "ext_ids", "names", "keys", "sliceable")
+    ``write.members.encode_members(key, fields, log, at)`` appends each member's data start, size
+    and extension as it builds the headers (``extend`` does for members encoded elsewhere); the
+    writer then ``keep``s the sample (``key``) or ``drop``s what it appended. ``flushed(block,
+    base)``, for each block the writer writes (whole samples, from shard byte ``base`` on), takes
+    the fingerprints of the headers in it, all at once; ``encoded(offsets, size, sha256)`` gives
+    the sidecar. A sample whose layout is not known (``unknown``) or a member of
+    ``LARGE_MEMBER`` bytes or more: no sidecar (None), the shard is parsed."""
+
+    __slots__ = ("firsts", "starts", "sizes", "exts", "keys", "fps", "sliceable")
 
     def __init__(self) -> None:
         self.firsts = [0]
         self.starts: list[int] = []
         self.sizes: list[int] = []
-        self.fps: list[int] = []
-        self.ext_ids: list[int] = []
-        self.names: dict[str, int] = {}
+        self.exts: list[str] = []
         self.keys: list[str] = []
+        self.fps: list[int] = []
         self.sliceable = True
 
-    def add(self, offset: int, key: str, layout: Sequence[tuple[str, int, int, int]] | None) -> None:
-        if not self.sliceable:
-            return
-        if layout is None or any(n >= LARGE_MEMBER for _, _, n, _ in layout):
-            self.sliceable = False
-            self.firsts, self.starts, self.sizes, self.fps, self.ext_ids, self.keys = [0], [], [], [], [], []
-            return
-        names = self.names
-        for ext, start, n, fp in layout:
-            self.starts.append(offset + start)
-            self.sizes.append(n)
-            self.fps.append(fp)
-            self.ext_ids.append(names[ext] if ext in names else names.setdefault(ext, len(names)))
+    def extend(self, at: int, layout: Sequence[tuple[int, int]], extensions: Sequence[str]) -> None:
+        """Members encoded elsewhere (a pack worker's): ``(data start within the sample, size)`` per
+        member, with their extensions, for the sample written at byte ``at``."""
+        self.starts += [at + start for start, _ in layout]
+        self.sizes += [n for _, n in layout]
+        self.exts += extensions
+
+    def keep(self, key: str) -> None:
         self.keys.append(key)
         self.firsts.append(len(self.starts))
 
+    def drop(self) -> None:
+        """Forget the members appended since the last ``keep`` (a sample left out)."""
+        del self.starts[self.firsts[-1] :], self.sizes[self.firsts[-1] :], self.exts[self.firsts[-1] :]
+
+    def unknown(self) -> None:
+        self.sliceable = False
+
+    def flushed(self, block: bytes, base: int) -> None:
+        done = len(self.fps)
+        if self.sliceable and len(self.starts) > done:
+            self.fps += block_fingerprints(block, [start - base - 512 for start in self.starts[done:]])
+
     def encoded(self, offsets: Sequence[int], size: int, sha256: str | None) -> bytes | None:
         """The sidecar, or None (no samples, or a shard not to slice)."""
-        if not self.sliceable or not self.keys or len(offsets) != len(self.keys) + 1:
+        if not self.sliceable or not self.keys or len(offsets) != len(self.keys) + 1 or len(self.fps) != len(self.starts):
             return None
-        names = sorted(self.names, key=self.names.__getitem__)
-        return encode_member_table(offsets, self.firsts, self.starts, self.sizes, self.fps, self.ext_ids, names, self.keys, size, sha256)
+        if self.sizes and max(self.sizes) >= LARGE_MEMBER:
+            return None
+        names: dict[str, int] = {}
+        ext_ids = [names[e] if e in names else names.setdefault(e, len(names)) for e in self.exts]
+        return encode_member_table(offsets, self.firsts, self.starts, self.sizes, self.fps, ext_ids, list(names), self.keys, size, sha256)

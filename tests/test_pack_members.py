@@ -181,9 +181,10 @@ def test_a_merge_of_packs_reads_their_member_sidecars(tmp_path):
 
 
 def test_the_lean_writer_agrees_with_the_reader_on_every_constant_and_fingerprint():
-    """pack's workers write member sidecars without numpy (``sidecar``, ``write.members``): the
-    reader's constants are the same, and every fingerprint the lean code computes (the fast one of
-    a plain ustar header, the general one of a pax member's) is the numpy one of the same header."""
+    """pack's workers write member sidecars from ``sidecar`` and ``write.members`` (no format
+    package): the reader's constants are the same, the data starts and sizes ``encode_members``
+    notes point at each field's bytes (pax headers before long and non-ASCII names too), and the
+    fingerprints ``block_fingerprints`` takes are the reader's of the same headers."""
     import random
 
     from shardstream import sidecar
@@ -193,14 +194,22 @@ def test_the_lean_writer_agrees_with_the_reader_on_every_constant_and_fingerprin
     assert (sidecar.LARGE_MEMBER, sidecar.MEMBERS_MAGIC, sidecar.MEMBERS_HEADER.format) == (tar.LARGE_MEMBER, members.MAGIC, members.HEADER.format)
     chars = "abcXYZ019_-./é"
     rnd = random.Random(7)
+    log = sidecar.MemberLog()
+    blocks, at = [], 0
     for _ in range(300):
         key = "".join(rnd.choice(chars) for _ in range(rnd.randint(1, 140)))
         fields = {"bin": bytes(rnd.randint(0, 1500)), "json": b"{}"}
-        layout: list = []
-        pieces, size = encode_members(key, fields, layout)
-        tarred = b"".join(pieces)
-        assert len(tarred) == size and [ext for ext, *_ in layout] == sorted(fields)
-        for ext, start, n, fp in layout:
-            header = np.frombuffer(tarred[start - 512 : start], dtype="<u8").reshape(1, 64)
-            assert fp == int(members.fingerprints(header)[0])
-            assert tarred[start : start + n] == fields[ext]
+        first = len(log.starts)
+        pieces, size = encode_members(key, fields, log, at)
+        log.keep(key)
+        blocks.append(b"".join(pieces))
+        assert len(blocks[-1]) == size and log.exts[first:] == sorted(fields)
+        for ext, start, n in zip(log.exts[first:], log.starts[first:], log.sizes[first:]):
+            assert blocks[-1][start - at : start - at + n] == fields[ext]
+        at += size
+    shard = b"".join(blocks)
+    log.flushed(shard, 0)
+    words = np.frombuffer(shard, dtype="<u8").reshape(-1, 64)
+    assert log.fps == members.fingerprints(words[[(s >> 9) - 1 for s in log.starts]]).tolist()
+    log.drop()  # nothing appended since the last keep: nothing dropped
+    assert len(log.starts) == len(log.fps) == log.firsts[-1] == 600

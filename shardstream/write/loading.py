@@ -9,7 +9,8 @@ A spawned worker is a new Python, and what it imports is most of what it costs (
 ``write/localshards.ListedWork``, has it all already): importing the storage layer and the
 reader (fsspec, numpy, the format package) took about 0.5 CPU-s, more than loading 20,000 small
 local files. So this module imports only ``localfiles`` and ``members``
-(os, stat and the ustar header), enough for a local tree's items; any other item (a remote
+(os, stat and the ustar header), enough for a local tree's items (a whole shard's member sidecar
+imports numpy, about 0.1 CPU-s, at its first block: ``sidecar.block_fingerprints``); any other item (a remote
 tree, JSONL, tar shards, Parquet) imports ``sources`` on first use, in that worker only.
 """
 
@@ -19,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardstream.errors import SourceError
+from shardstream.sidecar import MemberLog
 from shardstream.write.localfiles import load_local
 from shardstream.write.localshards import LocalShardTask, write_local_shard
 from shardstream.write.members import encode_members
@@ -56,13 +58,14 @@ def _loaded(items: Sequence[Any]):
 
 def load_encoded(items: Sequence[Any]) -> list[tuple[bool, str, Any]]:
     """``items`` loaded, each sample encoded as its tar members: ``(True, key, (members,
-    extensions, cls, layout))`` (``ShardWriter.write_members``' arguments) or ``(False, where, what)``."""
+    extensions, cls, layout))`` (``ShardWriter.write_members``' arguments; ``layout``: each
+    member's data start in the sample and size) or ``(False, where, what)``."""
     out: list[tuple[bool, str, Any]] = []
     for ok, a, b in _loaded(items):
         if ok:
-            layout: list[tuple[str, int, int, int]] = []
-            pieces, _ = encode_members(a, b, layout)
-            b = (b"".join(pieces), sorted(b), b.get("cls"), layout)
+            log = MemberLog()
+            pieces, _ = encode_members(a, b, log)
+            b = (b"".join(pieces), log.exts, b.get("cls"), list(zip(log.starts, log.sizes)))
         out.append((ok, a, b))
     return out
 

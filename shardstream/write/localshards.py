@@ -22,7 +22,8 @@ plan true, and is packed as read).
 Each shard goes to a ``.partial-`` file beside its final name and is renamed into place when
 whole, its sidecars after it (offsets, then members: ``sidecar.MemberLog``); a failure unlinks the partial file. A shard whose every sample
 failed (``on_error="skip"``) is written empty, a valid tar: the names stay the plan's. Imports no more than the lean
-loader (``write/loading.py``): os, hashlib and the ustar and sidecar writers.
+loader (``write/loading.py``): os, hashlib and the ustar and sidecar writers (numpy, for the
+member sidecar's fingerprints, once a block is written).
 """
 
 from __future__ import annotations
@@ -149,18 +150,18 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
         with open(tmp, "wb") as f:
             for position, (item, planned) in enumerate(zip(task.items, task.sizes)):
                 where, payload = item
-                layout: list[tuple[str, int, int, int]] = []
                 try:
                     key, fields = load_local(where, payload)
-                    pieces, n = encode_members(key, fields, layout)
+                    pieces, n = encode_members(key, fields, members, size)
                     if n != planned:
+                        members.drop()
                         raise SourceError(where, "a file of this sample changed size while it was being packed")
                 except SourceError as exc:
                     if task.on_error == "raise":
                         raise
                     done.skipped.append((position, exc.where, exc.what))
                     continue
-                members.add(size, key, layout)
+                members.keep(key)
                 offsets.append(size)
                 pending += pieces
                 pending_bytes += n
@@ -172,12 +173,14 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
                     done.label_counts[payload[3]] = done.label_counts.get(payload[3], 0) + 1
                 if pending_bytes >= _FLUSH_BYTES:
                     block = b"".join(pending)
+                    members.flushed(block, size - pending_bytes)
                     digest.update(block)
                     f.write(block)
                     pending, pending_bytes = [], 0
             offsets.append(size)
             pending.append(END_OF_ARCHIVE)
             block = b"".join(pending)
+            members.flushed(block, size - pending_bytes)
             digest.update(block)
             f.write(block)
             size += len(END_OF_ARCHIVE)

@@ -44,6 +44,7 @@ from shardstream.write.writer import encode_members
 logger = logging.getLogger(__name__)
 
 DEFAULT_IN_FLIGHT = 64  # tasks submitted ahead of the one the driver waits for
+_FLUSH_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,17 @@ def write_shard(task: ShardTask) -> ShardResult:
     skipped: list[tuple[str, str]] = []
     size = 0
     tokens = 0
+    pending: list[bytes] = []
+    pending_bytes = 0
+
+    def flush() -> None:  # whole samples, a block at a time: their headers fingerprinted at once
+        nonlocal pending, pending_bytes
+        block = b"".join(pending)
+        members.flushed(block, size - pending_bytes)
+        digest.update(block)
+        f.write(block)
+        pending, pending_bytes = [], 0
+
     try:
         with open(tmp, "wb") as f:
             for key, fields in _samples_of(task):
@@ -139,14 +151,14 @@ def write_shard(task: ShardTask) -> ShardResult:
                     skipped.append((f"key {key!r}", "duplicate key: two samples would share one key"))
                     continue
                 seen.add(key)
-                layout: list[tuple[str, int, int, int]] = []
-                pieces, n = encode_members(key, fields, layout)
-                members.add(size, key, layout)
+                pieces, n = encode_members(key, fields, members, size)
+                members.keep(key)
                 offsets.append(size)
-                block = b"".join(pieces)
-                digest.update(block)
-                f.write(block)
+                pending += pieces
+                pending_bytes += n
                 size += n
+                if pending_bytes >= _FLUSH_BYTES:
+                    flush()
                 keys.append(key)
                 if task.token_itemsize:
                     data = fields[TOKENS_FIELD]
@@ -160,9 +172,10 @@ def write_shard(task: ShardTask) -> ShardResult:
                     except ValueError:
                         pass
             offsets.append(size)
-            digest.update(END_OF_ARCHIVE)
-            f.write(END_OF_ARCHIVE)
+            pending.append(END_OF_ARCHIVE)
+            pending_bytes += len(END_OF_ARCHIVE)
             size += len(END_OF_ARCHIVE)
+            flush()
         # Atomic under the final name: a retried task replaces the same bytes, never adds a copy.
         storage.publish_file(fs, tmp, storage.join(root, task.name))
     finally:

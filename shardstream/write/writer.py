@@ -183,6 +183,7 @@ class ShardWriter:
         self._label_counts: dict[int, int] = {}
         self._keys: set[str] | None = set() if check_unique_keys else None
         self._file: BinaryIO | None = None
+        self._noted = MemberLog()  # a sample's members as ``encode_members`` notes them, before they are placed
         self._tmp_path: str | None = None
         self._closed = False
         self.manifest: Manifest | None = None  # set by close(): the one manifest of this dataset
@@ -295,9 +296,10 @@ class ShardWriter:
     def write_encoded(self, key: str, fields: Mapping[str, bytes], tokens: int = 0) -> None:
         """Append a sample whose fields are already bytes (``tokens``: a token corpus's document's
         tokens, counted in its shard's manifest entry)."""
-        layout: list[tuple[str, int, int, int]] = []
-        pieces, size = encode_members(key, fields, layout)
-        self._append(key, pieces, size, fields, fields.get("cls"), tokens, layout)
+        noted = self._noted
+        del noted.starts[:], noted.sizes[:], noted.exts[:]
+        pieces, size = encode_members(key, fields, noted)  # (where it lands is known once the shard is)
+        self._append(key, pieces, size, noted.exts, fields.get("cls"), tokens, list(zip(noted.starts, noted.sizes)))
 
     def write_members(
         self,
@@ -305,11 +307,12 @@ class ShardWriter:
         members: bytes,
         extensions: Sequence[str],
         cls: bytes | None = None,
-        layout: Sequence[tuple[str, int, int, int]] | None = None,
+        layout: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Append a sample already encoded as its tar members (``encode_members``' pieces, joined),
         with its fields' extensions, its ``cls`` field's bytes and the members' ``layout`` (as
-        ``encode_members`` gives it; without one the shard gets no member sidecar): what pack's
+        ``(data start within the sample, size)`` per member, in member order; without one the
+        shard gets no member sidecar): what pack's
         workers hand over, so the tar headers are built there and the process that writes only writes."""
         self._append(key, [members], len(members), extensions, cls, 0, layout)
 
@@ -321,7 +324,7 @@ class ShardWriter:
         extensions: Iterable[str],
         cls: bytes | None,
         tokens: int,
-        layout: Sequence[tuple[str, int, int, int]] | None,
+        layout: Sequence[tuple[int, int]] | None,
     ) -> None:
         if self._closed:
             raise ValueError("ShardWriter is closed")
@@ -333,7 +336,11 @@ class ShardWriter:
             self._finish_shard()
         if self._file is None:
             self._start_shard()
-        self._members.add(self._size, key, layout)
+        if layout is None:
+            self._members.unknown()
+        else:
+            self._members.extend(self._size, layout, list(extensions))
+        self._members.keep(key)
         self._offsets.append(self._size)
         self._pending += pieces
         self._pending_bytes += size
@@ -421,6 +428,7 @@ class ShardWriter:
 
     def _flush(self) -> None:
         block = b"".join(self._pending)
+        self._members.flushed(block, self._size - len(block))
         self._hash.update(block)
         assert self._file is not None, "no shard in progress"
         self._file.write(block)
