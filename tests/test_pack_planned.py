@@ -140,6 +140,10 @@ def test_a_file_that_changed_size_since_its_stat_is_a_bad_sample(tmp_path):
     done = write_local_shard(LocalShardTask(str(out), "shard-000000.tar", items, sizes, on_error="skip"))
     assert [position for position, _, _ in done.skipped] == [7] and done.samples == 9
     assert sorted(os.listdir(out)) == ["shard-000000.tar", "shard-000000.tar.idx", "shard-000000.tar.members"]
+    # the member sidecar holds the 9 samples written, none of the one left out: what a scan records
+    from shardstream.format.scan import scan_url
+
+    assert (out / "shard-000000.tar.members").read_bytes() == scan_url(str(out / "shard-000000.tar"), members=True).members
 
 
 def test_a_worker_writes_a_shard_importing_nothing_heavy(tmp_path):

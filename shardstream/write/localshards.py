@@ -154,9 +154,9 @@ def write_local_shard(task: LocalShardTask) -> LocalShardDone:
                     key, fields = load_local(where, payload)
                     pieces, n = encode_members(key, fields, members, size)
                     if n != planned:
-                        members.drop()
                         raise SourceError(where, "a file of this sample changed size while it was being packed")
                 except SourceError as exc:
+                    members.drop()  # (whatever of this sample was noted)
                     if task.on_error == "raise":
                         raise
                     done.skipped.append((position, exc.where, exc.what))
