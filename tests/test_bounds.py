@@ -24,10 +24,12 @@ from shardstream.storage.config import StorageConfig
 FAST = StorageConfig(connect_timeout=1, read_timeout=1, deadline=3, max_attempts=8, backoff_cap=0.2)
 
 
-def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
+def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000, member_sidecars=True):
     with ShardWriter(f"s3://{bucket}/{prefix}", max_count=max_count, storage_options=options) as w:
         for s in make_samples(n, size=size):
             w.write(s)
+    if not member_sidecars:  # (the first request of a shard's read is then the shard's own)
+        drop_member_sidecars(f"s3://{bucket}/{prefix}", options)
     return f"s3://{bucket}/{prefix}"
 
 
@@ -35,7 +37,7 @@ def write_s3(bucket, options, prefix="ds", n=60, max_count=20, size=2000):
 @pytest.mark.parametrize("stall", ["accept", "headers"])
 def test_stalled_shard_read_fails_within_the_deadline(s3, stall):
     bucket, options, _ = s3
-    url = write_s3(bucket, options)
+    url = write_s3(bucket, options, member_sidecars=False)
     ds = ShardStream(url, batch_size=5, shuffle=False, world=World(0, 1), store=Store(options=options, config=FAST, read=Read(readahead_bytes=0)))
     with FaultProxy(options["endpoint_url"], stall=stall) as proxy:
         ds.storage_options = {"endpoint_url": proxy.url}  # the store hangs after planning
@@ -95,7 +97,7 @@ def test_allow_list_lets_a_dataset_span_buckets(s3):
     url = write_s3(bucket, options, n=40)
     other = f"{bucket}-o"
     client.create_bucket(Bucket=other)
-    for name in ("shard-000001.tar", "shard-000001.tar.idx"):  # the shard and its offsets sidecar
+    for name in ("shard-000001.tar", "shard-000001.tar.idx", "shard-000001.tar.members"):  # the shard and its sidecars
         client.copy_object(Bucket=other, Key=f"x/{name}", CopySource={"Bucket": bucket, "Key": f"ds/{name}"})
     client.delete_object(Bucket=bucket, Key="ds/shard-000001.tar")
     doc = json.loads(client.get_object(Bucket=bucket, Key="ds/index.json")["Body"].read())

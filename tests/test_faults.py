@@ -86,7 +86,7 @@ def test_unreachable_endpoint_mid_stream_gives_up_at_the_deadline_or_the_set_tri
     from shardstream.storage.config import StorageConfig
 
     bucket, options, _ = s3
-    url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/f", 40, max_count=40, size=3000, storage_options=options, member_sidecars=False)
     import socket
 
     with socket.socket() as s:

@@ -17,6 +17,7 @@ from faultproxy import FaultProxy
 from shardstream import Read, ShardStream, Store, World, make_loader
 from shardstream.format.members import MEMBER_CACHE
 from shardstream.format.offsets import OFFSET_CACHE
+from shardstream.plan.requests import count_requests
 from shardstream.storage.config import StorageConfig
 from shardstream.storage.readahead import SENT_AHEAD, Prefetcher
 from shardstream.storage.retry import Fetcher, RangeReader
@@ -32,11 +33,12 @@ def _shard_gets(proxy: FaultProxy, bucket: str) -> Counter:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("readahead", [0, None], ids=["no-readahead", "readahead"])
 @pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
-def test_a_whole_shard_is_one_get_on_both_paths(s3, s3_client, readahead, workers):
+def test_a_whole_shard_is_one_get_and_its_member_sidecar_one_on_both_paths(s3, s3_client, readahead, workers):
     bucket, options, _ = s3
     # 4 shards of 20 samples; batch 5 and 2 workers split them at shard boundaries (2 shards each)
     url = write_dataset(f"s3://{bucket}/one", 80, max_count=20, size=6000, storage_options=options)
     OFFSET_CACHE.clear()
+    MEMBER_CACHE.clear()
     with FaultProxy(options["endpoint_url"]) as proxy:
         ds = ShardStream(
             url,
@@ -54,9 +56,14 @@ def test_a_whole_shard_is_one_get_on_both_paths(s3, s3_client, readahead, worker
     assert sorted(keys) == [s["__key__"] for s in make_samples(80)]
     m = ds.manifest
     expected = {(f"one/shard-{i:06d}.tar", f"bytes={int(m.spans[i, 0])}-{int(m.sizes[i]) - 1}"): 1 for i in range(4)}
+    # its member sidecar, once (pack wrote one: the shard is sliced, not parsed), in one ranged GET
+    # a byte longer than the manifest says (a longer file shows), and no offset sidecar
+    expected.update({(f"one/shard-{i:06d}.tar.members", f"bytes=0-{int(m.member_bytes[i])}"): 1 for i in range(4)})
     expected[("one/index.json", f"bytes=0-{(8 << 20) - 1}")] = 1  # the manifest: read once, by the main process
-    assert dict(gets) == expected  # one GET per shard, through its end; no sidecar, nothing else
-    assert ds.stats()["requests"] == 4 and ds.stats()["retries"] == 0
+    assert dict(gets) == expected  # one GET per shard, through its end, and its member sidecar's; nothing else
+    assert ds.stats()["requests"] == 4 and ds.stats()["retries"] == 0 and ds.stats()["ranges_sliced"] == 4
+    count = count_requests(ds.plan(num_workers=max(1, workers)), m)  # what the plan's summary says
+    assert (count.ranges, count.sidecars) == (4, 4)
 
 
 @pytest.mark.parametrize("s3_client", ["obstore", "s3fs"])
@@ -80,9 +87,13 @@ def test_a_range_inside_a_shard_is_one_get_after_its_sidecar(s3, s3_client):
     assert gets[("part/shard-000001.tar", f"bytes={int(offsets[0])}-{int(offsets[5]) - 1}")] == 1
     # the shard's member sidecar (pack's) holds its offsets: read in place of the offset sidecar
     assert sum(n for (key, _), n in gets.items() if key == "part/shard-000001.tar.members") == 1
-    assert not [key for key, _ in gets if key.endswith(".idx")] and ds.stats()["ranges_sliced"] == 1
+    assert not [key for key, _ in gets if key.endswith(".idx")] and ds.stats()["ranges_sliced"] == 2
     assert sum(n for (key, _), n in gets.items() if key.endswith(".tar")) == 2
     assert ds.stats()["requests"] == 2
+    # shard 0, read whole, was sliced too: its member sidecar once; 2 sidecars, as the plan counts
+    assert sum(n for (key, _), n in gets.items() if key == "part/shard-000000.tar.members") == 1
+    count = count_requests(ds.plan(), ds.manifest)
+    assert count.sidecars == 3 * 2  # ranks 0 and 2 read two shards each, rank 1 two (shards 1 and 2)
 
 
 @pytest.mark.parametrize("cut", ["rst", "fin"])
@@ -315,7 +326,8 @@ def test_pack_spreads_shards_over_prefixes_that_the_manifest_finds_and_ls_counts
     assert ds.manifest.paths[:5] == ["0/shard-000000.tar", "1/shard-000001.tar", "2/shard-000002.tar", "3/shard-000003.tar", "0/shard-000004.tar"]
     assert [k for b in ds for k in b["__key__"]] == [f"k{i:03d}" for i in range(50)]
     summary = ds.plan(num_workers=2).summary()  # a remote dataset's plan states its requests
-    assert "requests: 10 GETs per epoch" in summary and "busiest of 4 prefixes" in summary
+    # 10 whole shards, and the member sidecar of each (pack wrote them: the shards are sliced)
+    assert "requests: 20 GETs per epoch" in summary and "+ at most 10 sidecars" in summary and "busiest of 4 prefixes" in summary
     capsys.readouterr()
     assert main(["ls", dest, "--world", "2", "--workers", "1", "--rate", "10KB", "--json", *endpoint]) == 0
     listed = json.loads(capsys.readouterr().out)["requests"]

@@ -33,7 +33,7 @@ def _gets(proxy, name):
 def test_a_read_cut_after_a_few_bytes_every_time_ends_at_the_deadline(s3, s3_client):
     bucket, options, _ = s3
     samples = _samples(8, 40_000, seed=1)  # one shard of ~330 KB
-    url = write_dataset(f"s3://{bucket}/cut-early", samples=samples, max_count=8, storage_options=options)
+    url = write_dataset(f"s3://{bucket}/cut-early", samples=samples, max_count=8, storage_options=options, member_sidecars=False)
     deadline = 2.0
     config = StorageConfig(s3_client=s3_client, deadline=deadline, backoff_base=0.05, backoff_cap=0.5)
     with FaultProxy(options["endpoint_url"], cut="rst") as proxy:

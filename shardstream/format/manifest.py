@@ -294,7 +294,8 @@ class Manifest:
                 except StorageError as exc:
                     raise restated(
                         exc,
-                        f"{url}: cannot read the member sidecar of {shard} ({exc}); {REBUILD}",
+                        # (a missing one needs rebuilding; a timeout or a denied read says its own advice)
+                        f"{url}: cannot read the member sidecar of {shard} ({exc})" + (f"; {REBUILD}" if isinstance(exc, StorageNotFound) else ""),
                     ) from exc
             return decode_members(data, url, shard, samples, size, sha, expected)
 

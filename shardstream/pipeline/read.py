@@ -208,13 +208,11 @@ def read_range(
         skip_exactly(read, start, url, 0)  # bytes before the first sample (directory entries in others' tars)
     expected = len(rng)
     got = 0
-    whole = rng.start == 0 and rng.stop == shard.samples
     # A shard with a member sidecar (pack's, or ``shardstream index``'s) is sliced at its members'
-    # offsets, not parsed (every member's header still checked against its fingerprint), where the
-    # sidecar costs no request of its own: a local one, or a range inside the shard (whose offsets
-    # it holds: read in place of the offset sidecar). A whole remote shard stays one GET, parsed.
-    # Verify parses every header as well.
-    sliced = not verify and (not whole or _is_local(manifest.members_url(rng.shard)))
+    # offsets, not parsed (every member's header still checked against its fingerprint): its
+    # sidecar is read once per process (a range inside the shard reads it in place of the offset
+    # sidecar). Verify parses every header as well.
+    sliced = not verify
     table = manifest.member_table(rng.shard, storage_options, config=config, counters=counters) if sliced else None
     if table is not None:
         if counters is not None:

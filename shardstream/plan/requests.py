@@ -7,8 +7,11 @@ share theirs and the count is then an upper bound). So per epoch:
 
     GETs of shard bytes = the ranges of all (rank, worker) slices: every shard once per lap of the
                           laid-out sequence it falls in, plus one for each slice boundary inside it
-    sidecar GETs        = (process, shard) pairs with a range that starts or ends inside the shard
-                          (at most: persistent workers keep their sidecars from an epoch before)
+    sidecar GETs        = (process, shard) pairs with a range that starts or ends inside the shard,
+                          and for a shard with a member sidecar (format/members.py: it holds the
+                          offsets, and the reader slices the shard with it) every (process, shard)
+                          pair that reads the shard at all (at most: persistent workers keep their
+                          sidecars from an epoch before)
 
 A Parquet table (format/parquet.py) makes per (process, row group) one GET per run of adjacent
 projected columns, and per (process, file) one footer GET at most: ``count_table_requests``, and
@@ -192,6 +195,17 @@ def _count_pieces(plan: Any, manifest: Any) -> RequestCount:
             pairs.append(np.array([[len(begins) - 1], [last]], dtype=np.int64))
     flat = np.concatenate(pairs, axis=1)
     sidecar_pairs = np.unique(flat[0] * len(order) + flat[1]) if flat.size else np.zeros(0, dtype=np.int64)
+    members = _has_members(manifest)
+    if members is not None and len(order):
+        # a shard with a member sidecar: read once by every slice that reads any of it (its
+        # sidecar holds the offsets: none besides): (slice, entry) of every piece's first sample
+        laps_read = -(-covered // n)
+        firsts = (np.arange(laps_read, dtype=np.int64)[:, None] * n + starts[None, :]).ravel()
+        firsts = _distinct(np.concatenate([firsts[firsts < covered], begins[begins < covered]]))
+        entries = np.searchsorted(starts, firsts % n, side="right") - 1
+        read = _distinct((np.searchsorted(begins, firsts, side="right") - 1) * len(order) + entries)
+        with_members = members[order]
+        sidecar_pairs = np.concatenate([sidecar_pairs[~with_members[sidecar_pairs % len(order)]], read[with_members[read % len(order)]]])
     sidecars_per_entry = np.bincount(sidecar_pairs % len(order), minlength=len(order)) if len(order) else pieces * 0
     names, ids = shard_prefixes(manifest)
     per_prefix = np.bincount(ids[order], weights=pieces + sidecars_per_entry, minlength=len(names))
@@ -246,6 +260,16 @@ class _Sequence:
         bounds = np.arange(1, len(self.offsets), dtype=np.int64) * n
         found = _distinct(np.concatenate([inside, bounds]))
         return found[(found > 0) & (found < quota)]
+
+
+def _has_members(manifest: Any) -> np.ndarray | None:
+    """Which shards have a member sidecar (``format/members.py``), or None where none has (or the
+    source is a table): such a shard's sidecar is read by every process that reads the shard."""
+    sizes = getattr(manifest, "member_bytes", None)
+    if sizes is None or isinstance(manifest, TableManifest):
+        return None
+    has = np.asarray(sizes) >= 0
+    return has if bool(has.any()) else None
 
 
 def _member(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
@@ -318,6 +342,13 @@ def _source_count(plan: Any, source: int, manifest: Any, where: np.ndarray) -> R
     partial = np.concatenate([after, before])
     slice_of = np.searchsorted(starts, partial, side="right") - 1
     pairs = _distinct(slice_of * shards + seq.shard(partial % quota))
+    members = _has_members(manifest)
+    if members is not None:  # as in ``_count_pieces``: every (slice, shard) read, for a shard with a member sidecar
+        read_laps = -(-total // quota)
+        firsts_read = (np.arange(read_laps, dtype=np.int64)[:, None] * quota + firsts[None, :]).ravel()
+        firsts_read = _distinct(np.concatenate([firsts_read[firsts_read < total], starts[(starts >= 0) & (starts < total)]]))
+        read = _distinct((np.searchsorted(starts, firsts_read, side="right") - 1) * shards + seq.shard(firsts_read % quota))
+        pairs = np.concatenate([pairs[~members[pairs % shards]], read[members[read % shards]]])
     sidecars = np.bincount(pairs % shards, minlength=shards)
     per_prefix = np.bincount(ids, weights=ranges + sidecars, minlength=len(names))
     return RequestCount(
