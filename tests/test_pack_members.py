@@ -15,6 +15,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 import webdataset as wds
+from test_members import Counted  # (a stream counter that records what it is told)
 
 import shardstream
 from shardstream.format.manifest import load_manifest
@@ -24,17 +25,6 @@ from shardstream.plan.epoch import Range
 from shardstream.tools.index import write_index
 from shardstream.tools.merge import merge_datasets
 from shardstream.tools.verify import verify_dataset
-
-
-class Counted:
-    def __init__(self):
-        self.counts: dict[str, int] = {}
-
-    def add(self, name: str, n: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + n
-
-    def step(self, what: str, batch: bool = False) -> None:
-        pass
 
 
 @pytest.fixture(autouse=True)
