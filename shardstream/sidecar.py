@@ -33,6 +33,7 @@ LARGE_MEMBER = 1 << 20  # ``format.tar.LARGE_MEMBER``: a shard holding a member 
 MASK = (1 << 64) - 1
 # A header's fingerprint: its 64 little-endian words times these odd constants, summed modulo 2**64.
 WEIGHTS = tuple(((i * 0x9E3779B97F4A7C15) & MASK) | 1 for i in range(1, 65))
+_NP_WEIGHTS = None  # WEIGHTS as a numpy array, made on first use (this module imports no numpy)
 
 
 def block_fingerprints(block: bytes, headers: Sequence[int]) -> list[int]:
@@ -40,11 +41,14 @@ def block_fingerprints(block: bytes, headers: Sequence[int]) -> list[int]:
     whole number of 512-byte blocks), as ``format.members.fingerprints`` computes them. numpy is
     imported here, on first use: a pack worker forked from the main process has it already, a
     spawned one imports it once, at its first shard's first block."""
+    global _NP_WEIGHTS
     import numpy as np
 
+    if _NP_WEIGHTS is None:
+        _NP_WEIGHTS = np.array(WEIGHTS, dtype=np.uint64)
     rows = np.frombuffer(block, dtype="<u8", count=len(block) // 8).reshape(-1, 64)
     at = np.asarray(headers, dtype=np.int64) >> 9
-    return np.matmul(rows.take(at, axis=0), np.array(WEIGHTS, dtype=np.uint64)).tolist()
+    return np.matmul(rows.take(at, axis=0), _NP_WEIGHTS).tolist()
 
 
 def encode_member_table(

@@ -35,7 +35,6 @@ def _ustar_template() -> tuple[bytearray, int]:
 
 
 _TEMPLATE, _TEMPLATE_SUM = _ustar_template()
-TEMPLATE = bytes(_TEMPLATE)  # every fast-path header is this with its name, size and checksum filled in
 
 
 def member_header(name: str, size: int) -> bytes:
